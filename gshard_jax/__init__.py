@@ -1,0 +1,19 @@
+"""gshard_jax: GShard-style sharding annotations and an explainable SPMD partitioner for JAX."""
+import os as _os
+
+from jax._src import source_info_util as _source_info_util
+
+# Report source locations in the user's code, not in the annotation helpers.
+_source_info_util.register_exclusion(_os.path.dirname(__file__) + _os.sep)
+from partitioner.cost import HardwareProfile
+from partitioner.hlo import collective_stats
+from partitioner.report import Report
+from partitioner.sharding import Sharding
+
+from .annotations import replicate, shard, split
+from .api import explain, partition
+from .mesh import make_mesh
+
+__all__ = ["make_mesh", "replicate", "split", "shard", "partition", "explain", "Report", "Sharding",
+           "HardwareProfile", "collective_stats"]
+__version__ = "0.1.0"

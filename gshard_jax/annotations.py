@@ -1,0 +1,235 @@
+"""GShard's sharding annotations: replicate, split, shard (paper section 3.2, appendix A.3).
+
+Annotations are identity ops. Outside ``partition()`` they return their input
+unchanged, so annotated model code also runs unpartitioned. Inside, they are
+resolved against the mesh being partitioned over: with our backend they
+become a ``sharding_annotation`` primitive in the jaxpr that the partitioner
+treats as a fixed user sharding; with ``backend="xla"`` they become
+``jax.lax.with_sharding_constraint``. The primitive differentiates to itself,
+so cotangents keep the annotation.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+import math
+from typing import Any, Optional, Sequence, Union
+
+import jax
+import numpy as np
+from jax._src.interpreters import ad, batching, mlir
+from jax.extend import core
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from partitioner.sharding import Sharding
+
+# --------------------------------------------------------------------------- the primitive
+
+sharding_annotation_p = core.Primitive("sharding_annotation")
+sharding_annotation_p.def_impl(lambda x, *, sharding, what: x)
+sharding_annotation_p.def_abstract_eval(lambda x, *, sharding, what: x)
+mlir.register_lowering(sharding_annotation_p, lambda ctx, x, *, sharding, what: [x])
+
+
+def _transpose(ct, x, *, sharding, what):
+    if type(ct) is ad.Zero:
+        return [ct]
+    return [sharding_annotation_p.bind(ct, sharding=sharding, what=what)]
+
+
+ad.deflinear2(sharding_annotation_p, _transpose)
+
+
+def _batch(args, dims, *, sharding, what):
+    (x,), (d,) = args, dims
+    if d is batching.not_mapped:
+        return sharding_annotation_p.bind(x, sharding=sharding, what=what), d
+    dims_ = list(sharding.dims)
+    dims_.insert(d, ())
+    return sharding_annotation_p.bind(x, sharding=Sharding(tuple(dims_)), what=what), d
+
+
+batching.primitive_batchers[sharding_annotation_p] = _batch
+
+# --------------------------------------------------------------------------- the active partitioner
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("gshard_jax_active", default=None)
+
+
+@contextlib.contextmanager
+def active(mesh: Mesh, backend: str):
+    """Annotations made inside resolve against `mesh` for `backend` ("gshard" or "xla")."""
+    token = _ACTIVE.set((mesh, backend))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _annotate(x, resolve, what: str):
+    ctx = _ACTIVE.get()
+    if ctx is None:
+        return x
+    mesh, backend = ctx
+    sharding = resolve(mesh)
+    shape = tuple(np.shape(x))
+    mesh_shape = dict(mesh.shape)
+    for d, axes in enumerate(sharding.dims):
+        tiles = math.prod(mesh_shape[a] for a in axes)
+        if shape[d] % tiles:
+            raise ValueError(
+                f"{what}: dim {d} of the value (shape {shape}) has size {shape[d]}, which is not divisible "
+                f"by the {tiles} tiles of mesh axes {axes}; pad dim {d} to a multiple of {tiles} or split fewer ways")
+    if backend == "xla":
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, sharding.spec()))
+    return sharding_annotation_p.bind(x, sharding=sharding, what=what)
+
+
+def _rank(x) -> int:
+    return len(np.shape(x))
+
+
+# --------------------------------------------------------------------------- public API
+
+def replicate(x):
+    """Annotate `x` as replicated on every device."""
+    return _annotate(x, lambda mesh: Sharding.replicated(_rank(x)), "replicate()")
+
+
+def split(x, split_dimension: int, num_partitions: int):
+    """Annotate `x` as split along `split_dimension` into `num_partitions` tiles, replicated otherwise.
+
+    The tiles are laid over the mesh axes whose sizes multiply to
+    `num_partitions` (all axes when it is the device count).
+    """
+    rank = _rank(x)
+    if not isinstance(split_dimension, (int, np.integer)) or not -rank <= split_dimension < rank:
+        raise ValueError(f"split(x, split_dimension={split_dimension!r}, num_partitions={num_partitions!r}): "
+                         f"split_dimension is out of range for x of shape {tuple(np.shape(x))} (rank {rank}); "
+                         f"expected an int in [{-rank}, {rank})")
+    if not isinstance(num_partitions, (int, np.integer)) or num_partitions < 1:
+        raise ValueError(f"split(x, {split_dimension}, num_partitions={num_partitions!r}): expected a positive int")
+    dim = int(split_dimension) % rank
+    what = f"split(dim={dim}, n={num_partitions})"
+
+    def resolve(mesh: Mesh) -> Sharding:
+        axes = axes_for(mesh, int(num_partitions), what)
+        return Sharding(tuple(axes if d == dim else () for d in range(rank)))
+
+    return _annotate(x, resolve, what)
+
+
+def axes_for(mesh: Mesh, n: int, what: str = "split") -> tuple[str, ...]:
+    """Mesh axes (in mesh order) whose sizes multiply to n: one axis if possible, else the fewest."""
+    names, shape = list(mesh.axis_names), dict(mesh.shape)
+    if n == 1:
+        return ()
+    for k in range(1, len(names) + 1):
+        for combo in itertools.combinations(names, k):
+            if math.prod(shape[a] for a in combo) == n:
+                return combo
+    possible = sorted({math.prod(shape[a] for a in c) for k in range(len(names) + 1)
+                       for c in itertools.combinations(names, k)})
+    raise ValueError(f"{what}: no set of axes of mesh {shape} has sizes multiplying to {n}; "
+                     f"num_partitions can be one of {possible}. To choose axes by name use "
+                     f"gs.shard(x, spec) with a tuple like {tuple(names[:1]) + (None,)}")
+
+
+SpecLike = Union[PartitionSpec, Sequence[Union[None, str, Sequence[str]]]]
+
+
+def shard(x, device_assignment_or_spec: Union[np.ndarray, SpecLike]):
+    """Annotate `x` with a tile-to-device assignment (GShard A.3) or a spec of mesh axis names.
+
+    - an integer array with one entry per tile (rank of x, or rank+1 with a
+      trailing replication dim) naming the device id that holds the tile;
+    - a PartitionSpec or tuple with, per dim, None, a mesh axis name, or a
+      tuple of names (major to minor).
+    """
+    rank = _rank(x)
+    arg = device_assignment_or_spec
+    if isinstance(arg, (np.ndarray, jax.Array)) or (isinstance(arg, list) and arg and
+                                                    not all(a is None or isinstance(a, (str, tuple)) for a in arg)):
+        assignment = np.asarray(arg)
+        if not np.issubdtype(assignment.dtype, np.integer):
+            raise ValueError(f"shard(x, device_assignment): expected an integer array of device ids; "
+                             f"got dtype {assignment.dtype}")
+        if assignment.ndim not in (rank, rank + 1):
+            raise ValueError(f"shard(x, device_assignment): the assignment has rank {assignment.ndim} "
+                             f"(shape {assignment.shape}) but x has rank {rank} (shape {tuple(np.shape(x))}); "
+                             f"expected rank {rank}, or {rank + 1} with a trailing replication dim")
+        what = f"shard(device_assignment shape {assignment.shape})"
+        return _annotate(x, lambda mesh: from_device_assignment(mesh, assignment, rank), what)
+    spec = tuple(arg)
+    if len(spec) > rank:
+        raise ValueError(f"shard(x, {spec!r}): the spec has {len(spec)} entries but x has rank {rank} "
+                         f"(shape {tuple(np.shape(x))}); expected at most {rank}")
+    for s in spec:
+        if not (s is None or isinstance(s, str) or (isinstance(s, tuple) and all(isinstance(a, str) for a in s))):
+            raise ValueError(f"shard(x, {spec!r}): entry {s!r} is not None, a mesh axis name or a tuple of names")
+    what = f"shard({spec})"
+
+    def resolve(mesh: Mesh) -> Sharding:
+        used = [a for s in spec if s is not None for a in ((s,) if isinstance(s, str) else s)]
+        for a in used:
+            if a not in mesh.axis_names:
+                raise ValueError(f"{what}: unknown mesh axis {a!r}; the mesh has axes {tuple(mesh.axis_names)}")
+        if len(used) != len(set(used)):
+            raise ValueError(f"{what}: a mesh axis is used on more than one dim; each axis may split one dim")
+        return Sharding.from_spec(spec, rank)
+
+    return _annotate(x, resolve, what)
+
+
+def tile_devices(mesh: Mesh, sharding: Sharding) -> dict[tuple[int, ...], set[int]]:
+    """For each tile index, the ids of the devices that hold it under `sharding` on `mesh`."""
+    names = list(mesh.axis_names)
+    shape = dict(mesh.shape)
+    out: dict = {}
+    for coord in itertools.product(*(range(shape[a]) for a in names)):
+        c = dict(zip(names, coord))
+        tile = []
+        for axes in sharding.dims:
+            i = 0
+            for a in axes:
+                i = i * shape[a] + c[a]
+            tile.append(i)
+        out.setdefault(tuple(tile), set()).add(int(mesh.devices[coord].id))
+    return out
+
+
+def from_device_assignment(mesh: Mesh, assignment: np.ndarray, rank: int) -> Sharding:
+    """The sharding whose tiles sit on the devices `assignment` names, or a ValueError saying which differ."""
+    ids = sorted(int(d.id) for d in mesh.devices.flat)
+    if sorted(assignment.ravel().tolist()) != ids:
+        raise ValueError(f"shard(x, device_assignment): the assignment must name each of the mesh's devices "
+                         f"{ids} exactly once; got {sorted(assignment.ravel().tolist())}")
+    tiles = assignment.shape[:rank]
+    want = {}
+    for t in itertools.product(*(range(n) for n in tiles)):
+        want[t] = set(np.asarray(assignment[t]).ravel().tolist())
+    names = list(mesh.axis_names)
+    shape = dict(mesh.shape)
+    best, best_bad = None, None
+    for perm in itertools.permutations(names):
+        for targets in itertools.product(range(rank + 1), repeat=len(names)):
+            dims = [tuple(a for a, t in zip(perm, targets) if t == d) for d in range(rank)]
+            if any(math.prod(shape[a] for a in dims[d]) != tiles[d] for d in range(rank)):
+                continue
+            s = Sharding(tuple(dims))
+            have = tile_devices(mesh, s)
+            bad = [t for t in want if have.get(t) != want[t]]
+            if not bad:
+                return s
+            if best_bad is None or len(bad) < len(best_bad):
+                best, best_bad = (s, have), bad
+    if best is None:
+        raise ValueError(f"shard(x, device_assignment): tile counts {tiles} per dim cannot be made from the "
+                         f"axes of mesh {shape}; each dim's tile count must be a product of distinct axis sizes")
+    s, have = best
+    t = best_bad[0]
+    raise ValueError(f"shard(x, device_assignment): mesh {shape} cannot place the tiles as assigned: "
+                     f"{len(best_bad)} tile(s) disagree, e.g. tile {t} is assigned devices {sorted(want[t])} "
+                     f"but the closest layout ({s.spec()}) puts it on {sorted(have[t])}. Build the mesh with "
+                     f"gs.make_mesh(..., devices=...) in the order the assignment uses.")

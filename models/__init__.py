@@ -1,0 +1,1 @@
+"""Flax MoE Transformer models annotated with gshard_jax (the MoE layer and models come next)."""

@@ -1,0 +1,90 @@
+"""Alpha-beta cost model of collectives (ring algorithms; AxoNN eqs. 1-7, GShard appendix).
+
+``payload`` is the per-device size of the collective's full buffer: the
+gathered result of an all-gather, the unreduced operand of a reduce-scatter,
+the (equal) operand/result of an all-reduce, all-to-all or collective-permute.
+``moved`` is what a ring algorithm sends per device. Both are computed the same
+way from the compiled HLO (partitioner.hlo), so predictions can be checked.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Optional
+
+KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def moved_bytes(kind: str, payload: int, group: int) -> float:
+    """Bytes one device sends for a collective over `group` devices (ring algorithms)."""
+    if group <= 1:
+        return 0.0
+    frac = (group - 1) / group
+    return {"all-gather": frac, "all-to-all": frac, "reduce-scatter": frac,
+            "all-reduce": 2 * frac, "collective-permute": 1.0}[kind] * payload
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+    """Bandwidth (bytes/s) and latency per mesh axis, and compute rate, of the target machine.
+
+    Axes that cross nodes get AxoNN's hierarchical bandwidth: name them in
+    ``axis_bandwidth`` with the inter-node figure divided as eq. 7 says.
+    """
+
+    name: str = "generic-accelerator"
+    bandwidth: float = 100e9
+    latency: float = 5e-6
+    flops: float = 100e12
+    axis_bandwidth: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def bandwidth_of(self, axes) -> float:
+        return min((self.axis_bandwidth.get(a, self.bandwidth) for a in axes), default=self.bandwidth)
+
+
+DEFAULT_PROFILE = HardwareProfile()
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str
+    axes: tuple[str, ...]
+    group: int
+    payload: int
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    note: str = ""
+
+    @property
+    def moved(self) -> float:
+        return moved_bytes(self.kind, self.payload, self.group)
+
+    def time(self, profile: Optional[HardwareProfile] = None) -> float:
+        profile = profile or DEFAULT_PROFILE
+        if self.group <= 1:
+            return 0.0
+        steps = 1 if self.kind == "collective-permute" else self.group - 1
+        return steps * profile.latency + self.moved / profile.bandwidth_of(self.axes)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "axes": list(self.axes), "group": self.group, "payload_bytes": self.payload,
+                "moved_bytes": self.moved, "shape": list(self.shape), "dtype": self.dtype, "note": self.note}
+
+    def __str__(self) -> str:
+        return f"{self.kind}[{','.join(self.axes)}] {_fmt_bytes(self.payload)}"
+
+
+def compute_time(work: float, profile: Optional[HardwareProfile] = None) -> float:
+    return work / (profile or DEFAULT_PROFILE).flops
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def group_size(axes, mesh_shape: Mapping[str, int]) -> int:
+    return math.prod(mesh_shape[a] for a in axes)

@@ -1,0 +1,82 @@
+"""Count the collectives in compiled HLO, by kind, with payload and moved bytes per device.
+
+Payload follows partitioner.cost: the result buffer of an all-gather,
+all-reduce, all-to-all or collective-permute, the operand (result x group)
+of a reduce-scatter. Async ``-start`` forms and tuple-shaped (combined)
+collectives are included; ``-done`` halves are not counted twice.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from .cost import KINDS, moved_bytes
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
+                "s4": 1, "u4": 1}
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+(?P<op>all-gather-start|all-gather|"
+                    r"all-reduce-start|all-reduce|reduce-scatter|all-to-all|collective-permute-start|"
+                    r"collective-permute)\((?P<rest>.*)$")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def _arrays(shape: str) -> list[int]:
+    """Byte sizes of the arrays in an HLO shape (a tuple gives several)."""
+    out = []
+    for dtype, dims in _ARRAY.findall(shape):
+        if dtype not in _DTYPE_BYTES:
+            continue
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        out.append(n * _DTYPE_BYTES[dtype])
+    return out
+
+
+def _group_size(rest: str) -> int:
+    m = re.search(r"replica_groups=\{(\{[\d,]*\})", rest)
+    if m:
+        return len([x for x in m.group(1).strip("{}").split(",") if x])
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", rest)
+    if m:
+        return int(m.group(2))
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}", rest)
+    if m:
+        return len(re.findall(r"\{\d+,\d+", m.group(0)))
+    return 1
+
+
+def collective_stats(compiled: Any) -> dict:
+    """Per collective kind: count, payload_bytes, moved_bytes (per device) in a compiled function or HLO text.
+
+    `compiled` may be the result of ``jax.jit(f).lower(...).compile()``, or its ``as_text()``.
+    """
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    out = {k: {"count": 0, "payload_bytes": 0, "moved_bytes": 0.0} for k in KINDS}
+    for line in text.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        op, rest = m.group("op"), m.group("rest")
+        kind = op.removesuffix("-start")
+        sizes = _arrays(m.group("shape"))
+        if op.endswith("-start") and kind in ("all-gather", "collective-permute"):
+            # (operands..., results..., [sync flags]): keep the results.
+            big = [s for s in sizes if s > 4] or sizes
+            sizes = big[len(big) // 2:]
+        group = _group_size(rest)
+        for s in sizes:
+            payload = s * group if kind == "reduce-scatter" else s
+            if kind == "collective-permute":
+                group = max(group, 2)
+            t = out[kind]
+            t["count"] += 1
+            t["payload_bytes"] += payload
+            t["moved_bytes"] += moved_bytes(kind, payload, group)
+    return out
+
+
+def summary(stats: dict) -> dict:
+    """Only the kinds that occur: {kind: count}."""
+    return {k: v["count"] for k, v in stats.items() if v["count"]}

@@ -1,0 +1,280 @@
+"""Lowering: run the program equation by equation on local shards inside jax.shard_map.
+
+For every equation one mechanism decides (DESIGN.md section 5): enumerate the
+factor shardings its rule allows from what the operands have and what the
+plan wants for the results, cost each (reshards in, reshards out, combines,
+local compute) with the alpha-beta model, take the cheapest, reshard the
+operands, bind the primitive on local shapes, and reshard the result to its
+planned sharding. Reduction factors that were split leave a partial sum,
+which the result reshard turns into an all-reduce or a reduce-scatter.
+Op-specific behaviour is a small hook: position offsets for iota, combines
+for max/min/prod/and/or/argmax reductions. An equation with no rule runs
+replicated (the fallback) and is flagged in the report.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import reshard as RS
+from . import rules as R
+from .cost import Collective, HardwareProfile, compute_time
+from .program import Const, Eqn, Program, Value
+from .propagation import Plan
+from .report import Report, Row
+from .sharding import Sharding
+
+
+@dataclasses.dataclass
+class Choice:
+    fs: R.FactorSharding
+    need: list[Sharding]
+    made: list[Sharding]
+    cost: float
+
+
+def _shape(x) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def _dtype(x):
+    return x.aval.dtype
+
+
+def _merge_fs(dims_fs: Sequence[Optional[R.FactorSharding]]) -> R.FactorSharding:
+    out: R.FactorSharding = {}
+    for d in dims_fs:
+        for f, ax in (d or {}).items():
+            if ax:
+                out.setdefault(f, ax)
+    return out
+
+
+class Lowering:
+    """The per-device interpreter of a planned program, and its report."""
+
+    def __init__(self, program: Program, plan: Plan, mesh: jax.sharding.Mesh,
+                 profile: HardwareProfile, report: Optional[Report] = None):
+        self.program, self.plan, self.profile = program, plan, profile
+        self.mesh_shape: dict[str, int] = dict(mesh.shape)
+        self.mesh_axes: tuple[str, ...] = tuple(mesh.axis_names)
+        self.report = report
+
+    # ------------------------------------------------------------------ costing
+    @functools.lru_cache(maxsize=None)
+    def reshard_steps(self, src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple:
+        return tuple(RS.plan(src, dst, shape, self.mesh_shape, self.mesh_axes))
+
+    def reshard_collectives(self, src: Sharding, dst: Sharding, shape, dtype) -> list[Collective]:
+        if src == dst:
+            return []
+        return RS.collectives(self.reshard_steps(src, dst, tuple(shape)), shape, dtype, self.mesh_shape)
+
+    def reshard_time(self, src, dst, shape, dtype) -> float:
+        return sum(c.time(self.profile) for c in self.reshard_collectives(src, dst, shape, dtype))
+
+    def combine_collectives(self, rule: R.Rule, fs: R.FactorSharding, out_shape, out_dtype,
+                            made: Sharding) -> list[Collective]:
+        """Collectives a non-sum reduction over split factors needs to combine its local results."""
+        out = []
+        local = made.local_shape(out_shape, self.mesh_shape)
+        nbytes = int(math.prod(local)) * np.dtype(out_dtype).itemsize
+        for f, kind in rule.reductions.items():
+            ax = fs.get(f, ())
+            if not ax or kind == "sum":
+                continue
+            n = math.prod(self.mesh_shape[a] for a in ax)
+            if kind in ("max", "min", "and", "or"):
+                out.append(Collective("all-reduce", ax, n, nbytes, local, str(np.dtype(out_dtype)), kind))
+            elif kind == "prod":
+                out.append(Collective("all-gather", ax, n, nbytes * n, (n,) + local, str(np.dtype(out_dtype)), kind))
+            else:  # argmax / argmin: gather candidate values and indices
+                out.append(Collective("all-gather", ax, n, nbytes * n, (n,) + local, str(np.dtype(out_dtype)),
+                                      kind + " indices"))
+                out.append(Collective("all-gather", ax, n, nbytes * n, (n,) + local, "value", kind + " values"))
+        return out
+
+    def choose(self, eqn: Eqn, rule: R.Rule, have: list[Sharding]) -> Choice:
+        planned = [self.plan.sharding(v) for v in eqn.outvars]
+        proposals = [_merge_fs(R.tensor_to_factors(tf, s, rule.sizes, self.mesh_shape))
+                     for tf, s in zip(rule.results, planned)]
+        proposals += [_merge_fs(R.tensor_to_factors(tf, s, rule.sizes, self.mesh_shape))
+                      for tf, s in zip(rule.operands, have)]
+        best: Optional[Choice] = None
+        for fs in R.candidate_factor_shardings(rule, proposals, self.mesh_shape):
+            need = [R.factors_to_tensor(tf, fs, rule.sizes, self.mesh_shape) for tf in rule.operands]
+            made = [R.factors_to_tensor(tf, fs, rule.sizes, self.mesh_shape) for tf in rule.results]
+            if any(s is None for s in need + made):
+                continue
+            partial = [a for f, k in rule.reductions.items() if k == "sum" for a in fs.get(f, ())]
+            made = [m.with_partial(partial) for m in made]
+            cost = 0.0
+            for x, h, n in zip(eqn.invars, have, need):
+                if len(_shape(x)):
+                    cost += self.reshard_time(h, n, _shape(x), _dtype(x))
+            for v, m, p in zip(eqn.outvars, made, planned):
+                cost += self.reshard_time(m, p, v.shape, v.dtype)
+                cost += sum(c.time(self.profile) for c in self.combine_collectives(rule, fs, v.shape, v.dtype, m))
+            work = math.prod(rule.sizes[f] // math.prod(self.mesh_shape[a] for a in fs.get(f, ()))
+                             for f in rule.factors)
+            cost += compute_time(work * (2 if rule.reductions else 1), self.profile)
+            if best is None or cost < best.cost - 1e-15:
+                best = Choice(fs, need, made, cost)
+        if best is None:  # the all-replicated candidate always exists unless a rule is inexpressible
+            raise AssertionError(f"no valid factor sharding for {eqn.name} {rule.signature()}")
+        return best
+
+    # ------------------------------------------------------------------ execution
+    def run(self, *local_args):
+        """The per-device program: local shards in, local shards out."""
+        env: dict[Value, tuple[Any, Sharding]] = {}
+        self._cache: dict = {}
+        values = list(self.program.invars) + [v for v, _ in self.program.consts]
+        for v, x in zip(values, local_args):
+            env[v] = (x, self.plan.sharding(v))
+        for eqn in self.program.eqns:
+            self._eqn(eqn, env)
+        outs = []
+        for v in self.program.outvars:
+            if isinstance(v, Const):
+                outs.append(jnp.full(v.shape, v.val, v.aval.dtype))
+            else:
+                outs.append(self._reshard(env, v, self.plan.sharding(v), [])[0])
+        return outs
+
+    def _reshard(self, env, v, dst: Sharding, log: list[Collective]):
+        x, src = env[v]
+        if src == dst:
+            return x, src
+        key = (v, dst)
+        if key not in self._cache:
+            steps = self.reshard_steps(src, dst, v.shape)
+            log.extend(RS.collectives(steps, v.shape, v.dtype, self.mesh_shape))
+            self._cache[key] = RS.apply(steps, x, self.mesh_shape)
+        return self._cache[key], dst
+
+    def _eqn(self, eqn: Eqn, env) -> None:
+        rule = self.plan.rules.get(eqn)
+        have = [env[x][1] if isinstance(x, Value) else Sharding.replicated(len(_shape(x))) for x in eqn.invars]
+        log: list[Collective] = []
+        fallback = None
+        if rule is None:
+            fallback = f"no sharding rule for {eqn.name}: operands replicated, result sliced"
+            need = [Sharding.replicated(len(_shape(x))) for x in eqn.invars]
+            made = [Sharding.replicated(len(v.shape)) for v in eqn.outvars]
+            choice = Choice({}, need, made, 0.0)
+            strategy = "replicated (fallback)"
+        else:
+            choice = self.choose(eqn, rule, have)
+            assigned = " ".join(f"{f}={'*'.join(ax)}" for f, ax in choice.fs.items() if ax)
+            strategy = f"{rule.kind} {rule.signature()} {assigned or 'unsplit'}"
+        local_in = []
+        for x, n in zip(eqn.invars, choice.need):
+            local_in.append(self._reshard(env, x, n, log)[0] if isinstance(x, Value) else x.val)
+        outs = self._bind(eqn, rule, choice, local_in, log)
+        for v, o, m in zip(eqn.outvars, outs, choice.made):
+            env[v] = (o, m)
+            planned = self.plan.sharding(v)
+            env[v] = (self._reshard(env, v, planned, log)[0], planned)
+        if self.report is not None:
+            self.report.rows.append(Row(
+                eqn.index, eqn.source, eqn.name,
+                [f"{h}" if h == n else f"{h}->{n}" for h, n in zip(have, choice.need) if h.rank],
+                [f"{m}" if m == self.plan.sharding(v) else f"{m}->{self.plan.sharding(v)}"
+                 for v, m in zip(eqn.outvars, choice.made)],
+                strategy, log, [self.plan.origins.get(v, "") for v in eqn.outvars], fallback,
+                compute_time(sum(math.prod(m.local_shape(v.shape, self.mesh_shape))
+                                 for v, m in zip(eqn.outvars, choice.made)), self.profile),
+                sum(c.time(self.profile) for c in log)))
+
+    def _bind(self, eqn: Eqn, rule: Optional[R.Rule], choice: Choice, local_in: list, log: list):
+        if eqn.name == "sharding_annotation":
+            return [local_in[0]]
+        params = dict(eqn.params)
+        for key in ("sharding", "out_sharding"):
+            if key in params:
+                params[key] = None
+        if rule is not None:
+            local_out = choice.made[0].local_shape(eqn.outvars[0].shape, self.mesh_shape)
+            if "shape" in params:
+                params["shape"] = local_out
+            if "new_sizes" in params:
+                params["new_sizes"] = local_out
+        if rule is not None and eqn.name in ("argmax", "argmin"):
+            return [self._arg_reduce(eqn, rule, choice, local_in[0], params, log)]
+        outs = eqn.prim.bind(*local_in, **params)
+        outs = list(outs) if eqn.prim.multiple_results else [outs]
+        if rule is None:
+            return outs
+        if eqn.name == "iota":
+            d = eqn.params["dimension"]
+            axes = choice.fs.get(rule.results[0][d][0], ())
+            if axes:
+                offset = RS.linear_axis_index(axes, self.mesh_shape) * outs[0].shape[d]
+                outs = [outs[0] + offset.astype(outs[0].dtype)]
+        for f, kind in rule.reductions.items():
+            axes = choice.fs.get(f, ())
+            if not axes or kind == "sum":
+                continue
+            log.extend(self.combine_collectives(rule, {f: axes}, eqn.outvars[0].shape, eqn.outvars[0].dtype,
+                                                choice.made[0]))
+            outs = [_combine(kind, o, axes) for o in outs]
+        return outs
+
+    def _arg_reduce(self, eqn: Eqn, rule: R.Rule, choice: Choice, x, params, log):
+        """argmax/argmin over a split dim: local candidates with global indices, then the best of them."""
+        (axis,) = eqn.params["axes"]
+        axes = choice.fs.get(rule.operands[0][axis][0], ())
+        idx = eqn.prim.bind(x, **params)
+        if not axes:
+            return idx
+        log.extend(self.combine_collectives(rule, choice.fs, eqn.outvars[0].shape, eqn.outvars[0].dtype,
+                                            choice.made[0]))
+        val = jnp.take_along_axis(x, jnp.expand_dims(idx, axis).astype(jnp.int32), axis=axis).squeeze(axis)
+        gidx = idx + (RS.linear_axis_index(axes, self.mesh_shape) * x.shape[axis]).astype(idx.dtype)
+        name = axes if len(axes) > 1 else axes[0]
+        vals = jax.lax.all_gather(val, name, axis=0)
+        idxs = jax.lax.all_gather(gidx, name, axis=0)
+        pick = jnp.argmax(vals, axis=0) if eqn.name == "argmax" else jnp.argmin(vals, axis=0)
+        return jnp.take_along_axis(idxs, pick[None], axis=0)[0]
+
+
+def _combine(kind: str, x, axes):
+    name = axes if len(axes) > 1 else axes[0]
+    if kind == "max":
+        return _pmax(x, name)
+    if kind == "min":
+        return -_pmax(-x, name) if jnp.issubdtype(x.dtype, jnp.floating) else jax.lax.pmin(x, name)
+    if kind in ("and", "or"):
+        y = x.astype(jnp.int32)
+        y = jax.lax.pmin(y, name) if kind == "and" else jax.lax.pmax(y, name)
+        return y.astype(x.dtype)
+    if kind == "prod":
+        return jnp.prod(jax.lax.all_gather(x, name, axis=0), axis=0).astype(x.dtype)
+    raise AssertionError(kind)
+
+
+def _pmax(x, name):
+    """pmax with a derivative: the tangent of the maximal entries, averaged over ties (as reduce_max)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return jax.lax.pmax(x, name)
+    return _pmax_diff(x, name)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _pmax_diff(x, name):
+    return jax.lax.pmax(x, name)
+
+
+@_pmax_diff.defjvp
+def _pmax_diff_jvp(name, primals, tangents):
+    (x,), (t,) = primals, tangents
+    y = jax.lax.pmax(x, name)
+    hit = (x == y).astype(x.dtype)
+    return y, jax.lax.psum(t * hit, name) / jax.lax.psum(hit, name)

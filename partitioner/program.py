@@ -1,0 +1,157 @@
+"""A flat, partitioner-owned view of a jaxpr.
+
+Call-like primitives (pjit, closed_call, remat, custom_jvp_call,
+custom_vjp_call) are inlined, so propagation and lowering see one list of
+equations and every decision is made with the whole program in view.
+Custom derivative rules are not needed here: differentiation happens before
+partitioning (``partition(jax.grad(f))``) or on the per-device program.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax._src import source_info_util
+from jax.extend import core
+
+# Primitives whose body is inlined, and the param holding it.
+CALL_PRIMITIVES = {
+    "pjit": "jaxpr",
+    "jit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "remat": "jaxpr",
+    "checkpoint": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+}
+
+
+@dataclasses.dataclass(eq=False)
+class Value:
+    """One array value of the program (identity-hashed)."""
+
+    aval: Any
+    name: str = ""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.aval.shape)
+
+    @property
+    def dtype(self):
+        return self.aval.dtype
+
+    @property
+    def nbytes(self) -> int:
+        import math
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def __repr__(self) -> str:
+        return self.name or f"v{id(self) % 10000}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Const:
+    """A literal or closed-over constant operand."""
+
+    val: Any
+    aval: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.aval.shape)
+
+
+@dataclasses.dataclass(eq=False)
+class Eqn:
+    prim: Any
+    invars: list  # Value | Const
+    outvars: list  # Value
+    params: dict
+    source: str
+    index: int = -1
+
+    @property
+    def name(self) -> str:
+        return self.prim.name
+
+
+@dataclasses.dataclass
+class Program:
+    invars: list[Value]
+    outvars: list  # Value | Const
+    eqns: list[Eqn]
+    consts: list[tuple[Value, Any]]  # closed-over arrays, passed to the per-device program as inputs
+
+
+def _source(eqn) -> str:
+    try:
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # pragma: no cover - source info is best effort
+        return "?"
+
+
+def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
+    """Flatten a closed jaxpr into a Program, inlining call-like primitives."""
+    counter = [0]
+    eqns: list[Eqn] = []
+    consts: list[tuple[Value, Any]] = []
+
+    def new_value(aval) -> Value:
+        counter[0] += 1
+        return Value(aval, f"%{counter[0]}")
+
+    def const_operand(val, aval):
+        if getattr(aval, "shape", None) == () or not hasattr(val, "shape"):
+            return Const(val, aval)
+        v = new_value(aval)
+        consts.append((v, val))
+        return v
+
+    def walk(jaxpr: core.Jaxpr, const_vals, in_operands) -> list:
+        env: dict = {}
+
+        def read(a):
+            if isinstance(a, core.Literal):
+                return Const(a.val, a.aval)
+            return env[a]
+
+        for var, val in zip(jaxpr.constvars, const_vals):
+            env[var] = const_operand(val, var.aval)
+        for var, op in zip(jaxpr.invars, in_operands):
+            env[var] = op
+        for eqn in jaxpr.eqns:
+            ins = [read(a) for a in eqn.invars]
+            key = CALL_PRIMITIVES.get(eqn.primitive.name)
+            if key is not None and key in eqn.params:
+                sub = eqn.params[key]
+                if isinstance(sub, core.ClosedJaxpr):
+                    outs = walk(sub.jaxpr, sub.consts, ins)
+                else:
+                    outs = walk(sub, [], ins)
+                for var, out in zip(eqn.outvars, outs):
+                    env[var] = out
+                continue
+            outs = [new_value(v.aval) for v in eqn.outvars]
+            for var, out in zip(eqn.outvars, outs):
+                if not isinstance(var, core.DropVar):
+                    env[var] = out
+            eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), _source(eqn), len(eqns)))
+        return [read(a) for a in jaxpr.outvars]
+
+    invars = [new_value(v.aval) for v in closed.jaxpr.invars]
+    outvars = walk(closed.jaxpr, closed.consts, invars)
+    return Program(invars, outvars, eqns, consts)
+
+
+def uses(program: Program) -> dict[Value, list[Eqn]]:
+    """Consumers of each value."""
+    out: dict[Value, list[Eqn]] = {}
+    for eqn in program.eqns:
+        for a in eqn.invars:
+            if isinstance(a, Value):
+                out.setdefault(a, []).append(eqn)
+    return out

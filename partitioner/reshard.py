@@ -1,0 +1,211 @@
+"""Resharding: from one sharding to another in the fewest, cheapest collectives (DESIGN.md section 7).
+
+Order, as Shardy's reshard-to-collectives: partial axes are reduced first
+(reduce-scatter where the target splits a dim on that axis, else all-reduce);
+then a single collective-permute when only the device order of equal tiles
+differs; then, repeatedly, all-slice (free), all-to-all (an axis moves between
+dims), all-gather. ``plan`` is pure (used by the cost model); ``apply`` runs
+the steps on a local shard inside shard_map.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .cost import Collective
+from .sharding import Axes, Sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    kind: str  # all-slice | collective-permute | all-to-all | all-gather | all-reduce | reduce-scatter
+    axes: Axes
+    before: Sharding
+    after: Sharding
+    dim: Optional[int] = None  # all-slice / all-gather / reduce-scatter dim; all-to-all: the dim that gets split
+    src_dim: Optional[int] = None  # all-to-all: the dim that gets gathered
+    perm: tuple[tuple[int, int], ...] = ()  # collective-permute pairs over `axes`
+
+
+def _is_prefix(a: Axes, b: Axes) -> bool:
+    return b[: len(a)] == a
+
+
+def _lin_coords(mesh_shape: Mapping[str, int], axes: Axes):
+    """All device coordinates over `axes`, in row-major (linear index) order."""
+    return list(itertools.product(*(range(mesh_shape[a]) for a in axes)))
+
+
+def _tile_index(coord: dict, dims: tuple[Axes, ...], mesh_shape) -> tuple[int, ...]:
+    out = []
+    for d in dims:
+        i = 0
+        for a in d:
+            i = i * mesh_shape[a] + coord[a]
+        out.append(i)
+    return tuple(out)
+
+
+def _permutation(src: Sharding, dst: Sharding, mesh_shape, mesh_axes: Sequence[str]):
+    """Pairs (source, target) over the involved axes when dst is src's tiles on other devices."""
+    axes = tuple(a for a in mesh_axes if a in (src.axes | dst.axes))
+    holders: dict = {}
+    coords = _lin_coords(mesh_shape, axes)
+    for lin, c in enumerate(coords):
+        holders.setdefault(_tile_index(dict(zip(axes, c)), src.dims, mesh_shape), []).append(lin)
+    wanted: dict = {}
+    for lin, c in enumerate(coords):
+        wanted.setdefault(_tile_index(dict(zip(axes, c)), dst.dims, mesh_shape), []).append(lin)
+    if set(holders) != set(wanted) or any(len(holders[t]) != len(wanted[t]) for t in holders):
+        return None
+    pairs = tuple((s, t) for tile in holders for s, t in zip(sorted(holders[tile]), sorted(wanted[tile])))
+    return axes, pairs
+
+
+def plan(src: Sharding, dst: Sharding, shape: Sequence[int], mesh_shape: Mapping[str, int],
+         mesh_axes: Sequence[str]) -> list[Step]:
+    """The steps that turn a value sharded as `src` into one sharded as `dst` (dst is never partial)."""
+    if dst.partial:
+        raise ValueError(f"cannot reshard to a partial sharding {dst}")
+    steps: list[Step] = []
+    cur = src
+    if cur.partial:
+        dims = list(cur.dims)
+        scatter: dict[int, Axes] = {}
+        for d, want in enumerate(dst.dims):
+            if not _is_prefix(dims[d], want):
+                continue
+            extra = ()
+            for a in want[len(dims[d]):]:
+                if a in cur.partial and a not in extra:
+                    extra += (a,)
+                else:
+                    break
+            if extra and shape[d] % (math.prod(mesh_shape[a] for a in dims[d] + extra)) == 0:
+                scatter[d] = extra
+        for d, axes in scatter.items():
+            nxt = Sharding(tuple(cur.dims[:d]) + (cur.dims[d] + axes,) + tuple(cur.dims[d + 1:]),
+                           cur.partial - set(axes))
+            steps.append(Step("reduce-scatter", axes, cur, nxt, dim=d))
+            cur = nxt
+        if cur.partial:
+            rest = tuple(a for a in mesh_axes if a in cur.partial)
+            nxt = cur.without_partial()
+            steps.append(Step("all-reduce", rest, cur, nxt))
+            cur = nxt
+    if cur == dst:
+        return steps
+    if all(cur.tiles(d, mesh_shape) == dst.tiles(d, mesh_shape) for d in range(cur.rank)) and cur.axes == dst.axes:
+        found = _permutation(cur, dst, mesh_shape, mesh_axes)
+        if found is not None:
+            axes, pairs = found
+            steps.append(Step("collective-permute", axes, cur, dst, perm=pairs))
+            return steps
+    for _ in range(4 * (len(mesh_axes) + 1) * max(cur.rank, 1)):
+        if cur == dst:
+            break
+        progressed = False
+        # 1. all-slice: append an axis no dim uses yet.
+        for d in range(cur.rank):
+            while (_is_prefix(cur.dims[d], dst.dims[d]) and len(cur.dims[d]) < len(dst.dims[d])
+                   and dst.dims[d][len(cur.dims[d])] not in cur.axes):
+                a = dst.dims[d][len(cur.dims[d])]
+                nxt = _with_dim(cur, d, cur.dims[d] + (a,))
+                steps.append(Step("all-slice", (a,), cur, nxt, dim=d))
+                cur, progressed = nxt, True
+        if progressed:
+            continue
+        # 2. all-to-all: the minor axis of a dim that must lose it is the next axis another dim wants.
+        for d in range(cur.rank):
+            if not cur.dims[d] or _is_prefix(cur.dims[d], dst.dims[d]):
+                continue
+            a = cur.dims[d][-1]
+            for e in range(cur.rank):
+                if e != d and _is_prefix(cur.dims[e], dst.dims[e]) and len(cur.dims[e]) < len(dst.dims[e]) \
+                        and dst.dims[e][len(cur.dims[e])] == a:
+                    nxt = _with_dim(_with_dim(cur, d, cur.dims[d][:-1]), e, cur.dims[e] + (a,))
+                    steps.append(Step("all-to-all", (a,), cur, nxt, dim=e, src_dim=d))
+                    cur, progressed = nxt, True
+                    break
+            if progressed:
+                break
+        if progressed:
+            continue
+        # 3. all-gather: drop the minor axes of a dim until it is a prefix of the target.
+        for d in range(cur.rank):
+            if not _is_prefix(cur.dims[d], dst.dims[d]):
+                keep = 0
+                while keep < len(cur.dims[d]) and keep < len(dst.dims[d]) and cur.dims[d][keep] == dst.dims[d][keep]:
+                    keep += 1
+                axes = cur.dims[d][keep:]
+                nxt = _with_dim(cur, d, cur.dims[d][:keep])
+                steps.append(Step("all-gather", axes, cur, nxt, dim=d))
+                cur, progressed = nxt, True
+                break
+        if not progressed:
+            raise AssertionError(f"reshard made no progress from {cur} to {dst}")
+    if cur != dst:
+        raise AssertionError(f"reshard did not reach {dst} from {src}")
+    return steps
+
+
+def _with_dim(s: Sharding, d: int, axes: Axes) -> Sharding:
+    return Sharding(tuple(s.dims[:d]) + (tuple(axes),) + tuple(s.dims[d + 1:]), s.partial)
+
+
+def collectives(steps: Sequence[Step], shape: Sequence[int], dtype, mesh_shape: Mapping[str, int]) -> list[Collective]:
+    """The communication of a reshard, per device, as the compiled HLO shows it."""
+    itemsize = np.dtype(dtype).itemsize
+    out = []
+    for st in steps:
+        if st.kind == "all-slice":
+            continue
+        group = math.prod(mesh_shape[a] for a in st.axes)
+        if st.kind == "reduce-scatter":
+            local = st.before.local_shape(shape, mesh_shape)
+        elif st.kind == "collective-permute":
+            local = st.after.local_shape(shape, mesh_shape)
+            group = len(st.perm)
+        else:
+            local = st.after.local_shape(shape, mesh_shape)
+        out.append(Collective(st.kind, st.axes, group, int(math.prod(local)) * itemsize, tuple(local), str(np.dtype(dtype))))
+    return out
+
+
+def linear_axis_index(axes: Axes, mesh_shape: Mapping[str, int]):
+    """This device's row-major index over `axes` (inside shard_map)."""
+    idx = jnp.int32(0)
+    for a in axes:
+        idx = idx * mesh_shape[a] + jax.lax.axis_index(a)
+    return idx
+
+
+def apply(steps: Sequence[Step], x, mesh_shape: Mapping[str, int]):
+    """Run reshard steps on a local shard (inside shard_map)."""
+    for st in steps:
+        if st.kind == "all-slice":
+            n = mesh_shape[st.axes[0]]
+            size = x.shape[st.dim] // n
+            start = jax.lax.axis_index(st.axes[0]) * size
+            x = jax.lax.dynamic_slice_in_dim(x, start, size, axis=st.dim)
+        elif st.kind == "all-gather":
+            x = jax.lax.all_gather(x, st.axes if len(st.axes) > 1 else st.axes[0], axis=st.dim, tiled=True)
+        elif st.kind == "all-to-all":
+            x = jax.lax.all_to_all(x, st.axes[0], split_axis=st.dim, concat_axis=st.src_dim, tiled=True)
+        elif st.kind == "all-reduce":
+            x = jax.lax.psum(x, st.axes)
+        elif st.kind == "reduce-scatter":
+            x = jax.lax.psum_scatter(x, st.axes if len(st.axes) > 1 else st.axes[0],
+                                     scatter_dimension=st.dim, tiled=True)
+        elif st.kind == "collective-permute":
+            pairs = [(s, t) for s, t in st.perm if s != t] + [(s, t) for s, t in st.perm if s == t]
+            x = jax.lax.ppermute(x, st.axes if len(st.axes) > 1 else st.axes[0], perm=pairs)
+        else:  # pragma: no cover
+            raise AssertionError(st.kind)
+    return x
