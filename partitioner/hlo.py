@@ -2,8 +2,9 @@
 
 Payload follows partitioner.cost: the result buffer of an all-gather,
 all-reduce, all-to-all or collective-permute, the operand (result x group)
-of a reduce-scatter. Async ``-start`` forms and tuple-shaped (combined)
-collectives are included; ``-done`` halves are not counted twice.
+of a reduce-scatter. Async ``-start`` forms are included and ``-done`` halves not counted twice;
+a tuple-shaped instruction (an all-to-all in chunks, combined all-reduces)
+counts once, with the bytes of all its elements.
 """
 from __future__ import annotations
 
@@ -66,14 +67,13 @@ def collective_stats(compiled: Any) -> dict:
             big = [s for s in sizes if s > 4] or sizes
             sizes = big[len(big) // 2:]
         group = _group_size(rest)
-        for s in sizes:
-            payload = s * group if kind == "reduce-scatter" else s
-            if kind == "collective-permute":
-                group = max(group, 2)
-            t = out[kind]
-            t["count"] += 1
-            t["payload_bytes"] += payload
-            t["moved_bytes"] += moved_bytes(kind, payload, group)
+        if kind == "collective-permute":
+            group = max(group, 2)
+        payload = sum(sizes) * (group if kind == "reduce-scatter" else 1)
+        t = out[kind]
+        t["count"] += 1
+        t["payload_bytes"] += payload
+        t["moved_bytes"] += moved_bytes(kind, payload, group)
     return out
 
 

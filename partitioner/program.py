@@ -53,7 +53,7 @@ class Value:
         return self.name or f"v{id(self) % 10000}"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Const:
     """A literal or closed-over constant operand."""
 

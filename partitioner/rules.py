@@ -126,14 +126,18 @@ optimization_barrier_unused
 """.split())
 
 
-def elementwise(eqn: Eqn) -> Rule:
+def elementwise(eqn: Eqn) -> Optional[Rule]:
+    """Same factor for every dim; rank-0 operands and size-1 (implicitly broadcast) dims get their own."""
     out_shape = _shape(eqn.outvars[0])
     n = _Names()
     dims = tuple((n.new(s),) for s in out_shape)
-    ops = tuple(dims if len(_shape(x)) == len(out_shape) else tuple(() for _ in _shape(x)) for x in eqn.invars)
-    if any(len(_shape(x)) not in (0, len(out_shape)) for x in eqn.invars):
-        return None
-    return Rule("elementwise", ops, (dims,) * len(eqn.outvars), n.sizes)
+    ops = []
+    for x in eqn.invars:
+        shape = _shape(x)
+        if len(shape) not in (0, len(out_shape)):
+            return None
+        ops.append(tuple(f if s == out_shape[d] else (n.new(s),) for d, (s, f) in enumerate(zip(shape, dims))))
+    return Rule("elementwise", tuple(ops), (dims,) * len(eqn.outvars), n.sizes)
 
 
 def broadcast_in_dim(eqn: Eqn) -> Rule:
