@@ -52,6 +52,20 @@ def _to_sharding(spec, rank: int, mesh: Mesh, what: str) -> Optional[Sharding]:
     return Sharding.from_spec(spec, rank)
 
 
+def _named(specs, mesh: Mesh, what: str):
+    """A pytree of NamedShardings from a pytree of specs, checking the axis names."""
+    def one(s):
+        if s is None:
+            return None
+        s = s if isinstance(s, PartitionSpec) else PartitionSpec(*s)
+        for entry in s:
+            for a in (() if entry is None else (entry,) if isinstance(entry, str) else entry):
+                if a not in mesh.axis_names:
+                    raise ValueError(f"{what}: unknown mesh axis {a!r} in {s}; the mesh has {tuple(mesh.axis_names)}")
+        return NamedSharding(mesh, s)
+    return jax.tree_util.tree_map(one, specs, is_leaf=_is_spec)
+
+
 def _check(mesh: Mesh, backend: str) -> None:
     if not isinstance(mesh, Mesh):
         raise ValueError(f"expected a jax.sharding.Mesh (from gs.make_mesh); got {type(mesh).__name__}")
@@ -115,21 +129,17 @@ def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings:
         def xla_fn(*args):
             with A.active(mesh, "xla"):
                 return fn(*args)
-        kw = {}
-        for name, specs in (("in_shardings", in_shardings), ("out_shardings", out_shardings)):
-            if specs is not None:
-                kw[name] = jax.tree_util.tree_map(
-                    lambda s: None if s is None else NamedSharding(mesh, s if isinstance(s, PartitionSpec)
-                                                                   else PartitionSpec(*s)),
-                    specs, is_leaf=_is_spec)
+        kw = {name: _named(specs, mesh, name) for name, specs in
+              (("in_shardings", in_shardings), ("out_shardings", out_shardings)) if specs is not None}
         return jax.jit(xla_fn, **kw)
     global_fn = _build(fn, mesh, in_shardings, out_shardings, profile or DEFAULT_PROFILE, None)
     kw = {}
-    if in_shardings is not None and all(s is not None for s in jax.tree_util.tree_leaves(
-            in_shardings, is_leaf=lambda x: x is None or _is_spec(x))):
-        kw["in_shardings"] = jax.tree_util.tree_map(
-            lambda s: NamedSharding(mesh, s if isinstance(s, PartitionSpec) else PartitionSpec(*s)),
-            in_shardings, is_leaf=_is_spec)
+    named_in = _named(in_shardings, mesh, "in_shardings") if in_shardings is not None else None
+    if out_shardings is not None:
+        _named(out_shardings, mesh, "out_shardings")  # checks the axis names now, not at first call
+    if named_in is not None and all(s is not None for s in jax.tree_util.tree_leaves(
+            named_in, is_leaf=lambda x: x is None)):
+        kw["in_shardings"] = named_in
     return jax.jit(global_fn, **kw)
 
 

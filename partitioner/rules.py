@@ -117,7 +117,7 @@ def _shape(x) -> tuple[int, ...]:
 
 
 ELEMENTWISE = frozenset("""
-abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp complex conj convert_element_type
+abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp complex conj convert_element_type
 copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igammac imag
 integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
 reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign

@@ -1,0 +1,158 @@
+"""The public API: meshes, annotations, partition/explain arguments, and clear errors on bad input."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gshard_jax as gs
+from helpers import assert_close, hlo_counts, hlo_stats, randn
+from test_collectives import moe_chain, moe_inputs
+from test_grad import megatron_mlp
+
+
+def test_make_mesh():
+    mesh = gs.make_mesh({"data": 2, "model": 4})
+    assert dict(mesh.shape) == {"data": 2, "model": 4}
+    assert dict(gs.make_mesh({"data": -1, "model": 2}).shape) == {"data": 4, "model": 2}
+    with pytest.raises(ValueError, match="multiply to 6, but there are 8 devices"):
+        gs.make_mesh({"data": 2, "model": 3})
+    with pytest.raises(ValueError, match="non-empty dict"):
+        gs.make_mesh([2, 4])
+
+
+def test_annotations_are_identity_unpartitioned(rng):
+    x = randn(rng, 8, 4)
+    assert gs.replicate(x) is x and gs.split(x, 0, 8) is x and gs.shard(x, ("data", None)) is x
+    y = jax.jit(lambda v: gs.split(v, 1, 2) * 2)(x)
+    assert_close(y, x * 2)
+    g = jax.grad(lambda v: jnp.sum(gs.split(v, 0, 8) ** 2))(x)
+    assert_close(g, 2 * x)
+
+
+def test_split_dimension_out_of_range(rng):
+    with pytest.raises(ValueError, match=r"split_dimension=2.*out of range.*shape \(8, 4\)"):
+        gs.split(randn(rng, 8, 4), 2, 8)
+
+
+def test_num_partitions_no_axes_give(rng):
+    mesh = gs.make_mesh({"data": 2, "model": 4})
+    with pytest.raises(ValueError, match=r"sizes multiplying to 3.*one of \[1, 2, 4, 8\]"):
+        gs.partition(lambda v: gs.split(v, 0, 3), mesh)(randn(rng, 12, 4))
+
+
+def test_split_picks_axes(rng):
+    mesh = gs.make_mesh({"data": 2, "model": 4})
+    x = randn(rng, 8, 8)
+    report = gs.explain(lambda v: gs.split(v, 1, 4) + 1.0, mesh, x)
+    assert report.rows[0].outputs == ["[-, model]"]
+    report = gs.explain(lambda v: gs.split(v, 0, 8) + 1.0, mesh, x)
+    assert report.rows[0].outputs == ["[data*model, -]"]
+
+
+def test_unknown_mesh_axis(rng):
+    mesh = gs.make_mesh({"data": 2, "model": 4})
+    with pytest.raises(ValueError, match=r"unknown mesh axis 'expert'.*\('data', 'model'\)"):
+        gs.partition(lambda v: gs.shard(v, ("expert", None)), mesh)(randn(rng, 8, 4))
+    with pytest.raises(ValueError, match=r"unknown mesh axis 'foo'"):
+        gs.partition(lambda v: v + 1, mesh, in_shardings=(("foo",),))(randn(rng, 8, 4))
+
+
+def test_uneven_split_is_a_clear_error(rng):
+    mesh = gs.make_mesh({"x": 8})
+    with pytest.raises(ValueError, match=r"size 10, which is not divisible by the 8 tiles"):
+        gs.partition(lambda v: gs.split(v, 0, 8), mesh)(randn(rng, 10, 4))
+
+
+def test_device_assignment_matches_mesh(rng):
+    mesh = gs.make_mesh({"data": 2, "model": 4})
+    x = randn(rng, 8, 8)
+    ids = np.array([d.id for d in mesh.devices.flat]).reshape(2, 4)
+    cases = {
+        "[data, model]": ids,                                  # tile (i, j) on device at (data=i, model=j)
+        "[model, data]": ids.T,                                # dims swapped
+        "[data*model, -]": ids.reshape(8, 1),
+        "[data, -]": ids.reshape(2, 1, 4),                     # trailing replication dim
+    }
+    for want, assignment in cases.items():
+        fn = lambda v, a=assignment: gs.shard(v, a) * 2.0
+        report = gs.explain(fn, mesh, x)
+        assert report.rows[0].outputs == [want], (want, report.rows[0].outputs)
+        assert_close(gs.partition(fn, mesh)(x), x * 2.0)
+
+
+def test_device_assignment_the_mesh_cannot_express(rng):
+    mesh = gs.make_mesh({"x": 8})
+    bad = np.array([0, 2, 1, 3, 4, 5, 6, 7]).reshape(8, 1)
+    with pytest.raises(ValueError, match=r"tile\(s\) disagree, e.g. tile \(1, 0\) is assigned devices \[2\]"):
+        gs.partition(lambda v: gs.shard(v, bad), mesh)(randn(rng, 8, 8))
+    with pytest.raises(ValueError, match="each of the mesh's devices"):
+        gs.partition(lambda v: gs.shard(v, np.zeros((8, 1), int)), mesh)(randn(rng, 8, 8))
+    with pytest.raises(ValueError, match="rank 3"):
+        gs.shard(randn(rng, 8), np.zeros((2, 2, 2), int))
+
+
+def test_bad_backend_and_mesh(rng):
+    with pytest.raises(ValueError, match="backend='tpu'"):
+        gs.partition(lambda v: v, gs.make_mesh({"x": 8}), backend="tpu")
+    with pytest.raises(ValueError, match="expected a jax.sharding.Mesh"):
+        gs.partition(lambda v: v, {"x": 8})
+
+
+def test_xla_backend_same_numbers(rng):
+    mesh = gs.make_mesh({"data": 2, "model": 4})
+    x, w1, w2 = randn(rng, 8, 16), randn(rng, 16, 32), randn(rng, 32, 16)
+    ours = gs.partition(megatron_mlp, mesh)(x, w1, w2)
+    xla = gs.partition(megatron_mlp, mesh, backend="xla")(x, w1, w2)
+    assert_close(ours, megatron_mlp(x, w1, w2), rtol=1e-5, atol=1e-4)
+    assert_close(xla, megatron_mlp(x, w1, w2), rtol=1e-5, atol=1e-4)
+
+
+def test_in_out_shardings_and_pytrees(rng):
+    mesh = gs.make_mesh({"data": 2, "model": 4})
+    params = {"w": randn(rng, 16, 8), "b": randn(rng, 8)}
+    x = randn(rng, 8, 16)
+    fn = lambda p, x: {"y": x @ p["w"] + p["b"]}
+    f = gs.partition(fn, mesh, in_shardings=({"w": (None, "model"), "b": ("model",)}, ("data", None)),
+                     out_shardings={"y": ("data", "model")})
+    out = f(params, x)
+    assert_close(out, fn(params, x))
+    assert out["y"].sharding.spec == jax.sharding.PartitionSpec("data", "model")
+    assert hlo_counts(f, params, x) == {}
+
+
+def test_explain_report(rng):
+    mesh = gs.make_mesh({"x": 8})
+    args = moe_inputs(rng)
+    report = gs.explain(moe_chain, mesh, *args)
+    text = str(report)
+    assert "all-to-all" in text and "dot_general" in text and "user annotation split(dim=0, n=8)" in text
+    data = json.loads(report.to_json())
+    assert data["totals"]["all-to-all"]["count"] == 2
+    assert {"source", "primitive", "operands", "outputs", "strategy", "collectives", "origins"} <= set(data["rows"][0])
+    assert all(r["source"].startswith(__file__.rsplit("/", 1)[0]) for r in data["rows"] if r["source"])
+
+
+PROGRAMS = {
+    "megatron_mlp_2x4": ({"data": 2, "model": 4}, megatron_mlp, lambda rng: (randn(rng, 8, 16), randn(rng, 16, 32),
+                                                                            randn(rng, 32, 16))),
+    "moe_chain_8": ({"x": 8}, moe_chain, moe_inputs),
+    "matmul_reduce_scatter": ({"x": 8}, lambda a, b: gs.split(gs.split(a, 1, 8) @ gs.split(b, 0, 8), 0, 8),
+                              lambda rng: (randn(rng, 16, 64), randn(rng, 64, 32))),
+    "gather_and_permute": ({"a": 2, "b": 4}, lambda a: gs.shard(gs.shard(a, (("a", "b"), None)) * 2,
+                                                                 (("b", "a"), None)) + gs.replicate(a).sum(),
+                           lambda rng: (randn(rng, 16, 4),)),
+}
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_explain_bytes_agree_with_hlo(name, rng):
+    axes, fn, make = PROGRAMS[name]
+    mesh = gs.make_mesh(axes)
+    args = make(rng)
+    predicted = gs.explain(fn, mesh, *args).totals()
+    actual = hlo_stats(gs.partition(fn, mesh), *args)
+    for kind in predicted:
+        assert predicted[kind]["payload_bytes"] == actual[kind]["payload_bytes"], (kind, predicted, actual)
+        assert predicted[kind]["moved_bytes"] == pytest.approx(actual[kind]["moved_bytes"]), kind

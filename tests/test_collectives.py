@@ -1,0 +1,112 @@
+"""REFERENCE section A's per-op table: the collectives in the compiled HLO, one test per row."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gshard_jax as gs
+from helpers import assert_close, hlo_counts, randn
+
+D = 8
+
+
+@pytest.fixture(scope="module")
+def mesh1d():
+    return gs.make_mesh({"x": D})
+
+
+def run(fn, mesh, *args):
+    f = gs.partition(fn, mesh)
+    assert_close(f(*args), fn(*args), rtol=1e-5, atol=1e-4)
+    return hlo_counts(f, *args)
+
+
+def test_add_split(mesh1d, rng):
+    a, b = randn(rng, 16, 8), randn(rng, 16, 8)
+    assert run(lambda a, b: gs.split(gs.split(a, 0, D) + gs.split(b, 0, D), 0, D), mesh1d, a, b) == {}
+
+
+def test_matmul_contracting_split_all_reduce(mesh1d, rng):
+    a, b = randn(rng, 16, 64), randn(rng, 64, 32)
+    fn = lambda a, b: gs.replicate(gs.split(a, 1, D) @ gs.split(b, 0, D))
+    assert run(fn, mesh1d, a, b) == {"all-reduce": 1}
+
+
+def test_matmul_contracting_split_reduce_scatter(mesh1d, rng):
+    a, b = randn(rng, 16, 64), randn(rng, 64, 32)
+    fn = lambda a, b: gs.split(gs.split(a, 1, D) @ gs.split(b, 0, D), 0, D)
+    assert run(fn, mesh1d, a, b) == {"reduce-scatter": 1}
+
+
+def test_matmul_free_split(mesh1d, rng):
+    a, b = randn(rng, 16, 64), randn(rng, 64, 32)
+    fn = lambda a, b: gs.split(gs.split(a, 0, D) @ gs.replicate(b), 0, D)
+    assert run(fn, mesh1d, a, b) == {}
+
+
+def test_matmul_free_and_contracting_split(mesh1d, rng):
+    # lhs split on A (free), rhs split on B (contracting): one operand is gathered.
+    a, b = randn(rng, 16, 64), randn(rng, 64, 32)
+    fn = lambda a, b: gs.split(gs.split(a, 0, D) @ gs.split(b, 0, D), 0, D)
+    assert run(fn, mesh1d, a, b) == {"all-gather": 1}
+
+
+def test_matmul_both_free_split(mesh1d, rng):
+    # lhs split on A, rhs split on C, one mesh axis: the output can keep one split; the other operand is gathered.
+    a, b = randn(rng, 16, 64), randn(rng, 64, 32)
+    fn = lambda a, b: gs.split(gs.split(a, 0, D) @ gs.split(b, 1, D), 0, D)
+    assert run(fn, mesh1d, a, b) == {"all-gather": 1}
+
+
+def test_matmul_both_free_split_2d(rng):
+    mesh = gs.make_mesh({"data": 2, "model": 4})
+    a, b = randn(rng, 16, 64), randn(rng, 64, 32)
+    fn = lambda a, b: gs.shard(gs.shard(a, ("data", None)) @ gs.shard(b, (None, "model")), ("data", "model"))
+    assert run(fn, mesh, a, b) == {}
+
+
+def test_reduce_kept_dim_split(mesh1d, rng):
+    a = randn(rng, 16, 8)
+    assert run(lambda a: gs.split(gs.split(a, 0, D).sum(1), 0, D), mesh1d, a) == {}
+
+
+def test_reduce_reduced_dim_split(mesh1d, rng):
+    a = randn(rng, 16, 8)
+    assert run(lambda a: gs.replicate(gs.split(a, 0, D).sum(0)), mesh1d, a) == {"all-reduce": 1}
+
+
+def test_batch_split_matmul(mesh1d, rng):
+    a, b = randn(rng, 8, 4, 16), randn(rng, 8, 16, 4)
+    fn = lambda a, b: gs.split(jnp.einsum("bij,bjk->bik", gs.split(a, 0, D), gs.split(b, 0, D)), 0, D)
+    assert run(fn, mesh1d, a, b) == {}
+
+
+def test_dispatch_einsum_all_to_all(mesh1d, rng):
+    G, S, E, C, M = 8, 4, 8, 2, 16
+    mask = (rng.random((G, S, E, C)) < 0.2).astype(np.float32)
+    x = randn(rng, G, S, M)
+
+    def fn(mask, x):
+        out = jnp.einsum("GSEC,GSM->EGCM", gs.split(mask, 0, D), gs.split(x, 0, D))
+        return gs.split(out, 0, D)
+
+    assert run(fn, mesh1d, mask, x) == {"all-to-all": 1}
+
+
+def moe_chain(dispatch, combine, x, wi, wo, n=D):
+    x = gs.split(x, 0, n)
+    dispatch, combine = gs.split(dispatch, 0, n), gs.split(combine, 0, n)
+    e_in = gs.split(jnp.einsum("GSEC,GSM->EGCM", dispatch, x), 0, n)
+    h = jax.nn.relu(jnp.einsum("EGCM,EMH->EGCH", e_in, gs.split(wi, 0, n)))
+    e_out = gs.split(jnp.einsum("EGCH,EHM->GECM", h, gs.split(wo, 0, n)), 0, n)
+    return gs.split(jnp.einsum("GSEC,GECM->GSM", combine, e_out), 0, n)
+
+
+def moe_inputs(rng, G=8, S=8, E=8, C=4, M=16, H=32):
+    dispatch = (rng.random((G, S, E, C)) < 0.1).astype(np.float32)
+    combine = dispatch * rng.random((G, S, E, C)).astype(np.float32)
+    return dispatch, combine, randn(rng, G, S, M), randn(rng, E, M, H), randn(rng, E, H, M)
+
+
+def test_moe_chain_two_all_to_alls(mesh1d, rng):
+    assert run(moe_chain, mesh1d, *moe_inputs(rng)) == {"all-to-all": 2}
