@@ -73,6 +73,8 @@ def plan(src: Sharding, dst: Sharding, shape: Sequence[int], mesh_shape: Mapping
     """The steps that turn a value sharded as `src` into one sharded as `dst` (dst is never partial)."""
     if dst.partial:
         raise ValueError(f"cannot reshard to a partial sharding {dst}")
+    src, dst = _strip(src, mesh_shape), _strip(dst, mesh_shape)
+    mesh_axes = [a for a in mesh_axes if mesh_shape[a] > 1]
     steps: list[Step] = []
     cur = src
     if cur.partial:
@@ -153,6 +155,12 @@ def plan(src: Sharding, dst: Sharding, shape: Sequence[int], mesh_shape: Mapping
     if cur != dst:
         raise AssertionError(f"reshard did not reach {dst} from {src}")
     return steps
+
+
+def _strip(s: Sharding, mesh_shape) -> Sharding:
+    """Drop size-1 mesh axes: they split nothing and need no communication."""
+    return Sharding(tuple(tuple(a for a in d if mesh_shape[a] > 1) for d in s.dims),
+                    frozenset(a for a in s.partial if mesh_shape[a] > 1))
 
 
 def _with_dim(s: Sharding, d: int, axes: Axes) -> Sharding:

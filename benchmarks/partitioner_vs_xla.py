@@ -1,0 +1,188 @@
+"""Our partitioner against XLA's on the same annotated programs, in one process.
+
+For each program: max abs difference from the unpartitioned function (both
+backends), collectives and payload bytes per device from the compiled HLO
+(ours, XLA's, ratio), partition (trace + plan + lower) and compile times, and
+the median step time ratio. Run:
+
+    python benchmarks/partitioner_vs_xla.py [--devices 8] [--steps 20] [--json out.json]
+
+On a CPU host the devices are simulated (XLA_FLAGS / jax_num_cpu_devices);
+on an accelerator host the real devices are used.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (ignored on accelerators)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per backend")
+    p.add_argument("--json", default=None, help="also write the rows as JSON here")
+    p.add_argument("--only", default=None, help="comma-separated program names")
+    return p.parse_args(argv)
+
+
+ARGS = parse_args()
+
+import jax  # noqa: E402
+
+# Simulated CPU devices; has no effect on the devices of an accelerator backend.
+jax.config.update("jax_num_cpu_devices", ARGS.devices)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import gshard_jax as gs  # noqa: E402
+from partitioner.hlo import collective_stats  # noqa: E402
+
+
+# --------------------------------------------------------------------------- programs
+
+def megatron_mlp(x, w1, w2):
+    x = gs.shard(x, ("data", None))
+    h = jax.nn.gelu(gs.shard(x @ gs.shard(w1, (None, "model")), ("data", "model")))
+    return gs.shard(h @ gs.shard(w2, ("model", None)), ("data", None))
+
+
+def mlp_loss(x, w1, w2):
+    return jnp.mean(megatron_mlp(x, w1, w2) ** 2)
+
+
+def moe_chain(dispatch, combine, x, wi, wo):
+    n = len(jax.devices())
+    x = gs.split(x, 0, n)
+    dispatch, combine = gs.split(dispatch, 0, n), gs.split(combine, 0, n)
+    e_in = gs.split(jnp.einsum("GSEC,GSM->EGCM", dispatch, x), 0, n)
+    h = jax.nn.relu(jnp.einsum("EGCM,EMH->EGCH", e_in, gs.split(wi, 0, n)))
+    e_out = gs.split(jnp.einsum("EGCH,EHM->GECM", h, gs.split(wo, 0, n)), 0, n)
+    return gs.split(jnp.einsum("GSEC,GECM->GSM", combine, e_out), 0, n)
+
+
+def moe_loss(dispatch, combine, x, wi, wo):
+    return jnp.mean(moe_chain(dispatch, combine, x, wi, wo) ** 2)
+
+
+def attention(x, wq, wk, wv, wo, heads=8):
+    n = len(jax.devices())
+    x = gs.split(x, 0, n)
+    B, S, D = x.shape
+    q = (x @ gs.replicate(wq)).reshape(B, S, heads, D // heads)
+    k = (x @ gs.replicate(wk)).reshape(B, S, heads, D // heads)
+    v = (x @ gs.replicate(wv)).reshape(B, S, heads, D // heads)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D // heads)
+    mask = jnp.arange(S)[:, None] >= jnp.arange(S)[None, :]
+    probs = jax.nn.softmax(jnp.where(mask, logits, -1e9), axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(B, S, D)
+    return gs.split(x + out @ gs.replicate(wo), 0, n)
+
+
+def attention_loss(x, wq, wk, wv, wo):
+    return jnp.mean(attention(x, wq, wk, wv, wo) ** 2)
+
+
+def programs(n):
+    rng = np.random.default_rng(0)
+    f32 = lambda *s: np.asarray(rng.standard_normal(s) / np.sqrt(s[-1] if len(s) > 1 else 1), np.float32)
+    dp = 2 if n % 2 == 0 and n > 1 else 1
+    mp = n // dp
+    G, S, E, C, M, H = n, 64, n, 16, 256, 1024
+    dispatch = (rng.random((G, S, E, C)) < 2.0 / (E * C)).astype(np.float32)
+    combine = dispatch * rng.random((G, S, E, C)).astype(np.float32)
+    moe_args = (dispatch, combine, f32(G, S, M), f32(E, M, H), f32(E, H, M))
+    mlp_args = (f32(64, 512), f32(512, 2048), f32(2048, 512))
+    att_args = (f32(n, 128, 256), f32(256, 256), f32(256, 256), f32(256, 256), f32(256, 256))
+    grad = lambda f, k: jax.grad(f, argnums=tuple(range(k)))
+    return {
+        "megatron_mlp fwd": ({"data": dp, "model": mp}, megatron_mlp, mlp_args),
+        "megatron_mlp grad": ({"data": dp, "model": mp}, grad(mlp_loss, 3), mlp_args),
+        "moe_einsum_chain fwd": ({"expert": n}, moe_chain, moe_args),
+        "moe_einsum_chain grad": ({"expert": n}, lambda *a: grad(moe_loss, 5)(*a)[2:], moe_args),
+        "attention_block fwd": ({"batch": n}, attention, att_args),
+        "attention_block grad": ({"batch": n}, grad(attention_loss, 5), att_args),
+    }
+
+
+# --------------------------------------------------------------------------- measurement
+
+def measure(fn, mesh, args, backend, steps):
+    part = gs.partition(fn, mesh, backend=backend)
+    t0 = time.perf_counter()
+    lowered = part.lower(*args)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    stats = collective_stats(compiled)
+    out = compiled(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(steps):
+        s = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - s)
+    return {"out": out, "stats": stats, "partition_s": t1 - t0, "compile_s": t2 - t1,
+            "step_s": statistics.median(times)}
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def fmt_counts(stats):
+    return " ".join(f"{k.replace('collective-permute', 'cp')}:{v['count']}" for k, v in stats.items()
+                    if v["count"]) or "none"
+
+
+def main():
+    n = len(jax.devices())
+    rows = []
+    only = set(ARGS.only.split(",")) if ARGS.only else None
+    for name, (axes, fn, args) in programs(n).items():
+        if only and name not in only:
+            continue
+        mesh = gs.make_mesh(axes)
+        ref = jax.jit(fn)(*args)
+        ours = measure(fn, mesh, args, "gshard", ARGS.steps)
+        xla = measure(fn, mesh, args, "xla", ARGS.steps)
+        ob = sum(v["payload_bytes"] for v in ours["stats"].values())
+        xb = sum(v["payload_bytes"] for v in xla["stats"].values())
+        oc = sum(v["count"] for v in ours["stats"].values())
+        xc = sum(v["count"] for v in xla["stats"].values())
+        rows.append({
+            "program": name, "mesh": axes, "diff_ours": max_diff(ours["out"], ref), "diff_xla": max_diff(xla["out"], ref),
+            "collectives_ours": fmt_counts(ours["stats"]), "collectives_xla": fmt_counts(xla["stats"]),
+            "count_ours": oc, "count_xla": xc, "bytes_ours": ob, "bytes_xla": xb,
+            "bytes_ratio": (ob / xb) if xb else (1.0 if ob == 0 else float("inf")),
+            "partition_s_ours": ours["partition_s"], "partition_s_xla": xla["partition_s"],
+            "compile_s_ours": ours["compile_s"], "compile_s_xla": xla["compile_s"],
+            "step_ms_ours": ours["step_s"] * 1e3, "step_ms_xla": xla["step_s"] * 1e3,
+            "step_ratio": ours["step_s"] / xla["step_s"],
+        })
+        print_row(rows[-1], header=len(rows) == 1)
+    if ARGS.json:
+        with open(ARGS.json, "w") as f:
+            json.dump({"backend": jax.default_backend(), "devices": n, "rows": rows}, f, indent=1)
+    return rows
+
+
+def print_row(r, header=False):
+    if header:
+        print(f"# backend={jax.default_backend()} devices={len(jax.devices())} steps={ARGS.steps}")
+        print(f"{'program':<24} {'mesh':<22} {'maxdiff ours/xla':<19} {'collectives ours | xla':<40} "
+              f"{'bytes/dev ours':>14} {'xla':>10} {'ratio':>6} {'part s':>13} {'compile s':>13} "
+              f"{'step ms ours/xla':>17} {'ratio':>6}")
+    print(f"{r['program']:<24} {str(r['mesh']):<22} {r['diff_ours']:.1e}/{r['diff_xla']:.1e}    "
+          f"{r['collectives_ours'] + ' | ' + r['collectives_xla']:<40} {r['bytes_ours']:>14,} {r['bytes_xla']:>10,} "
+          f"{r['bytes_ratio']:>6.2f} {r['partition_s_ours']:>6.2f}/{r['partition_s_xla']:<6.2f} "
+          f"{r['compile_s_ours']:>6.2f}/{r['compile_s_xla']:<6.2f} {r['step_ms_ours']:>8.2f}/{r['step_ms_xla']:<8.2f} "
+          f"{r['step_ratio']:>6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
