@@ -13,6 +13,7 @@ replicated (the fallback) and is flagged in the report.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -135,18 +136,25 @@ class Lowering:
         """The per-device program: local shards in, local shards out."""
         env: dict[Value, tuple[Any, Sharding]] = {}
         self._cache: dict = {}
+        self._prefix, self._trips = "", 1
         values = list(self.program.invars) + [v for v, _ in self.program.consts]
         for v, x in zip(values, local_args):
             env[v] = (x, self.plan.sharding(v))
-        for eqn in self.program.eqns:
-            self._eqn(eqn, env)
-        outs = []
-        for v in self.program.outvars:
-            if isinstance(v, Const):
-                outs.append(jnp.full(v.shape, v.val, v.aval.dtype))
+        self._run_eqns(self.program.eqns, env)
+        return [self._read(env, v, self.plan.sharding(v), []) for v in self.program.outvars]
+
+    def _run_eqns(self, eqns: Sequence[Eqn], env) -> None:
+        for eqn in eqns:
+            if eqn.subs:
+                self._control_flow(eqn, env)
             else:
-                outs.append(self._reshard(env, v, self.plan.sharding(v), [])[0])
-        return outs
+                self._eqn(eqn, env)
+
+    def _read(self, env, v, dst: Sharding, log: list):
+        """v's local value in sharding dst (constants are replicated scalars)."""
+        if isinstance(v, Const):
+            return jnp.full(dst.local_shape(v.shape, self.mesh_shape), v.val, v.aval.dtype)
+        return self._reshard(env, v, dst, log)[0]
 
     def _reshard(self, env, v, dst: Sharding, log: list[Collective]):
         x, src = env[v]
@@ -158,6 +166,86 @@ class Lowering:
             log.extend(RS.collectives(steps, v.shape, v.dtype, self.mesh_shape))
             self._cache[key] = RS.apply(steps, x, self.mesh_shape)
         return self._cache[key], dst
+
+    # ------------------------------------------------------------------ control flow
+    def _body(self, program: Program, env, inputs: Sequence[tuple[Any, Sharding]], targets: Sequence[Sharding],
+              log: list, name: str, trips: int) -> list:
+        """Run a body on local inputs (each in the given sharding, resharded to the plan); results in targets."""
+        saved = (self._cache, self._prefix, self._trips)
+        self._cache, self._prefix, self._trips = dict(self._cache), f"{self._prefix}{name}/", self._trips * trips
+        try:
+            benv = collections.ChainMap({}, env)
+            for v, (x, have) in zip(program.invars, inputs):
+                benv[v] = (x, have)
+                benv[v] = (self._reshard(benv, v, self.plan.sharding(v), log)[0], self.plan.sharding(v))
+            self._run_eqns(program.eqns, benv)
+            return [self._read(benv, v, t, log) for v, t in zip(program.outvars, targets)]
+        finally:
+            self._cache, self._prefix, self._trips = saved
+
+    def _control_flow(self, eqn: Eqn, env) -> None:
+        log: list[Collective] = []
+        plan = self.plan.sharding
+        if eqn.name == "scan":
+            body = eqn.subs["body"]
+            nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+            ins = [(self._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[: nc + nk], body.invars)]
+            stacked = [Sharding(((),) + plan(b).dims) for b in body.invars[nc + nk:]]
+            xs = [self._read(env, x, s, log) for x, s in zip(eqn.invars[nc + nk:], stacked)]
+            carry_sh = [plan(b) for b in body.invars[nc: nc + nk]]
+            y_sh = [plan(b) for b in body.outvars[nk:]]
+
+            def step(carry, x):
+                outs = self._body(body, env, ins[:nc] + list(zip(carry, carry_sh)) + list(zip(x, [plan(b) for b in body.invars[nc + nk:]])),
+                                  carry_sh + y_sh, log, "scan", eqn.params["length"])
+                return tuple(outs[:nk]), tuple(outs[nk:])
+
+            carry, ys = jax.lax.scan(step, tuple(a for a, _ in ins[nc:]), tuple(xs), length=eqn.params["length"],
+                                     reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
+            results = list(zip(carry, carry_sh)) + [(y, Sharding(((),) + s.dims)) for y, s in zip(ys, y_sh)]
+            strategy = f"scan x{eqn.params['length']}: carry {' '.join(map(str, carry_sh)) or '-'}"
+        elif eqn.name == "while":
+            cond, body = eqn.subs["cond"], eqn.subs["body"]
+            cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+            cconsts = [(self._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[:cn], cond.invars)]
+            bconsts = [(self._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[cn:cn + bn], body.invars)]
+            carry_sh = [plan(b) for b in body.invars[bn:]]
+            init = [self._read(env, x, s, log) for x, s in zip(eqn.invars[cn + bn:], carry_sh)]
+
+            def cond_fn(carry):
+                (pred,) = self._body(cond, env, cconsts + list(zip(carry, carry_sh)), [Sharding(())], log, "while.cond", 1)
+                return pred
+
+            def body_fn(carry):
+                return tuple(self._body(body, env, bconsts + list(zip(carry, carry_sh)), carry_sh, log, "while.body", 1))
+
+            carry = jax.lax.while_loop(cond_fn, body_fn, tuple(init))
+            results = list(zip(carry, carry_sh))
+            strategy = f"while: carry {' '.join(map(str, carry_sh)) or '-'} (predicate replicated)"
+        elif eqn.name == "cond":
+            branches = list(eqn.subs.values())
+            index = self._read(env, eqn.invars[0], Sharding(()), log)
+            ops = [(self._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[1:], branches[0].invars)]
+            out_sh = [plan(v) for v in eqn.outvars]
+
+            def branch_fn(i, br):
+                return lambda *xs: tuple(self._body(br, env, list(zip(xs, [s for _, s in ops])), out_sh, log,
+                                                    f"cond.branch{i}", 1))
+
+            outs = jax.lax.switch(index, [branch_fn(i, b) for i, b in enumerate(branches)], *[x for x, _ in ops])
+            results = list(zip(outs, out_sh))
+            strategy = f"cond over {len(branches)} branches (index replicated)"
+        else:  # pragma: no cover
+            raise AssertionError(eqn.name)
+        for v, (x, have) in zip(eqn.outvars, results):
+            env[v] = (x, have)
+            env[v] = (self._reshard(env, v, plan(v), log)[0], plan(v))
+        if self.report is not None:
+            self.report.rows.append(Row(eqn.index, eqn.source, self._prefix + eqn.name,
+                                        [str(env[x][1]) for x in eqn.invars if isinstance(x, Value)],
+                                        [str(plan(v)) for v in eqn.outvars], strategy, log,
+                                        [self.plan.origins.get(v, "") for v in eqn.outvars], None, 0.0,
+                                        sum(c.time(self.profile) for c in log), self._trips))
 
     def _eqn(self, eqn: Eqn, env) -> None:
         rule = self.plan.rules.get(eqn)
@@ -184,14 +272,14 @@ class Lowering:
             env[v] = (self._reshard(env, v, planned, log)[0], planned)
         if self.report is not None:
             self.report.rows.append(Row(
-                eqn.index, eqn.source, eqn.name,
+                eqn.index, eqn.source, self._prefix + eqn.name,
                 [f"{h}" if h == n else f"{h}->{n}" for h, n in zip(have, choice.need) if h.rank],
                 [f"{m}" if m == self.plan.sharding(v) else f"{m}->{self.plan.sharding(v)}"
                  for v, m in zip(eqn.outvars, choice.made)],
                 strategy, log, [self.plan.origins.get(v, "") for v in eqn.outvars], fallback,
                 compute_time(sum(math.prod(m.local_shape(v.shape, self.mesh_shape))
                                  for v, m in zip(eqn.outvars, choice.made)), self.profile),
-                sum(c.time(self.profile) for c in log)))
+                sum(c.time(self.profile) for c in log), self._trips))
 
     def _bind(self, eqn: Eqn, rule: Optional[R.Rule], choice: Choice, local_in: list, log: list):
         if eqn.name == "sharding_annotation":

@@ -73,6 +73,7 @@ class Eqn:
     params: dict
     source: str
     index: int = -1
+    subs: dict = dataclasses.field(default_factory=dict)  # control flow: name -> Program
 
     @property
     def name(self) -> str:
@@ -86,6 +87,25 @@ class Program:
     eqns: list[Eqn]
     consts: list[tuple[Value, Any]]  # closed-over arrays, passed to the per-device program as inputs
 
+    def all_eqns(self):
+        """Every equation, control-flow bodies included (depth first, in program order)."""
+        for e in self.eqns:
+            yield e
+            for sub in e.subs.values():
+                yield from sub.all_eqns()
+
+
+# Control-flow primitives whose bodies are partitioned as sub-programs: param -> sub-program names.
+def _control_flow_subs(eqn) -> dict:
+    p = eqn.params
+    if eqn.primitive.name == "scan":
+        return {"body": p["jaxpr"]}
+    if eqn.primitive.name == "while":
+        return {"cond": p["cond_jaxpr"], "body": p["body_jaxpr"]}
+    if eqn.primitive.name == "cond":
+        return {f"branch{i}": b for i, b in enumerate(p["branches"])}
+    return {}
+
 
 def _source(eqn) -> str:
     try:
@@ -95,9 +115,12 @@ def _source(eqn) -> str:
 
 
 def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
-    """Flatten a closed jaxpr into a Program, inlining call-like primitives."""
+    """Flatten a closed jaxpr into a Program, inlining call-like primitives.
+
+    Bodies of scan, while and cond become sub-programs (Eqn.subs); their
+    closed-over constants are hoisted into the top-level program's consts.
+    """
     counter = [0]
-    eqns: list[Eqn] = []
     consts: list[tuple[Value, Any]] = []
 
     def new_value(aval) -> Value:
@@ -111,7 +134,7 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
         consts.append((v, val))
         return v
 
-    def walk(jaxpr: core.Jaxpr, const_vals, in_operands) -> list:
+    def walk(jaxpr: core.Jaxpr, const_vals, in_operands, eqns: list) -> list:
         env: dict = {}
 
         def read(a):
@@ -129,9 +152,9 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
             if key is not None and key in eqn.params:
                 sub = eqn.params[key]
                 if isinstance(sub, core.ClosedJaxpr):
-                    outs = walk(sub.jaxpr, sub.consts, ins)
+                    outs = walk(sub.jaxpr, sub.consts, ins, eqns)
                 else:
-                    outs = walk(sub, [], ins)
+                    outs = walk(sub, [], ins, eqns)
                 for var, out in zip(eqn.outvars, outs):
                     env[var] = out
                 continue
@@ -139,19 +162,16 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
             for var, out in zip(eqn.outvars, outs):
                 if not isinstance(var, core.DropVar):
                     env[var] = out
-            eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), _source(eqn), len(eqns)))
+            subs = {name: sub_program(j) for name, j in _control_flow_subs(eqn).items()}
+            eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), _source(eqn), len(eqns), subs))
         return [read(a) for a in jaxpr.outvars]
 
-    invars = [new_value(v.aval) for v in closed.jaxpr.invars]
-    outvars = walk(closed.jaxpr, closed.consts, invars)
-    return Program(invars, outvars, eqns, consts)
+    def sub_program(j) -> Program:
+        jaxpr, vals = (j.jaxpr, j.consts) if isinstance(j, core.ClosedJaxpr) else (j, [])
+        invars = [new_value(v.aval) for v in jaxpr.invars]
+        eqns: list[Eqn] = []
+        outvars = walk(jaxpr, vals, invars, eqns)
+        return Program(invars, outvars, eqns, [])
 
-
-def uses(program: Program) -> dict[Value, list[Eqn]]:
-    """Consumers of each value."""
-    out: dict[Value, list[Eqn]] = {}
-    for eqn in program.eqns:
-        for a in eqn.invars:
-            if isinstance(a, Value):
-                out.setdefault(a, []).append(eqn)
-    return out
+    top = sub_program(closed)
+    return Program(top.invars, top.outvars, top.eqns, consts)

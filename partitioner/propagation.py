@@ -7,6 +7,12 @@ first proposal, in order: fixed values, then operands on forward passes and
 results on backward passes. Backward propagation out of a broadcast is held
 back until the other sources are exhausted. Every value records where its
 sharding came from, for explain().
+
+Control flow is propagated through *links*: identity constraints tie a loop's
+initial carry, the body's carry parameters, the body's carry results and the
+final carry together (so a stable carry needs no reshard inside the body);
+stacked values (scan xs/ys) are tied to the body's slices with the scan dim
+replicated; cond branches share their operands and results.
 """
 from __future__ import annotations
 
@@ -33,6 +39,72 @@ class Plan:
         if isinstance(v, Value):
             return self.shardings.get(v) or Sharding.replicated(len(v.shape))
         return Sharding.replicated(len(v.shape))
+
+
+@dataclasses.dataclass(eq=False)
+class Constraint:
+    rule: R.Rule
+    ins: list
+    outs: list
+    name: str
+    source: str
+
+
+def _link(a, b, name: str, source: str, stacked: int = 0) -> Constraint:
+    """a and b share every dim; with stacked=1, a has an extra leading dim (the scan dim) kept whole."""
+    names = R._Names()
+    dims = tuple((names.new(s),) for s in b.shape)
+    lead = tuple((names.new(a.shape[0]),) for _ in range(stacked))
+    rep = frozenset(f for (f,) in lead)
+    return Constraint(R.Rule("link", (lead + dims,), (dims,), names.sizes, replicated=rep), [a], [b], name, source)
+
+
+def control_flow_links(e: Eqn) -> tuple[list[Constraint], list[Constraint]]:
+    """Links into the bodies (before them in propagation order) and out of them (after)."""
+    into: list[Constraint] = []
+    out: list[Constraint] = []
+    tag = e.name
+    if e.name == "scan":
+        body = e.subs["body"]
+        nc, nk = e.params["num_consts"], e.params["num_carry"]
+        for i, (a, b) in enumerate(zip(e.invars, body.invars)):
+            into.append(_link(a, b, tag, e.source, stacked=int(i >= nc + nk)))
+        for k in range(nk):
+            cin, cout = body.invars[nc + k], body.outvars[k]
+            out.append(_link(cout, cin, tag + " carry", e.source))
+            out.append(_link(cout, e.outvars[k], tag, e.source))
+        for y_body, y_out in zip(body.outvars[nk:], e.outvars[nk:]):
+            out.append(_link(y_out, y_body, tag, e.source, stacked=1))
+    elif e.name == "while":
+        cond, body = e.subs["cond"], e.subs["body"]
+        cn, bn = e.params["cond_nconsts"], e.params["body_nconsts"]
+        consts_c, consts_b, init = e.invars[:cn], e.invars[cn:cn + bn], e.invars[cn + bn:]
+        into += [_link(a, b, tag, e.source) for a, b in zip(consts_c, cond.invars[:cn])]
+        into += [_link(a, b, tag, e.source) for a, b in zip(consts_b, body.invars[:bn])]
+        into += [_link(a, b, tag, e.source) for a, b in zip(init, body.invars[bn:])]
+        into += [_link(a, b, tag, e.source) for a, b in zip(init, cond.invars[cn:])]
+        for cout, cin, ccond, final in zip(body.outvars, body.invars[bn:], cond.invars[cn:], e.outvars):
+            out += [_link(cout, cin, tag + " carry", e.source), _link(cout, ccond, tag, e.source),
+                    _link(cout, final, tag, e.source)]
+    elif e.name == "cond":
+        for br in e.subs.values():
+            into += [_link(a, b, tag, e.source) for a, b in zip(e.invars[1:], br.invars)]
+            out += [_link(b, a, tag, e.source) for a, b in zip(e.outvars, br.outvars) if isinstance(b, Value)]
+    return into, out
+
+
+def constraints(program: Program, rules: Mapping[Eqn, Optional[R.Rule]]) -> list[Constraint]:
+    out: list[Constraint] = []
+    for e in program.eqns:
+        if e.subs:
+            into, after = control_flow_links(e)
+            out += into
+            for sub in e.subs.values():
+                out += constraints(sub, rules)
+            out += after
+        elif rules.get(e) is not None:
+            out.append(Constraint(rules[e], e.invars, e.outvars, e.name, e.source))
+    return out
 
 
 def _merge(cur: Sharding, new: Sharding, shape, mesh_shape) -> Sharding:
@@ -62,21 +134,19 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
     for v, (s, why) in seeds.items():
         shardings[v], origins[v] = s, why
     fixed = set(seeds)
-    rules = {e: R.rule_for(e) for e in program.eqns}
-    # Annotation outputs are fixed by the user.
-    for e in program.eqns:
+    rules = {e: (None if e.subs else R.rule_for(e)) for e in program.all_eqns()}
+    for e in program.all_eqns():
         if e.name == "sharding_annotation":
             v = e.outvars[0]
             shardings[v] = e.params["sharding"]
             origins[v] = f"user annotation {e.params['what']} at {e.source}"
             fixed.add(v)
+    cons = constraints(program, rules)
 
-    def visit(e: Eqn, forward: bool, late: bool) -> bool:
-        rule = rules[e]
-        if rule is None:
-            return False
-        tensors = list(zip(e.invars, rule.operands)) + list(zip(e.outvars, rule.results))
-        n_in = len(e.invars)
+    def visit(c: Constraint, forward: bool, late: bool) -> bool:
+        rule = c.rule
+        tensors = list(zip(c.ins, rule.operands)) + list(zip(c.outs, rule.results))
+        n_in = len(c.ins)
         order = list(range(len(tensors))) if forward else list(range(n_in, len(tensors))) + list(range(n_in))
         order.sort(key=lambda i: tensors[i][0] not in fixed)
         fs: R.FactorSharding = {}
@@ -92,42 +162,43 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                         used |= set(ax)
         if not fs:
             return False
-        targets = range(n_in, len(tensors)) if forward else range(n_in)
-        if not forward and e.name in LATE_BACKWARD and not late:
+        if not forward and c.name in LATE_BACKWARD and not late:
             return False
         changed = False
-        for i in targets:
+        for i in (range(n_in, len(tensors)) if forward else range(n_in)):
             v, tf = tensors[i]
             if not isinstance(v, Value) or v in fixed:
                 continue
-            # Reduction factors only shard operands; results never see them.
             proposal = R.factors_to_tensor(tf, fs, rule.sizes, mesh_shape)
             if proposal is None:
-                proposal = Sharding(tuple(R.factors_to_dim(d, fs, rule.sizes, mesh_shape) or ()
-                                          for d in tf))
+                proposal = Sharding(tuple(R.factors_to_dim(d, fs, rule.sizes, mesh_shape) or () for d in tf))
             cur = shardings.get(v, Sharding.replicated(len(tf)))
             new = _merge(cur, proposal, v.shape, mesh_shape)
-            if new != cur or v not in shardings:
-                if new != cur or not new.is_replicated:
-                    shardings[v] = new
-                    direction = "forward" if forward else "backward"
-                    origins[v] = f"{direction} from {e.name} at {e.source or '?'}"
-                    changed = True
+            if new != cur:
+                shardings[v] = new
+                origins[v] = f"{'forward' if forward else 'backward'} from {c.name} at {c.source or '?'}"
+                changed = True
         return changed
 
     for late in (False, True):
         for _ in range(max_passes):
             changed = False
-            for e in program.eqns:
-                changed |= visit(e, True, late)
-            for e in reversed(program.eqns):
-                changed |= visit(e, False, late)
+            for c in cons:
+                changed |= visit(c, True, late)
+            for c in reversed(cons):
+                changed |= visit(c, False, late)
             if not changed:
                 break
 
-    values: Sequence[Value] = list(program.invars) + [v for v, _ in program.consts] + \
-        [v for e in program.eqns for v in e.outvars]
-    for v in values:
+    def values(p: Program) -> Sequence[Value]:
+        out = list(p.invars) + [v for v, _ in p.consts]
+        for e in p.eqns:
+            out += e.outvars
+            for sub in e.subs.values():
+                out += values(sub)
+        return out
+
+    for v in values(program):
         if v not in shardings:
             shardings[v] = Sharding.replicated(len(v.shape))
             origins[v] = "replicated: no annotation or sharded neighbour reached it"

@@ -22,6 +22,7 @@ class Row:
     fallback: Optional[str] = None
     compute_time: float = 0.0
     comm_time: float = 0.0
+    trips: int = 1  # times the row runs per call (a scan body's length); a while body counts once
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -45,28 +46,35 @@ class Report:
     def fallbacks(self) -> list[Row]:
         return [r for r in self.rows if r.fallback]
 
-    def totals(self) -> dict:
-        """Per collective kind: count, payload bytes and moved bytes per device."""
+    def totals(self, dynamic: bool = False) -> dict:
+        """Per collective kind: count, payload bytes and moved bytes per device.
+
+        Static (default): each collective once, as the compiled HLO lists it.
+        dynamic=True: multiplied by the trip count of the scan bodies it is in.
+        """
         out = {k: {"count": 0, "payload_bytes": 0, "moved_bytes": 0.0} for k in KINDS}
-        for c in self.collectives:
-            t = out[c.kind]
-            t["count"] += 1
-            t["payload_bytes"] += c.payload
-            t["moved_bytes"] += c.moved
+        for r in self.rows:
+            n = r.trips if dynamic else 1
+            for c in r.collectives:
+                t = out[c.kind]
+                t["count"] += n
+                t["payload_bytes"] += c.payload * n
+                t["moved_bytes"] += c.moved * n
         return out
 
     @property
     def comm_time(self) -> float:
-        return sum(r.comm_time for r in self.rows)
+        return sum(r.comm_time * r.trips for r in self.rows)
 
     @property
     def compute_time(self) -> float:
-        return sum(r.compute_time for r in self.rows)
+        return sum(r.compute_time * r.trips for r in self.rows)
 
     def to_json(self, **kw) -> str:
         return json.dumps({
             "mesh": self.mesh, "profile": dataclasses.asdict(self.profile), "inputs": self.inputs,
             "outputs": self.outputs, "rows": [r.to_dict() for r in self.rows], "totals": self.totals(),
+            "totals_per_call": self.totals(dynamic=True),
             "predicted_comm_time_s": self.comm_time, "predicted_compute_time_s": self.compute_time,
             "fallbacks": [r.index for r in self.fallbacks]}, default=str, **kw)
 
