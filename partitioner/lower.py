@@ -7,8 +7,8 @@ local compute) with the alpha-beta model, take the cheapest, reshard the
 operands, bind the primitive on local shapes, and reshard the result to its
 planned sharding. Reduction factors that were split leave a partial sum,
 which the result reshard turns into an all-reduce or a reduce-scatter.
-Op-specific behaviour is a small hook: position offsets for iota, combines
-for max/min/prod/and/or/argmax reductions. An equation with no rule runs
+Op-specific behaviour is a small hook (hooks.py): position offsets, combines
+of split reductions, masked gathers and scatters, cumulative fix-ups. An equation with no rule runs
 replicated (the fallback) and is flagged in the report.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import hooks as H
 from . import reshard as RS
 from . import rules as R
 from .cost import Collective, HardwareProfile, compute_time
@@ -80,27 +81,6 @@ class Lowering:
     def reshard_time(self, src, dst, shape, dtype) -> float:
         return sum(c.time(self.profile) for c in self.reshard_collectives(src, dst, shape, dtype))
 
-    def combine_collectives(self, rule: R.Rule, fs: R.FactorSharding, out_shape, out_dtype,
-                            made: Sharding) -> list[Collective]:
-        """Collectives a non-sum reduction over split factors needs to combine its local results."""
-        out = []
-        local = made.local_shape(out_shape, self.mesh_shape)
-        nbytes = int(math.prod(local)) * np.dtype(out_dtype).itemsize
-        for f, kind in rule.reductions.items():
-            ax = fs.get(f, ())
-            if not ax or kind == "sum":
-                continue
-            n = math.prod(self.mesh_shape[a] for a in ax)
-            if kind in ("max", "min", "and", "or"):
-                out.append(Collective("all-reduce", ax, n, nbytes, local, str(np.dtype(out_dtype)), kind))
-            elif kind == "prod":
-                out.append(Collective("all-gather", ax, n, nbytes * n, (n,) + local, str(np.dtype(out_dtype)), kind))
-            else:  # argmax / argmin: gather candidate values and indices
-                out.append(Collective("all-gather", ax, n, nbytes * n, (n,) + local, str(np.dtype(out_dtype)),
-                                      kind + " indices"))
-                out.append(Collective("all-gather", ax, n, nbytes * n, (n,) + local, "value", kind + " values"))
-        return out
-
     def choose(self, eqn: Eqn, rule: R.Rule, have: list[Sharding]) -> Choice:
         planned = [self.plan.sharding(v) for v in eqn.outvars]
         proposals = [_merge_fs(R.tensor_to_factors(tf, s, rule.sizes, self.mesh_shape))
@@ -121,7 +101,8 @@ class Lowering:
                     cost += self.reshard_time(h, n, _shape(x), _dtype(x))
             for v, m, p in zip(eqn.outvars, made, planned):
                 cost += self.reshard_time(m, p, v.shape, v.dtype)
-                cost += sum(c.time(self.profile) for c in self.combine_collectives(rule, fs, v.shape, v.dtype, m))
+            ctx = H.OpContext(eqn, rule, fs, made, self.mesh_shape)
+            cost += sum(c.time(self.profile) for c in H.collectives(ctx))
             work = math.prod(rule.sizes[f] // math.prod(self.mesh_shape[a] for a in fs.get(f, ()))
                              for f in rule.factors)
             cost += compute_time(work * (2 if rule.reductions else 1), self.profile)
@@ -282,6 +263,7 @@ class Lowering:
                 sum(c.time(self.profile) for c in log), self._trips))
 
     def _bind(self, eqn: Eqn, rule: Optional[R.Rule], choice: Choice, local_in: list, log: list):
+        """Bind the primitive on local shards, with local-shape params, through its hook if it has one."""
         if eqn.name == "sharding_annotation":
             return [local_in[0]]
         params = dict(eqn.params)
@@ -294,75 +276,13 @@ class Lowering:
                 params["shape"] = local_out
             if "new_sizes" in params:
                 params["new_sizes"] = local_out
-        if rule is not None and eqn.name in ("argmax", "argmin"):
-            return [self._arg_reduce(eqn, rule, choice, local_in[0], params, log)]
-        outs = eqn.prim.bind(*local_in, **params)
-        outs = list(outs) if eqn.prim.multiple_results else [outs]
-        if rule is None:
-            return outs
-        if eqn.name == "iota":
-            d = eqn.params["dimension"]
-            axes = choice.fs.get(rule.results[0][d][0], ())
-            if axes:
-                offset = RS.linear_axis_index(axes, self.mesh_shape) * outs[0].shape[d]
-                outs = [outs[0] + offset.astype(outs[0].dtype)]
-        for f, kind in rule.reductions.items():
-            axes = choice.fs.get(f, ())
-            if not axes or kind == "sum":
-                continue
-            log.extend(self.combine_collectives(rule, {f: axes}, eqn.outvars[0].shape, eqn.outvars[0].dtype,
-                                                choice.made[0]))
-            outs = [_combine(kind, o, axes) for o in outs]
-        return outs
 
-    def _arg_reduce(self, eqn: Eqn, rule: R.Rule, choice: Choice, x, params, log):
-        """argmax/argmin over a split dim: local candidates with global indices, then the best of them."""
-        (axis,) = eqn.params["axes"]
-        axes = choice.fs.get(rule.operands[0][axis][0], ())
-        idx = eqn.prim.bind(x, **params)
-        if not axes:
-            return idx
-        log.extend(self.combine_collectives(rule, choice.fs, eqn.outvars[0].shape, eqn.outvars[0].dtype,
-                                            choice.made[0]))
-        val = jnp.take_along_axis(x, jnp.expand_dims(idx, axis).astype(jnp.int32), axis=axis).squeeze(axis)
-        gidx = idx + (RS.linear_axis_index(axes, self.mesh_shape) * x.shape[axis]).astype(idx.dtype)
-        name = axes if len(axes) > 1 else axes[0]
-        vals = jax.lax.all_gather(val, name, axis=0)
-        idxs = jax.lax.all_gather(gidx, name, axis=0)
-        pick = jnp.argmax(vals, axis=0) if eqn.name == "argmax" else jnp.argmin(vals, axis=0)
-        return jnp.take_along_axis(idxs, pick[None], axis=0)[0]
+        def bind(*args, **kw):
+            outs = eqn.prim.bind(*args, **kw)
+            return list(outs) if eqn.prim.multiple_results else [outs]
 
-
-def _combine(kind: str, x, axes):
-    name = axes if len(axes) > 1 else axes[0]
-    if kind == "max":
-        return _pmax(x, name)
-    if kind == "min":
-        return -_pmax(-x, name) if jnp.issubdtype(x.dtype, jnp.floating) else jax.lax.pmin(x, name)
-    if kind in ("and", "or"):
-        y = x.astype(jnp.int32)
-        y = jax.lax.pmin(y, name) if kind == "and" else jax.lax.pmax(y, name)
-        return y.astype(x.dtype)
-    if kind == "prod":
-        return jnp.prod(jax.lax.all_gather(x, name, axis=0), axis=0).astype(x.dtype)
-    raise AssertionError(kind)
-
-
-def _pmax(x, name):
-    """pmax with a derivative: the tangent of the maximal entries, averaged over ties (as reduce_max)."""
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        return jax.lax.pmax(x, name)
-    return _pmax_diff(x, name)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _pmax_diff(x, name):
-    return jax.lax.pmax(x, name)
-
-
-@_pmax_diff.defjvp
-def _pmax_diff_jvp(name, primals, tangents):
-    (x,), (t,) = primals, tangents
-    y = jax.lax.pmax(x, name)
-    hit = (x == y).astype(x.dtype)
-    return y, jax.lax.psum(t * hit, name) / jax.lax.psum(hit, name)
+        if rule is None or eqn.name not in H.HOOKS:
+            return bind(*local_in, **params)
+        ctx = H.OpContext(eqn, rule, choice.fs, choice.made, self.mesh_shape)
+        log.extend(H.collectives(ctx))
+        return H.HOOKS[eqn.name](ctx, local_in, params, bind)

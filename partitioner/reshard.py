@@ -169,7 +169,7 @@ def _with_dim(s: Sharding, d: int, axes: Axes) -> Sharding:
 
 def collectives(steps: Sequence[Step], shape: Sequence[int], dtype, mesh_shape: Mapping[str, int]) -> list[Collective]:
     """The communication of a reshard, per device, as the compiled HLO shows it."""
-    itemsize = np.dtype(dtype).itemsize
+    itemsize = dtype.itemsize  # also for extended dtypes (PRNG keys)
     out = []
     for st in steps:
         if st.kind == "all-slice":
@@ -182,7 +182,7 @@ def collectives(steps: Sequence[Step], shape: Sequence[int], dtype, mesh_shape: 
             group = len(st.perm)
         else:
             local = st.after.local_shape(shape, mesh_shape)
-        out.append(Collective(st.kind, st.axes, group, int(math.prod(local)) * itemsize, tuple(local), str(np.dtype(dtype))))
+        out.append(Collective(st.kind, st.axes, group, int(math.prod(local)) * itemsize, tuple(local), str(dtype)))
     return out
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 from .program import Const, Eqn
 from .sharding import Axes, Sharding
@@ -251,7 +251,7 @@ def iota(eqn: Eqn) -> Rule:
 
 
 def along_axis(eqn: Eqn) -> Rule:
-    """Ops that need their axis whole (cumulative ops, sort) and pass the other dims through."""
+    """Ops that need their axis whole (sort) and pass the other dims through."""
     axis = eqn.params.get("axis", eqn.params.get("dimension"))
     shape = _shape(eqn.invars[0])
     n = _Names()
@@ -261,7 +261,202 @@ def along_axis(eqn: Eqn) -> Rule:
                 replicated=frozenset({dims[axis][0]}))
 
 
+def cumulative(eqn: Eqn) -> Rule:
+    """cumsum & co: every dim passes through; a split scan axis is fixed up by the hook (shard totals)."""
+    n = _Names()
+    dims = tuple((n.new(s),) for s in _shape(eqn.invars[0]))
+    return Rule("cumulative", (dims,), (dims,), n.sizes)
+
+
+def top_k(eqn: Eqn) -> Rule:
+    """The last operand dim is a reduction-like factor (candidates combined by the hook); k stays whole."""
+    shape = _shape(eqn.invars[0])
+    n = _Names()
+    dims = [(n.new(s),) for s in shape]
+    k = (n.new(eqn.params["k"]),)
+    out = tuple(dims[:-1]) + (k,)
+    return Rule("top_k", (tuple(dims),), (out, out), n.sizes, reductions={dims[-1][0]: "top_k"},
+                replicated=frozenset(k))
+
+
+def _windowed(eqn: Eqn, operand_shape, result_shape, whole: Sequence[bool], extra_operands: int) -> Rule:
+    """Dims flagged whole pass through; the others (sliced, padded, ...) stay replicated."""
+    n = _Names()
+    op, res, rep = [], [], set()
+    for d, (a, b) in enumerate(zip(operand_shape, result_shape)):
+        if whole[d] and a == b:
+            f = n.new(a)
+            op.append((f,))
+            res.append((f,))
+        else:
+            fa, fb = n.new(a), n.new(b)
+            op.append((fa,))
+            res.append((fb,))
+            rep |= {fa, fb}
+    ops = (tuple(op),) + tuple(() for _ in range(extra_operands))
+    return Rule(eqn.name, ops, (tuple(res),), n.sizes, replicated=frozenset(rep))
+
+
+def slice_rule(eqn: Eqn) -> Rule:
+    shape, out = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    strides = eqn.params.get("strides") or (1,) * len(shape)
+    whole = [eqn.params["start_indices"][d] == 0 and eqn.params["limit_indices"][d] == shape[d] and strides[d] == 1
+             for d in range(len(shape))]
+    return _windowed(eqn, shape, out, whole, 0)
+
+
+def pad_rule(eqn: Eqn) -> Rule:
+    shape, out = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    whole = [tuple(c) == (0, 0, 0) for c in eqn.params["padding_config"]]
+    return _windowed(eqn, shape, out, whole, 1)
+
+
+def rev_rule(eqn: Eqn) -> Rule:
+    shape = _shape(eqn.invars[0])
+    whole = [d not in eqn.params["dimensions"] for d in range(len(shape))]
+    return _windowed(eqn, shape, shape, whole, 0)
+
+
+def dynamic_slice_rule(eqn: Eqn) -> Rule:
+    shape, out = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    return _windowed(eqn, shape, out, [a == b for a, b in zip(shape, out)], len(eqn.invars) - 1)
+
+
+def dynamic_update_slice_rule(eqn: Eqn) -> Rule:
+    shape, upd = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    n = _Names()
+    op, up, rep = [], [], set()
+    for a, b in zip(shape, upd):
+        if a == b:
+            f = n.new(a)
+            op.append((f,))
+            up.append((f,))
+        else:
+            fa, fb = n.new(a), n.new(b)
+            op.append((fa,))
+            up.append((fb,))
+            rep |= {fa, fb}
+    idx = tuple(() for _ in eqn.invars[2:])
+    return Rule(eqn.name, (tuple(op), tuple(up)) + idx, (tuple(op),), n.sizes, replicated=frozenset(rep))
+
+
+def concatenate_rule(eqn: Eqn) -> Rule:
+    d = eqn.params["dimension"]
+    out = _shape(eqn.outvars[0])
+    n = _Names()
+    dims = [(n.new(s),) for s in out]
+    rep = {dims[d][0]}
+    ops = []
+    for x in eqn.invars:
+        f = n.new(_shape(x)[d])
+        rep.add(f)
+        ops.append(tuple(dims[:d]) + ((f,),) + tuple(dims[d + 1:]))
+    return Rule("concatenate", tuple(ops), (tuple(dims),), n.sizes, replicated=frozenset(rep))
+
+
+def gather_rule(eqn: Eqn) -> Rule:
+    """Index-parallel batch dims, pass-through operand dims, and trivially sliced indexed dims.
+
+    An indexed operand dim with slice size 1 may be split: each device gathers
+    the rows it holds (indices shifted into its range, others zeroed), which
+    leaves a partial sum over that dim's axes (the hook does the masking).
+    """
+    dn = eqn.params["dimension_numbers"]
+    sizes_ = eqn.params["slice_sizes"]
+    os, is_, out_shape = _shape(eqn.invars[0]), _shape(eqn.invars[1]), _shape(eqn.outvars[0])
+    n = _Names()
+    out: list = [None] * len(out_shape)
+    idx: list = [None] * len(is_)
+    rep, red = set(), {}
+    batch_out = [d for d in range(len(out_shape)) if d not in dn.offset_dims]
+    for k, d in enumerate(batch_out):
+        out[d] = idx[k] = (n.new(out_shape[d]),)
+    idx[-1] = (n.new(is_[-1]),)
+    rep.add(idx[-1][0])
+    op: list = [None] * len(os)
+    for od, ibd in zip(dn.operand_batching_dims, dn.start_indices_batching_dims):
+        op[od] = idx[ibd]
+    offset_operand = [d for d in range(len(os)) if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    for k, d in enumerate(offset_operand):
+        od = dn.offset_dims[k]
+        if sizes_[d] == os[d] and d not in dn.start_index_map:
+            op[d] = out[od] = (n.new(os[d]),)
+        else:
+            op[d], out[od] = (n.new(os[d]),), (n.new(out_shape[od]),)
+            rep |= {op[d][0], out[od][0]}
+    for d in dn.collapsed_slice_dims:
+        op[d] = (n.new(os[d]),)
+        if d in dn.start_index_map and sizes_[d] == 1:
+            red[op[d][0]] = "sum"
+        else:
+            rep.add(op[d][0])
+    return Rule("gather", (tuple(op), tuple(idx)), (tuple(out),), n.sizes, reductions=red, replicated=frozenset(rep))
+
+
+def scatter_rule(eqn: Eqn) -> Optional[Rule]:
+    """scatter-add: update batch dims may split (a partial sum); indexed dims of size-1 windows may split."""
+    dn = eqn.params["dimension_numbers"]
+    os, is_, us = (_shape(x) for x in eqn.invars[:3])
+    n = _Names()
+    op: list = [(n.new(s),) for s in os]
+    idx: list = [None] * len(is_)
+    upd: list = [None] * len(us)
+    rep, red = set(), {}
+    scatter_upd = [d for d in range(len(us)) if d not in dn.update_window_dims]
+    batched = dict(zip(dn.scatter_indices_batching_dims, dn.operand_batching_dims))
+    for k, d in enumerate(scatter_upd):
+        if k in batched:
+            upd[d] = idx[k] = op[batched[k]]
+        else:
+            upd[d] = idx[k] = (n.new(us[d]),)
+            if eqn.name == "scatter-add":
+                red[upd[d][0]] = "sum"
+            else:
+                rep.add(upd[d][0])
+    idx[-1] = (n.new(is_[-1]),)
+    rep.add(idx[-1][0])
+    window_operand = [d for d in range(len(os)) if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+    for k, d in enumerate(window_operand):
+        ud = dn.update_window_dims[k]
+        if us[ud] == os[d] and d not in dn.scatter_dims_to_operand_dims:
+            upd[ud] = op[d]
+        else:
+            upd[ud] = (n.new(us[ud]),)
+            rep |= {upd[ud][0], op[d][0]}
+    for d in dn.inserted_window_dims:
+        if d not in dn.scatter_dims_to_operand_dims:
+            rep.add(op[d][0])
+    return Rule(eqn.name, (tuple(op), tuple(idx), tuple(upd)), (tuple(op),), n.sizes, reductions=red,
+                replicated=frozenset(rep))
+
+
+def random_bits_rule(eqn: Eqn) -> Optional[Rule]:
+    """Partitionable threefry bits are a function of the global position: every dim may split (hook)."""
+    import jax
+    if _shape(eqn.invars[0]) != () or not jax.config.jax_threefry_partitionable:
+        return None
+    if "fry" not in str(eqn.invars[0].aval.dtype):
+        return None
+    n = _Names()
+    res = tuple((n.new(s),) for s in eqn.params["shape"])
+    return Rule("random_bits", ((),), (res,), n.sizes)
+
+
+def trailing(eqn: Eqn) -> Rule:
+    """Leading dims shared by operand and result; trailing extra dims (key words, split counts) kept whole."""
+    a, b = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    n = _Names()
+    common = min(len(a), len(b))
+    shared = [(n.new(s),) for s in a[:common]]
+    ea = [(n.new(s),) for s in a[common:]]
+    eb = [(n.new(s),) for s in b[common:]]
+    rep = frozenset(f for (f,) in ea + eb)
+    extra = tuple(_shape(x) and tuple(shared[: len(_shape(x))]) or () for x in eqn.invars[1:])
+    return Rule(eqn.name, (tuple(shared + ea),) + extra, (tuple(shared + eb),), n.sizes, replicated=rep)
+
+
 RULES: dict[str, Callable[[Eqn], Optional[Rule]]] = {
+    **{name: trailing for name in ("random_split", "random_wrap", "random_unwrap", "random_fold_in")},
     "broadcast_in_dim": broadcast_in_dim,
     "reshape": reshape,
     "transpose": transpose,
@@ -269,13 +464,28 @@ RULES: dict[str, Callable[[Eqn], Optional[Rule]]] = {
     "dot_general": dot_general,
     "iota": iota,
     **{name: reduction for name in _REDUCE_KINDS},
-    **{name: along_axis for name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort")},
+    **{name: cumulative for name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")},
+    "sort": along_axis,
+    "top_k": top_k,
+    "slice": slice_rule,
+    "pad": pad_rule,
+    "rev": rev_rule,
+    "dynamic_slice": dynamic_slice_rule,
+    "dynamic_update_slice": dynamic_update_slice_rule,
+    "concatenate": concatenate_rule,
+    "gather": gather_rule,
+    "scatter-add": scatter_rule,
+    "scatter_add": scatter_rule,
+    "scatter": scatter_rule,
+    "random_bits": random_bits_rule,
 }
 
 
 def rule_for(eqn: Eqn) -> Optional[Rule]:
     """The factor rule of an equation, or None when the op has none (it then runs replicated)."""
     if eqn.name in ELEMENTWISE:
+        return elementwise(eqn)
+    if eqn.name == "bitcast_convert_type" and _shape(eqn.invars[0]) == _shape(eqn.outvars[0]):
         return elementwise(eqn)
     builder = RULES.get(eqn.name)
     return builder(eqn) if builder else None

@@ -43,4 +43,40 @@ def assert_close(a, b, rtol=1e-5, atol=1e-5):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
-__all__ = ["randn", "all_specs", "hlo_counts", "hlo_stats", "assert_close", "gs"]
+_MESHES: dict = {}
+
+
+def get_mesh(name):
+    """A cached mesh from conftest.MESHES by name ("8", "2x4", "2x2x2")."""
+    from conftest import MESHES
+    if name not in _MESHES:
+        _MESHES[name] = gs.make_mesh(MESHES[name])
+    return _MESHES[name]
+
+
+def check(fn, args, mesh, seed, n=6, out_random=True, rtol=1e-5, atol=1e-5, arg_specs=None):
+    """Run fn with random input/output shardings n times; each must equal the unpartitioned result.
+
+    arg_specs: optional per-argument list of allowed specs (default: every even spec).
+    """
+    import random
+    want = fn(*args)
+    r = random.Random(seed)
+    for _ in range(n):
+        in_specs = [r.choice(arg_specs[i] if arg_specs and arg_specs[i] is not None else all_specs(np.shape(a), mesh))
+                    for i, a in enumerate(args)]
+        outs = jax.tree_util.tree_leaves(want)
+        out_specs = [r.choice(all_specs(np.shape(o), mesh)) for o in outs] if out_random else None
+
+        def annotated(*xs):
+            y = fn(*[gs.shard(x, s) if np.ndim(x) else x for x, s in zip(xs, in_specs)])
+            if out_specs is None:
+                return y
+            leaves, tree = jax.tree_util.tree_flatten(y)
+            return jax.tree_util.tree_unflatten(tree, [gs.shard(v, s) for v, s in zip(leaves, out_specs)])
+
+        got = gs.partition(annotated, mesh)(*args)
+        assert_close(got, want, rtol=rtol, atol=atol)
+
+
+__all__ = ["randn", "all_specs", "hlo_counts", "hlo_stats", "assert_close", "check", "get_mesh", "gs"]

@@ -11,32 +11,7 @@ from hypothesis import strategies as st
 
 import gshard_jax as gs
 from conftest import MESHES
-from helpers import all_specs, assert_close, randn
-
-_MESH_CACHE = {}
-
-
-def get_mesh(name):
-    if name not in _MESH_CACHE:
-        _MESH_CACHE[name] = gs.make_mesh(MESHES[name])
-    return _MESH_CACHE[name]
-
-
-def check(fn, args, mesh, seed, n=6, out_random=True, rtol=1e-5, atol=1e-5):
-    """Run fn with random input/output shardings n times; each must equal the unpartitioned result."""
-    want = fn(*args)
-    r = random.Random(seed)
-    for _ in range(n):
-        in_specs = [r.choice(all_specs(np.shape(a), mesh)) for a in args]
-        out_spec = r.choice(all_specs(np.shape(want), mesh)) if out_random else None
-
-        def annotated(*xs):
-            y = fn(*[gs.shard(x, s) for x, s in zip(xs, in_specs)])
-            return gs.shard(y, out_spec) if out_spec is not None else y
-
-        got = gs.partition(annotated, mesh)(*args)
-        assert_close(got, want, rtol=rtol, atol=atol)
-
+from helpers import check, get_mesh, randn
 
 UNARY = [jnp.exp, jnp.tanh, jnp.abs, jnp.negative, jnp.sin, jax.nn.relu, jax.nn.gelu, lambda x: x ** 3,
          lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), jnp.sign, lambda x: jax.lax.stop_gradient(x),

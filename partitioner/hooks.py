@@ -1,0 +1,345 @@
+"""Op hooks on the generic lowering: what a few primitives need beyond binding on local shards.
+
+Each hook receives the chosen factor sharding and the local operands, and
+returns the local results; ``collectives`` says what each will communicate,
+for the cost model and the report. Hooks never choose shardings: the one
+mechanism in lower.py does.
+
+- iota, random_bits: position-dependent values get the shard's global offset
+  (GShard's PartitionId x shard size; partitionable threefry is a function of
+  the global position, so its bits equal the unpartitioned ones).
+- max/min/and/or/prod/argmax/argmin reductions and top_k over a split dim:
+  local candidates, then a combine.
+- cumsum & co along a split dim: local scan plus an exclusive scan of the
+  shard totals.
+- gather over a split indexed dim: indices shifted into the local range,
+  rows held elsewhere zeroed, leaving a partial sum; scatter-add the same way,
+  and with split update batch dims the operand counted on one shard only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .cost import Collective
+from .program import Eqn
+from .reshard import linear_axis_index
+from .rules import FactorSharding, Rule
+from .sharding import Axes, Sharding
+
+
+@dataclasses.dataclass
+class OpContext:
+    eqn: Eqn
+    rule: Rule
+    fs: FactorSharding
+    made: Sequence[Sharding]
+    mesh_shape: Mapping[str, int]
+
+    def axes(self, factor: str) -> Axes:
+        return tuple(a for a in self.fs.get(factor, ()) if self.mesh_shape[a] > 1)
+
+    def group(self, axes: Axes) -> int:
+        return math.prod(self.mesh_shape[a] for a in axes)
+
+    def index(self, axes: Axes):
+        return linear_axis_index(axes, self.mesh_shape)
+
+    def local_out(self, i: int = 0) -> tuple[int, ...]:
+        return self.made[i].local_shape(self.eqn.outvars[i].shape, self.mesh_shape)
+
+    def out_bytes(self, i: int = 0) -> int:
+        return int(math.prod(self.local_out(i))) * self.eqn.outvars[i].dtype.itemsize
+
+
+def _name(axes: Axes):
+    return axes if len(axes) > 1 else axes[0]
+
+
+def _reduced_axes(ctx: OpContext) -> Axes:
+    return tuple(a for f in ctx.rule.reductions for a in ctx.axes(f))
+
+
+# --------------------------------------------------------------------------- communication of each hook
+
+def collectives(ctx: OpContext) -> list[Collective]:
+    """What the hook of ctx's primitive communicates under ctx's factor sharding."""
+    name = ctx.eqn.name
+    out: list[Collective] = []
+    dtype = ctx.eqn.outvars[0].dtype
+    dt = str(dtype)
+    if name in ("reduce_max", "reduce_min", "reduce_and", "reduce_or", "reduce_prod", "argmax", "argmin", "top_k"):
+        axes = _reduced_axes(ctx)
+        if not axes:
+            return []
+        n = ctx.group(axes)
+        b, shape = ctx.out_bytes(), ctx.local_out()
+        if name in ("reduce_max", "reduce_min", "reduce_and", "reduce_or"):
+            out.append(Collective("all-reduce", axes, n, b, shape, dt, "combine"))
+        elif name == "reduce_prod":
+            out.append(Collective("all-gather", axes, n, b * n, (n,) + shape, dt, "combine"))
+        elif name in ("argmax", "argmin"):
+            vb = int(math.prod(shape)) * ctx.eqn.invars[0].aval.dtype.itemsize
+            out.append(Collective("all-gather", axes, n, vb * n, (n,) + shape, "", "candidate values"))
+            out.append(Collective("all-gather", axes, n, b * n, (n,) + shape, dt, "candidate indices"))
+        else:  # top_k: values and indices of every shard's k candidates
+            out.append(Collective("all-gather", axes, n, b * n, shape[:-1] + (shape[-1] * n,), dt, "candidates"))
+            ib = ctx.out_bytes(1)
+            out.append(Collective("all-gather", axes, n, ib * n, shape[:-1] + (shape[-1] * n,), "int32", "indices"))
+    elif name in CUMULATIVE:
+        axis = ctx.eqn.params["axis"]
+        axes = ctx.axes(ctx.rule.operands[0][axis][0])
+        if axes:
+            n = ctx.group(axes)
+            shape = list(ctx.local_out())
+            shape[axis] = 1
+            b = int(math.prod(shape)) * dtype.itemsize
+            out.append(Collective("all-gather", axes, n, b * n, (n,) + tuple(shape), dt, "shard totals"))
+    return out
+
+
+# --------------------------------------------------------------------------- hooks
+
+def _iota(ctx: OpContext, ins, params, bind):
+    (out,) = bind(*ins, **params)
+    d = ctx.eqn.params["dimension"]
+    axes = ctx.axes(ctx.rule.results[0][d][0])
+    if axes:
+        out = out + (ctx.index(axes) * out.shape[d]).astype(out.dtype)
+    return [out]
+
+
+def _pmax(x, name):
+    """pmax with a derivative: the tangent of the maximal entries, averaged over ties (as reduce_max)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return jax.lax.pmax(x, name)
+    return _pmax_diff(x, name)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _pmax_diff(x, name):
+    return jax.lax.pmax(x, name)
+
+
+@_pmax_diff.defjvp
+def _pmax_diff_jvp(name, primals, tangents):
+    (x,), (t,) = primals, tangents
+    y = jax.lax.pmax(x, name)
+    hit = (x == y).astype(x.dtype)
+    return y, jax.lax.psum(t * hit, name) / jax.lax.psum(hit, name)
+
+
+def _reduce_combine(ctx: OpContext, ins, params, bind):
+    (out,) = bind(*ins, **params)
+    axes = _reduced_axes(ctx)
+    if not axes:
+        return [out]
+    name, kind = _name(axes), ctx.eqn.name
+    if kind == "reduce_max":
+        out = _pmax(out, name)
+    elif kind == "reduce_min":
+        out = -_pmax(-out, name) if jnp.issubdtype(out.dtype, jnp.floating) else jax.lax.pmin(out, name)
+    elif kind in ("reduce_and", "reduce_or"):
+        y = out.astype(jnp.int32)
+        out = (jax.lax.pmin(y, name) if kind == "reduce_and" else jax.lax.pmax(y, name)).astype(out.dtype)
+    else:  # reduce_prod
+        out = jnp.prod(jax.lax.all_gather(out, name, axis=0), axis=0).astype(out.dtype)
+    return [out]
+
+
+def _arg_reduce(ctx: OpContext, ins, params, bind):
+    """argmax/argmin over a split dim: local candidates with global indices, then the best of them."""
+    (x,) = ins
+    (axis,) = ctx.eqn.params["axes"]
+    (idx,) = bind(x, **params)
+    axes = _reduced_axes(ctx)
+    if not axes:
+        return [idx]
+    val = jnp.take_along_axis(x, jnp.expand_dims(idx, axis).astype(jnp.int32), axis=axis).squeeze(axis)
+    gidx = idx + (ctx.index(axes) * x.shape[axis]).astype(idx.dtype)
+    vals = jax.lax.all_gather(val, _name(axes), axis=0)
+    idxs = jax.lax.all_gather(gidx, _name(axes), axis=0)
+    pick = jnp.argmax(vals, axis=0) if ctx.eqn.name == "argmax" else jnp.argmin(vals, axis=0)
+    return [jnp.take_along_axis(idxs, pick[None], axis=0)[0]]
+
+
+def _top_k(ctx: OpContext, ins, params, bind):
+    (x,) = ins
+    axes = _reduced_axes(ctx)
+    k = ctx.eqn.params["k"]
+    if axes and x.shape[-1] < k:  # too few local candidates: take the whole dim
+        x, axes = jax.lax.all_gather(x, _name(axes), axis=x.ndim - 1, tiled=True), ()
+    vals, idx = bind(x, **params)
+    if not axes:
+        return [vals, idx]
+    idx = idx + (ctx.index(axes) * x.shape[-1]).astype(idx.dtype)
+    vals = jax.lax.all_gather(vals, _name(axes), axis=vals.ndim - 1, tiled=True)
+    idx = jax.lax.all_gather(idx, _name(axes), axis=idx.ndim - 1, tiled=True)
+    best, pos = jax.lax.top_k(vals, k)
+    return [best, jnp.take_along_axis(idx, pos, axis=-1)]
+
+
+CUMULATIVE = {
+    "cumsum": (jnp.add, lambda g, m: jnp.sum(jnp.where(m, g, 0), axis=0), 0),
+    "cumprod": (jnp.multiply, lambda g, m: jnp.prod(jnp.where(m, g, 1), axis=0), 1),
+    "cummax": (jnp.maximum, lambda g, m: jnp.max(jnp.where(m, g, _lowest(g.dtype)), axis=0), None),
+    "cummin": (jnp.minimum, lambda g, m: jnp.min(jnp.where(m, g, _highest(g.dtype)), axis=0), None),
+    "cumlogsumexp": (jnp.logaddexp, lambda g, m: jax.nn.logsumexp(jnp.where(m, g, -jnp.inf), axis=0), None),
+}
+
+
+def _lowest(dtype):
+    return -jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
+
+
+def _highest(dtype):
+    return jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max
+
+
+def _cumulative(ctx: OpContext, ins, params, bind):
+    """Local scan, then combine with the exclusive scan of the shard totals along the split axis."""
+    (out,) = bind(*ins, **params)
+    axis, reverse = ctx.eqn.params["axis"], ctx.eqn.params["reverse"]
+    axes = ctx.axes(ctx.rule.operands[0][axis][0])
+    if not axes:
+        return [out]
+    combine, reduce_masked, _ = CUMULATIVE[ctx.eqn.name]
+    total = jax.lax.slice_in_dim(out, 0 if reverse else out.shape[axis] - 1, 1 if reverse else out.shape[axis], axis=axis)
+    gathered = jax.lax.all_gather(total, _name(axes), axis=0)
+    n, me = gathered.shape[0], ctx.index(axes)
+    order = jnp.arange(n).reshape((n,) + (1,) * total.ndim)
+    before = order > me if reverse else order < me
+    prefix = reduce_masked(gathered, before)
+    has = jnp.any(before)
+    return [jnp.where(has, combine(out, prefix), out)]
+
+
+def _fill_value(dtype, fill):
+    if fill is not None:
+        return fill
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return np.nan
+    if jnp.issubdtype(dtype, jnp.bool_):
+        return True
+    info = jnp.iinfo(dtype)
+    return info.min if jnp.issubdtype(dtype, jnp.signedinteger) else info.max
+
+
+def _gather(ctx: OpContext, ins, params, bind):
+    operand, indices = ins
+    dn = ctx.eqn.params["dimension_numbers"]
+    os = ctx.eqn.invars[0].shape
+    sizes = list(params["slice_sizes"])
+    offset_operand = [d for d in range(len(os)) if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    for d in offset_operand:
+        if sizes[d] == os[d]:
+            sizes[d] = operand.shape[d]
+    params = dict(params, slice_sizes=tuple(sizes))
+    split = [(j, d, ctx.axes(ctx.rule.operands[0][d][0])) for j, d in enumerate(dn.start_index_map)]
+    split = [(j, d, ax) for j, d, ax in split if ax and ctx.rule.reductions.get(ctx.rule.operands[0][d][0]) == "sum"]
+    if not split:
+        return bind(operand, indices, **params)
+    mode = ctx.eqn.params["mode"]
+    fill_drop = mode == jax.lax.GatherScatterMode.FILL_OR_DROP
+    keep = jnp.ones(indices.shape[:-1], bool)
+    valid = jnp.ones(indices.shape[:-1], bool)
+    first = jnp.bool_(True)
+    for j, d, axes in split:
+        g = indices[..., j]
+        if fill_drop:
+            valid &= (g >= 0) & (g < os[d])
+        g = jnp.clip(g, 0, os[d] - 1)
+        local = g - (ctx.index(axes) * operand.shape[d]).astype(g.dtype)
+        keep &= (local >= 0) & (local < operand.shape[d])
+        indices = indices.at[..., j].set(jnp.clip(local, 0, operand.shape[d] - 1))
+        first &= ctx.index(axes) == 0
+    params = dict(params, mode=jax.lax.GatherScatterMode.CLIP, fill_value=None)
+    (out,) = bind(operand, indices, **params)
+    expand = lambda m: jnp.expand_dims(m, tuple(dn.offset_dims)) if dn.offset_dims else m
+    out = jnp.where(expand(keep & valid), out, jnp.zeros((), out.dtype))
+    if fill_drop:
+        fill = _fill_value(out.dtype, ctx.eqn.params["fill_value"])
+        out = jnp.where(expand(~valid) & first, jnp.asarray(fill, out.dtype), out)
+    return [out]
+
+
+def _scatter(ctx: OpContext, ins, params, bind):
+    operand, indices, updates = ins
+    dn = ctx.eqn.params["dimension_numbers"]
+    os = ctx.eqn.invars[0].shape
+    batch_axes = _reduced_axes(ctx)
+    if batch_axes:  # every shard adds its own updates: count the operand once
+        operand = jnp.where(ctx.index(batch_axes) == 0, operand, jnp.zeros((), operand.dtype))
+    split = [(j, d, ctx.axes(ctx.rule.operands[0][d][0])) for j, d in enumerate(dn.scatter_dims_to_operand_dims)]
+    split = [(j, d, ax) for j, d, ax in split if ax]
+    if split:
+        for j, d, axes in split:
+            g = indices[..., j]
+            if ctx.eqn.params["mode"] == jax.lax.GatherScatterMode.CLIP:
+                g = jnp.clip(g, 0, os[d] - 1)
+            indices = indices.at[..., j].set(g - (ctx.index(axes) * operand.shape[d]).astype(g.dtype))
+        params = dict(params, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+    return bind(operand, indices, updates, **params)
+
+
+def _random_bits(ctx: OpContext, ins, params, bind):
+    """Partitionable threefry: bits at global position p are threefry(key, p), so compute them locally."""
+    from jax._src.random.threefry2x32 import threefry2x32_p
+
+    (key,) = ins
+    gshape = tuple(ctx.eqn.params["shape"])
+    if math.prod(gshape) >= 2 ** 32:
+        raise NotImplementedError("partitioned random_bits for more than 2**32 values")
+    local = ctx.local_out()
+    flat = jnp.zeros(local, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(gshape))):
+        axes = ctx.axes(ctx.rule.results[0][d][0])
+        pos = jax.lax.broadcasted_iota(jnp.uint32, local, d)
+        if axes:
+            pos = pos + (ctx.index(axes) * local[d]).astype(jnp.uint32)
+        flat = flat + pos * jnp.uint32(stride)
+        stride *= gshape[d]
+    k = jax.random.key_data(key)
+    bits1, bits2 = threefry2x32_p.bind(k[0], k[1], jnp.zeros(local, jnp.uint32), flat)
+    width = ctx.eqn.params["bit_width"]
+    dtype = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}[width]
+    if width == 64:
+        hi, lo = bits1.astype(dtype), bits2.astype(dtype)
+        return [jax.lax.shift_left(hi, jnp.asarray(32, dtype)) | lo]
+    if width == 32:
+        return [bits1 ^ bits2]
+    return [(bits1 ^ bits2).astype(dtype)]
+
+
+def _slice(ctx: OpContext, ins, params, bind):
+    """Whole dims may be split: their limit is the local size."""
+    x = ins[0]
+    gshape = ctx.eqn.invars[0].shape
+    limits = tuple(lim if x.shape[d] == gshape[d] else x.shape[d] for d, lim in enumerate(params["limit_indices"]))
+    return bind(*ins, **dict(params, limit_indices=limits))
+
+
+def _dynamic_slice(ctx: OpContext, ins, params, bind):
+    return bind(*ins, **dict(params, slice_sizes=ctx.local_out()))
+
+
+HOOKS: dict[str, Callable] = {
+    "slice": _slice,
+    "dynamic_slice": _dynamic_slice,
+    "iota": _iota,
+    "reduce_max": _reduce_combine, "reduce_min": _reduce_combine, "reduce_and": _reduce_combine,
+    "reduce_or": _reduce_combine, "reduce_prod": _reduce_combine,
+    "argmax": _arg_reduce, "argmin": _arg_reduce,
+    "top_k": _top_k,
+    **{name: _cumulative for name in CUMULATIVE},
+    "gather": _gather,
+    "scatter-add": _scatter, "scatter_add": _scatter, "scatter": _scatter,
+    "random_bits": _random_bits,
+}

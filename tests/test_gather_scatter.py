@@ -1,0 +1,97 @@
+"""Embedding lookups, scatter-adds and slicing ops on split and unsplit dims."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gshard_jax as gs
+from helpers import assert_close, check, get_mesh, hlo_counts, randn
+
+
+def ids(rng, *shape, vocab=32):
+    return rng.integers(0, vocab, size=shape).astype(np.int32)
+
+
+LOOKUPS = {
+    "take": lambda t, i: jnp.take(t, i, axis=0),
+    "getitem": lambda t, i: t[i],
+    "take_clip": lambda t, i: jnp.take(t, i, axis=0, mode="clip"),
+    "take_fill_oob": lambda t, i: jnp.take(t, i + 30, axis=0, mode="fill", fill_value=-1.0),
+    "take_along_axis": lambda t, i: jnp.take_along_axis(t, jnp.tile(i, (4, 1)) % 16, axis=1),
+    "one_row_per_batch": lambda t, i: t[i[:, 0]],
+}
+
+
+@pytest.mark.parametrize("name", list(LOOKUPS))
+def test_lookups_under_random_shardings(mesh, rng, name):
+    table, idx = randn(rng, 32, 16), ids(rng, 8, 4)
+    check(LOOKUPS[name], [table, idx], mesh, seed=len(name), n=8)
+
+
+def test_vocab_split_lookup_is_one_all_reduce(rng):
+    mesh = get_mesh("8")
+    table, idx = randn(rng, 64, 16), ids(rng, 8, 4, vocab=64)
+    fn = lambda t, i: gs.replicate(jnp.take(gs.split(t, 0, 8), gs.replicate(i), axis=0))
+    f = gs.partition(fn, mesh)
+    assert_close(f(table, idx), fn(table, idx))
+    assert hlo_counts(f, table, idx) == {"all-reduce": 1}
+
+
+def test_vocab_split_lookup_batch_split_output_is_reduce_scatter(rng):
+    mesh = get_mesh("8")
+    table, idx = randn(rng, 64, 16), ids(rng, 8, 4, vocab=64)
+    fn = lambda t, i: gs.split(jnp.take(gs.split(t, 0, 8), gs.replicate(i), axis=0), 0, 8)
+    f = gs.partition(fn, mesh)
+    assert_close(f(table, idx), fn(table, idx))
+    assert hlo_counts(f, table, idx) == {"reduce-scatter": 1}
+
+
+def test_feature_split_and_index_parallel_lookups_need_no_communication(rng):
+    mesh = get_mesh("2x4")
+    table, idx = randn(rng, 64, 16), ids(rng, 8, 4, vocab=64)
+    fn = lambda t, i: gs.shard(jnp.take(gs.shard(t, (None, "model")), gs.shard(i, ("data", None)), axis=0),
+                               ("data", None, "model"))
+    f = gs.partition(fn, mesh)
+    assert_close(f(table, idx), fn(table, idx))
+    assert hlo_counts(f, table, idx) == {}
+
+
+def test_embedding_gradient_scatter_add(mesh, rng):
+    table, idx = randn(rng, 32, 16), ids(rng, 8, 4)
+
+    def grad(t, i, g):
+        return jax.vjp(lambda tt: jnp.take(tt, i, axis=0), t)[1](g)[0]
+
+    check(grad, [table, idx, randn(rng, 8, 4, 16)], mesh, seed=5, n=8)
+
+
+def test_scatter_add_vocab_split_with_batch_split_updates(rng):
+    mesh = get_mesh("2x4")
+    table, idx, upd = randn(rng, 32, 16), ids(rng, 8, 4), randn(rng, 8, 4, 16)
+
+    def fn(t, i, u):
+        t = gs.shard(jnp.asarray(t), ("model", None))
+        return gs.shard(t.at[gs.shard(i, ("data", None))].add(gs.shard(u, ("data", None, None))), ("model", None))
+
+    f = gs.partition(fn, mesh)
+    assert_close(f(table, idx, upd), fn(table, idx, upd))
+    assert hlo_counts(f, table, idx, upd) == {"all-reduce": 1}  # the partial sum over data
+
+
+SLICING = {
+    "slice": lambda x: x[2:6, 1:],
+    "slice_whole_rows": lambda x: x[:, :3],
+    "pad": lambda x: jnp.pad(x, ((1, 2), (0, 0))),
+    "pad_cols": lambda x: jnp.pad(x, ((0, 0), (2, 1)), constant_values=3.0),
+    "concatenate": lambda x: jnp.concatenate([x, 2 * x], axis=0),
+    "concatenate_cols": lambda x: jnp.concatenate([x, x[:, :2]], axis=1),
+    "rev": lambda x: x[::-1],
+    "dynamic_slice": lambda x: jax.lax.dynamic_slice_in_dim(x, 3, 4, axis=0),
+    "dynamic_update_slice": lambda x: jax.lax.dynamic_update_slice_in_dim(x, jnp.ones((8, 2)), 1, axis=1),
+    "strided": lambda x: x[::2],
+}
+
+
+@pytest.mark.parametrize("name", list(SLICING))
+def test_slicing_ops(mesh, rng, name):
+    check(SLICING[name], [randn(rng, 8, 8)], mesh, seed=len(name), n=6)
