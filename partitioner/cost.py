@@ -60,11 +60,17 @@ class Collective:
         return moved_bytes(self.kind, self.payload, self.group)
 
     def time(self, profile: Optional[HardwareProfile] = None) -> float:
+        """Launch + latency of a tree/recursive-doubling schedule + ring bandwidth term.
+
+        The latency term grows with log2 of the group (what collective
+        libraries achieve for small messages); the launch term makes two
+        collectives cost more than one with the same bytes.
+        """
         profile = profile or DEFAULT_PROFILE
         if self.group <= 1:
             return 0.0
-        steps = 1 if self.kind == "collective-permute" else self.group - 1
-        return steps * profile.latency + self.moved / profile.bandwidth_of(self.axes)
+        steps = 1 if self.kind == "collective-permute" else math.ceil(math.log2(self.group))
+        return (1 + steps) * profile.latency + self.moved / profile.bandwidth_of(self.axes)
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "axes": list(self.axes), "group": self.group, "payload_bytes": self.payload,
