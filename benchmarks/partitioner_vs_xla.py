@@ -39,6 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import gshard_jax as gs  # noqa: E402
+from models import lm  # noqa: E402
 from partitioner.hlo import collective_stats  # noqa: E402
 
 
@@ -98,6 +99,23 @@ def programs(n):
     mlp_args = (f32(64, 512), f32(512, 2048), f32(2048, 512))
     att_args = (f32(n, 128, 256), f32(256, 256), f32(256, 256), f32(256, 256), f32(256, 256))
     grad = lambda f, k: jax.grad(f, argnums=tuple(range(k)))
+
+    def lm_step(axes, layout, **cfg_kw):
+        cfg = lm.LMConfig(**cfg_kw)
+        params = lm.init_params(jax.random.key(0), cfg)
+        args = (params, lm.optimizer(cfg).init(params), lm.make_batch(jax.random.key(1), 16, cfg))
+        step = lambda p, s, b: lm.train_step(p, s, b, cfg, layout)[:3]
+        return axes, step, args
+
+    lm_programs = {}
+    if n % 2 == 0 and n > 1:
+        lm_programs = {
+            "lm_train data": lm_step({"data": n}, lm.Layout("data", None)),
+            "lm_train data+model": lm_step({"data": dp, "model": mp}, lm.Layout("data", "model")),
+            "lm_train_scan12 data": lm_step({"data": n}, lm.Layout("data", None), scan=True, layers=12),
+            "lm_train_scan12 data+model": lm_step({"data": dp, "model": mp}, lm.Layout("data", "model"),
+                                                  scan=True, layers=12),
+        }
     return {
         "megatron_mlp fwd": ({"data": dp, "model": mp}, megatron_mlp, mlp_args),
         "megatron_mlp grad": ({"data": dp, "model": mp}, grad(mlp_loss, 3), mlp_args),
@@ -105,6 +123,7 @@ def programs(n):
         "moe_einsum_chain grad": ({"expert": n}, lambda *a: grad(moe_loss, 5)(*a)[2:], moe_args),
         "attention_block fwd": ({"batch": n}, attention, att_args),
         "attention_block grad": ({"batch": n}, grad(attention_loss, 5), att_args),
+        **lm_programs,
     }
 
 
@@ -162,7 +181,8 @@ def main():
             "partition_s_ours": ours["partition_s"], "partition_s_xla": xla["partition_s"],
             "compile_s_ours": ours["compile_s"], "compile_s_xla": xla["compile_s"],
             "step_ms_ours": ours["step_s"] * 1e3, "step_ms_xla": xla["step_s"] * 1e3,
-            "step_ratio": ours["step_s"] / xla["step_s"],
+            "step_ratio": ours["step_s"] / xla["step_s"], "count_ratio": oc / xc if xc else float(oc == 0) or float("inf"),
+            "setup_ratio": (ours["partition_s"] + ours["compile_s"]) / (xla["partition_s"] + xla["compile_s"]),
         })
         print_row(rows[-1], header=len(rows) == 1)
     if ARGS.json:
@@ -174,14 +194,16 @@ def main():
 def print_row(r, header=False):
     if header:
         print(f"# backend={jax.default_backend()} devices={len(jax.devices())} steps={ARGS.steps}")
-        print(f"{'program':<24} {'mesh':<22} {'maxdiff ours/xla':<19} {'collectives ours | xla':<40} "
-              f"{'bytes/dev ours':>14} {'xla':>10} {'ratio':>6} {'part s':>13} {'compile s':>13} "
-              f"{'step ms ours/xla':>17} {'ratio':>6}")
-    print(f"{r['program']:<24} {str(r['mesh']):<22} {r['diff_ours']:.1e}/{r['diff_xla']:.1e}    "
-          f"{r['collectives_ours'] + ' | ' + r['collectives_xla']:<40} {r['bytes_ours']:>14,} {r['bytes_xla']:>10,} "
-          f"{r['bytes_ratio']:>6.2f} {r['partition_s_ours']:>6.2f}/{r['partition_s_xla']:<6.2f} "
-          f"{r['compile_s_ours']:>6.2f}/{r['compile_s_xla']:<6.2f} {r['step_ms_ours']:>8.2f}/{r['step_ms_xla']:<8.2f} "
-          f"{r['step_ratio']:>6.2f}", flush=True)
+        print(f"{'program':<28} {'mesh':<24} {'maxdiff ours/xla':<19} {'collectives ours | xla':<44} "
+              f"{'bytes/dev ours':>14} {'xla':>10} {'bytes':>6} {'count':>6} {'part s':>13} {'compile s':>13} "
+              f"{'setup':>6} {'step ms ours/xla':>17} {'step':>6}")
+        print(f"{'':<28} {'':<24} {'':<19} {'':<44} {'':>14} {'':>10} {'ratio':>6} {'ratio':>6} {'':>13} {'':>13} "
+              f"{'ratio':>6} {'':>17} {'ratio':>6}")
+    print(f"{r['program']:<28} {str(r['mesh']):<24} {r['diff_ours']:.1e}/{r['diff_xla']:.1e}    "
+          f"{r['collectives_ours'] + ' | ' + r['collectives_xla']:<44} {r['bytes_ours']:>14,} {r['bytes_xla']:>10,} "
+          f"{r['bytes_ratio']:>6.2f} {r['count_ratio']:>6.2f} {r['partition_s_ours']:>6.2f}/{r['partition_s_xla']:<6.2f} "
+          f"{r['compile_s_ours']:>6.2f}/{r['compile_s_xla']:<6.2f} {r['setup_ratio']:>6.2f} "
+          f"{r['step_ms_ours']:>8.2f}/{r['step_ms_xla']:<8.2f} {r['step_ratio']:>6.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,4 @@
 """Every op family, partitioned under many shardings, equals the unpartitioned function."""
-import random
 import string
 
 import jax
@@ -11,7 +10,7 @@ from hypothesis import strategies as st
 
 import gshard_jax as gs
 from conftest import MESHES
-from helpers import check, get_mesh, randn
+from helpers import assert_close, check, get_mesh, randn
 
 UNARY = [jnp.exp, jnp.tanh, jnp.abs, jnp.negative, jnp.sin, jax.nn.relu, jax.nn.gelu, lambda x: x ** 3,
          lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), jnp.sign, lambda x: jax.lax.stop_gradient(x),
