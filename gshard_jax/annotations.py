@@ -73,14 +73,6 @@ def _annotate(x, resolve, what: str):
         return x
     mesh, backend = ctx
     sharding = resolve(mesh)
-    shape = tuple(np.shape(x))
-    mesh_shape = dict(mesh.shape)
-    for d, axes in enumerate(sharding.dims):
-        tiles = math.prod(mesh_shape[a] for a in axes)
-        if shape[d] % tiles:
-            raise ValueError(
-                f"{what}: dim {d} of the value (shape {shape}) has size {shape[d]}, which is not divisible "
-                f"by the {tiles} tiles of mesh axes {axes}; pad dim {d} to a multiple of {tiles} or split fewer ways")
     if backend == "xla":
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, sharding.spec()))
     return sharding_annotation_p.bind(x, sharding=sharding, what=what)

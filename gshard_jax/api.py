@@ -109,10 +109,27 @@ def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardw
             report.outputs = [f"{tuple(v.shape)} {plan.sharding(v)}" for v in program.outvars]
         per_device = jax.shard_map(lambda *xs: tuple(lowering.run(*xs)), mesh=mesh, in_specs=specs_in,
                                    out_specs=specs_out, check_vma=False)
-        outs = per_device(*flat_args, *[c for _, c in program.consts])
-        return jax.tree_util.tree_unflatten(out_tree, list(outs))
+        mesh_shape = dict(mesh.shape)
+        ins = [_pad(x, plan.sharding(v), v.shape, mesh_shape)
+               for v, x in zip(values, list(flat_args) + [c for _, c in program.consts])]
+        outs = [_unpad(x, plan.sharding(v), v.shape) for v, x in zip(program.outvars, per_device(*ins))]
+        return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return global_fn
+
+
+def _pad(x, sharding: Sharding, shape, mesh_shape):
+    """Inputs split unevenly enter the per-device program padded (see partitioner.sharding)."""
+    if not sharding.padded:
+        return x
+    target = sharding.physical_shape(shape, mesh_shape)
+    return jax.numpy.pad(x, [(0, t - s) for t, s in zip(target, shape)])
+
+
+def _unpad(x, sharding: Sharding, shape):
+    if not sharding.padded:
+        return x
+    return jax.lax.slice(x, (0,) * len(shape), tuple(shape))
 
 
 def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings: Any = None,

@@ -41,6 +41,7 @@ class OpContext:
     fs: FactorSharding
     made: Sequence[Sharding]
     mesh_shape: Mapping[str, int]
+    need: Sequence[Sharding] = ()
 
     def axes(self, factor: str) -> Axes:
         return tuple(a for a in self.fs.get(factor, ()) if self.mesh_shape[a] > 1)
@@ -328,6 +329,59 @@ def _slice(ctx: OpContext, ins, params, bind):
 
 def _dynamic_slice(ctx: OpContext, ins, params, bind):
     return bind(*ins, **dict(params, slice_sizes=ctx.local_out()))
+
+
+# --------------------------------------------------------------------------- padding of uneven splits
+
+def _identity(kind: str, dtype):
+    if kind in ("sum", "or"):
+        return jnp.zeros((), dtype)
+    if kind == "prod":
+        return jnp.ones((), dtype)
+    if kind == "and":
+        return jnp.ones((), dtype)
+    if kind in ("max", "argmax", "top_k", "cummax"):
+        return jnp.asarray(_lowest(dtype), dtype)
+    if kind in ("min", "argmin", "cummin"):
+        return jnp.asarray(_highest(dtype), dtype)
+    if kind == "cumlogsumexp":
+        return jnp.asarray(-jnp.inf, dtype)
+    raise AssertionError(kind)
+
+
+def _masked_factors(ctx: OpContext) -> dict[str, str]:
+    """Factors whose padding an op would read, and the identity kind that neutralises it."""
+    name = ctx.eqn.name
+    if name in CUMULATIVE:
+        f = ctx.rule.operands[0][ctx.eqn.params["axis"]][0]
+        return {f: {"cumsum": "sum", "cumprod": "prod"}.get(name, name)}
+    if name == "gather":  # only valid rows are ever indexed
+        return {}
+    return dict(ctx.rule.reductions)
+
+
+def mask_padding(ctx: OpContext, ins: list) -> list:
+    """Replace the padding of uneven split dims that the op reduces over by the op's identity."""
+    if not any(n.padded for n in ctx.need):
+        return ins
+    kinds = _masked_factors(ctx)
+    out = list(ins)
+    for i, (x, need, tf) in enumerate(zip(ins, ctx.need, ctx.rule.operands)):
+        if not need.padded or not hasattr(x, "ndim"):
+            continue
+        if ctx.eqn.name in ("scatter-add", "scatter_add") and i != 2:
+            continue  # only the updates are masked; their indices then add zeros
+        for d in need.padded:
+            (f,) = tf[d]
+            if f not in kinds:
+                continue
+            size = ctx.eqn.invars[i].shape[d]
+            axes = ctx.axes(f)
+            pos = jax.lax.broadcasted_iota(jnp.int32, x.shape, d)
+            if axes:
+                pos = pos + ctx.index(axes) * x.shape[d]
+            out[i] = jnp.where(pos < size, out[i], _identity(kinds[f], x.dtype))
+    return out
 
 
 HOOKS: dict[str, Callable] = {

@@ -49,6 +49,11 @@ def _dtype(x):
     return x.aval.dtype
 
 
+def _stacked(s: Sharding) -> Sharding:
+    """The sharding of a scan's stacked value whose slices are sharded as s (scan dim whole)."""
+    return Sharding(((),) + s.dims, s.partial, frozenset(d + 1 for d in s.padded))
+
+
 def _merge_fs(dims_fs: Sequence[Optional[R.FactorSharding]]) -> R.FactorSharding:
     out: R.FactorSharding = {}
     for d in dims_fs:
@@ -171,7 +176,7 @@ class Lowering:
             body = eqn.subs["body"]
             nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
             ins = [(self._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[: nc + nk], body.invars)]
-            stacked = [Sharding(((),) + plan(b).dims) for b in body.invars[nc + nk:]]
+            stacked = [_stacked(plan(b)) for b in body.invars[nc + nk:]]
             xs = [self._read(env, x, s, log) for x, s in zip(eqn.invars[nc + nk:], stacked)]
             carry_sh = [plan(b) for b in body.invars[nc: nc + nk]]
             y_sh = [plan(b) for b in body.outvars[nk:]]
@@ -183,7 +188,7 @@ class Lowering:
 
             carry, ys = jax.lax.scan(step, tuple(a for a, _ in ins[nc:]), tuple(xs), length=eqn.params["length"],
                                      reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
-            results = list(zip(carry, carry_sh)) + [(y, Sharding(((),) + s.dims)) for y, s in zip(ys, y_sh)]
+            results = list(zip(carry, carry_sh)) + [(y, _stacked(s)) for y, s in zip(ys, y_sh)]
             strategy = f"scan x{eqn.params['length']}: carry {' '.join(map(str, carry_sh)) or '-'}"
         elif eqn.name == "while":
             cond, body = eqn.subs["cond"], eqn.subs["body"]
@@ -281,8 +286,11 @@ class Lowering:
             outs = eqn.prim.bind(*args, **kw)
             return list(outs) if eqn.prim.multiple_results else [outs]
 
-        if rule is None or eqn.name not in H.HOOKS:
+        if rule is None:
             return bind(*local_in, **params)
-        ctx = H.OpContext(eqn, rule, choice.fs, choice.made, self.mesh_shape)
+        ctx = H.OpContext(eqn, rule, choice.fs, choice.made, self.mesh_shape, choice.need)
+        local_in = H.mask_padding(ctx, local_in)
+        if eqn.name not in H.HOOKS:
+            return bind(*local_in, **params)
         log.extend(H.collectives(ctx))
         return H.HOOKS[eqn.name](ctx, local_in, params, bind)

@@ -21,7 +21,7 @@ from typing import Mapping, Optional, Sequence
 
 from . import rules as R
 from .program import Eqn, Program, Value
-from .sharding import Sharding
+from .sharding import Sharding, splittable
 
 LATE_BACKWARD = frozenset({"broadcast_in_dim"})
 
@@ -119,11 +119,11 @@ def _merge(cur: Sharding, new: Sharding, shape, mesh_shape) -> Sharding:
             tiles = 1
             for a in c + extra:
                 tiles *= mesh_shape[a]
-            if shape[d] % tiles:
+            if not splittable(shape[d], tiles):
                 continue
             dims[d] = c + extra
             used |= set(extra)
-    return Sharding(tuple(dims))
+    return Sharding(tuple(dims)).canonical(shape, mesh_shape)
 
 
 def propagate(program: Program, mesh_shape: Mapping[str, int],
@@ -132,13 +132,13 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
     shardings: dict[Value, Sharding] = {}
     origins: dict[Value, str] = {}
     for v, (s, why) in seeds.items():
-        shardings[v], origins[v] = s, why
+        shardings[v], origins[v] = s.canonical(v.shape, mesh_shape), why
     fixed = set(seeds)
     rules = {e: (None if e.subs else R.rule_for(e)) for e in program.all_eqns()}
     for e in program.all_eqns():
         if e.name == "sharding_annotation":
             v = e.outvars[0]
-            shardings[v] = e.params["sharding"]
+            shardings[v] = e.params["sharding"].canonical(v.shape, mesh_shape)
             origins[v] = f"user annotation {e.params['what']} at {e.source}"
             fixed.add(v)
     cons = constraints(program, rules)

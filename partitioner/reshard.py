@@ -1,6 +1,8 @@
 """Resharding: from one sharding to another in the fewest, cheapest collectives (DESIGN.md section 7).
 
-Order, as Shardy's reshard-to-collectives: partial axes are reduced first
+A change of padding (see sharding.py) happens where the dim is whole: the
+dim is gathered, padded or cut locally, then split again. Otherwise the
+order is Shardy's reshard-to-collectives: partial axes are reduced first
 (reduce-scatter where the target splits a dim on that axis, else all-reduce);
 then a single collective-permute when only the device order of equal tiles
 differs; then, repeatedly, all-slice (free), all-to-all (an axis moves between
@@ -31,6 +33,7 @@ class Step:
     dim: Optional[int] = None  # all-slice / all-gather / reduce-scatter dim; all-to-all: the dim that gets split
     src_dim: Optional[int] = None  # all-to-all: the dim that gets gathered
     perm: tuple[tuple[int, int], ...] = ()  # collective-permute pairs over `axes`
+    size: int = 0  # pad / unpad: the dim's new global size
 
 
 def _is_prefix(a: Axes, b: Axes) -> bool:
@@ -75,11 +78,24 @@ def plan(src: Sharding, dst: Sharding, shape: Sequence[int], mesh_shape: Mapping
         raise ValueError(f"cannot reshard to a partial sharding {dst}")
     src, dst = _strip(src, mesh_shape), _strip(dst, mesh_shape)
     mesh_axes = [a for a in mesh_axes if mesh_shape[a] > 1]
+    if src.padded != dst.padded:
+        # Change the padding where the dim is whole: gather it, pad or cut locally, then go on.
+        change = src.padded ^ dst.padded
+        mid = Sharding(tuple(() if d in change else ax for d, ax in enumerate(src.dims)), frozenset(), src.padded)
+        steps = plan(src, mid, shape, mesh_shape, mesh_axes)
+        cur = mid
+        for d in sorted(change):
+            nxt = dataclasses.replace(cur, padded=cur.padded ^ {d})
+            kind = "pad" if d in dst.padded else "unpad"
+            steps.append(Step(kind, (), cur, nxt, dim=d, size=nxt.physical_shape(shape, mesh_shape)[d]))
+            cur = nxt
+        return steps + plan(cur, dst, shape, mesh_shape, mesh_axes)
     steps: list[Step] = []
     cur = src
     if cur.partial:
         dims = list(cur.dims)
         scatter: dict[int, Axes] = {}
+        physical = cur.physical_shape(shape, mesh_shape)
         for d, want in enumerate(dst.dims):
             if not _is_prefix(dims[d], want):
                 continue
@@ -89,11 +105,11 @@ def plan(src: Sharding, dst: Sharding, shape: Sequence[int], mesh_shape: Mapping
                     extra += (a,)
                 else:
                     break
-            if extra and shape[d] % (math.prod(mesh_shape[a] for a in dims[d] + extra)) == 0:
+            if extra and physical[d] % (math.prod(mesh_shape[a] for a in dims[d] + extra)) == 0:
                 scatter[d] = extra
         for d, axes in scatter.items():
             nxt = Sharding(tuple(cur.dims[:d]) + (cur.dims[d] + axes,) + tuple(cur.dims[d + 1:]),
-                           cur.partial - set(axes))
+                           cur.partial - set(axes), cur.padded)
             steps.append(Step("reduce-scatter", axes, cur, nxt, dim=d))
             cur = nxt
         if cur.partial:
@@ -160,11 +176,14 @@ def plan(src: Sharding, dst: Sharding, shape: Sequence[int], mesh_shape: Mapping
 def _strip(s: Sharding, mesh_shape) -> Sharding:
     """Drop size-1 mesh axes: they split nothing and need no communication."""
     return Sharding(tuple(tuple(a for a in d if mesh_shape[a] > 1) for d in s.dims),
-                    frozenset(a for a in s.partial if mesh_shape[a] > 1))
+                    frozenset(a for a in s.partial if mesh_shape[a] > 1), s.padded)
 
 
 def _with_dim(s: Sharding, d: int, axes: Axes) -> Sharding:
-    return Sharding(tuple(s.dims[:d]) + (tuple(axes),) + tuple(s.dims[d + 1:]), s.partial)
+    return dataclasses.replace(s, dims=tuple(s.dims[:d]) + (tuple(axes),) + tuple(s.dims[d + 1:]))
+
+
+LOCAL = ("all-slice", "pad", "unpad")
 
 
 def collectives(steps: Sequence[Step], shape: Sequence[int], dtype, mesh_shape: Mapping[str, int]) -> list[Collective]:
@@ -172,7 +191,7 @@ def collectives(steps: Sequence[Step], shape: Sequence[int], dtype, mesh_shape: 
     itemsize = dtype.itemsize  # also for extended dtypes (PRNG keys)
     out = []
     for st in steps:
-        if st.kind == "all-slice":
+        if st.kind in LOCAL:
             continue
         group = math.prod(mesh_shape[a] for a in st.axes)
         if st.kind == "reduce-scatter":
@@ -202,6 +221,10 @@ def apply(steps: Sequence[Step], x, mesh_shape: Mapping[str, int]):
             size = x.shape[st.dim] // n
             start = jax.lax.axis_index(st.axes[0]) * size
             x = jax.lax.dynamic_slice_in_dim(x, start, size, axis=st.dim)
+        elif st.kind == "pad":
+            x = jnp.pad(x, [(0, st.size - x.shape[d]) if d == st.dim else (0, 0) for d in range(x.ndim)])
+        elif st.kind == "unpad":
+            x = jax.lax.slice_in_dim(x, 0, st.size, axis=st.dim)
         elif st.kind == "all-gather":
             x = jax.lax.all_gather(x, st.axes if len(st.axes) > 1 else st.axes[0], axis=st.dim, tiled=True)
         elif st.kind == "all-to-all":

@@ -16,7 +16,7 @@ import math
 from typing import Callable, Mapping, Optional, Sequence
 
 from .program import Const, Eqn
-from .sharding import Axes, Sharding
+from .sharding import Axes, Sharding, splittable
 
 DimFactors = tuple[str, ...]
 TensorFactors = tuple[DimFactors, ...]
@@ -52,6 +52,9 @@ def dim_to_factors(dim: DimFactors, axes: Axes, sizes: Mapping[str, int],
         return out
     if not dim:
         return None
+    if len(dim) == 1:  # a simple dim may split unevenly (padded)
+        ok = splittable(sizes[dim[0]], math.prod(mesh_shape[a] for a in axes))
+        return {dim[0]: tuple(axes)} if ok else None
     i, rem = 0, sizes[dim[0]]
     for a in axes:
         n = mesh_shape[a]
@@ -68,6 +71,9 @@ def dim_to_factors(dim: DimFactors, axes: Axes, sizes: Mapping[str, int],
 def factors_to_dim(dim: DimFactors, fs: Mapping[str, Axes], sizes: Mapping[str, int],
                    mesh_shape: Mapping[str, int]) -> Optional[Axes]:
     """The dim's axes given its factors' axes; None if a minor factor is split while a major is not whole."""
+    if len(dim) == 1:
+        fa = fs.get(dim[0], ())
+        return fa if splittable(sizes[dim[0]], math.prod(mesh_shape[a] for a in fa)) else None
     axes: Axes = ()
     whole = True
     for f in dim:
@@ -87,13 +93,15 @@ def tensor_to_factors(tf: TensorFactors, sharding: Sharding, sizes, mesh_shape) 
 
 
 def factors_to_tensor(tf: TensorFactors, fs: Mapping[str, Axes], sizes, mesh_shape) -> Optional[Sharding]:
+    """The canonical sharding (uneven dims padded) of a tensor given its factors' axes."""
     dims = []
     for d in tf:
         ax = factors_to_dim(d, fs, sizes, mesh_shape)
         if ax is None:
             return None
         dims.append(ax)
-    return Sharding(tuple(dims))
+    shape = [math.prod(sizes[f] for f in d) for d in tf]
+    return Sharding(tuple(dims)).canonical(shape, mesh_shape)
 
 
 # --------------------------------------------------------------------------- rule builders
@@ -496,15 +504,18 @@ def candidate_factor_shardings(rule: Rule, proposals: list[FactorSharding], mesh
     """Every consistent factor sharding built from the proposals' per-factor options.
 
     A candidate uses each mesh axis for at most one factor, never shards a
-    replicated factor, and divides every factor it shards.
+    replicated factor, and divides every factor it shards that a reshape
+    merged with others (simple factors may split unevenly, padded).
     """
     options: dict[str, list[Axes]] = {}
+    compound = {f for tf in rule.operands + rule.results for d in tf if len(d) > 1 for f in d}
     for f in rule.factors:
         opts: list[Axes] = [()]
         if f not in rule.replicated:
             for p in proposals:
                 ax = p.get(f, ())
-                if ax and ax not in opts and rule.sizes[f] % math.prod(mesh_shape[a] for a in ax) == 0:
+                if ax and ax not in opts and splittable(rule.sizes[f], math.prod(mesh_shape[a] for a in ax),
+                                                        f in compound):
                     opts.append(ax)
         options[f] = opts
     while math.prod(len(o) for o in options.values()) > limit:

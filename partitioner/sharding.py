@@ -3,6 +3,14 @@
 It is PartitionSpec plus "unreduced", as in Shardy. A dim's axes are listed
 major to minor; axes that no dim uses are replicated, unless they are
 ``partial``: then every device holds an unreduced summand of the value.
+
+Uneven splits are padded: a ``padded`` dim is physically stored with
+``padded_size(size, mesh)`` elements (the size rounded up to a multiple of
+the number of devices), so every split of it is even and all resharding
+works unchanged on the physical shape. The padding's contents are
+unspecified; ops that could read them (reductions, contractions, scans,
+top_k, scatter updates) mask them with their identity. A canonical sharding
+(``canonical``) pads exactly its uneven dims.
 """
 from __future__ import annotations
 
@@ -21,11 +29,13 @@ class Sharding:
 
     dims: tuple[Axes, ...]
     partial: frozenset[str] = frozenset()
+    padded: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         dims = tuple(tuple(d) for d in self.dims)
         object.__setattr__(self, "dims", dims)
         object.__setattr__(self, "partial", frozenset(self.partial))
+        object.__setattr__(self, "padded", frozenset(self.padded))
         used = [a for d in dims for a in d]
         if len(used) != len(set(used)):
             raise ValueError(f"sharding {dims} uses a mesh axis on more than one dim; "
@@ -64,20 +74,42 @@ class Sharding:
     def tiles(self, dim: int, mesh_shape: Mapping[str, int]) -> int:
         return math.prod(mesh_shape[a] for a in self.dims[dim])
 
-    def local_shape(self, shape: Sequence[int], mesh_shape: Mapping[str, int]) -> tuple[int, ...]:
-        return tuple(s // self.tiles(d, mesh_shape) for d, s in enumerate(shape))
+    def physical_shape(self, shape: Sequence[int], mesh_shape: Mapping[str, int]) -> tuple[int, ...]:
+        """The global shape as stored: padded dims rounded up to a multiple of the device count."""
+        return tuple(padded_size(s, mesh_shape) if d in self.padded else s for d, s in enumerate(shape))
 
-    def divides(self, shape: Sequence[int], mesh_shape: Mapping[str, int]) -> bool:
-        return all(s % self.tiles(d, mesh_shape) == 0 for d, s in enumerate(shape))
+    def local_shape(self, shape: Sequence[int], mesh_shape: Mapping[str, int]) -> tuple[int, ...]:
+        """The per-device shape of a value of (logical) `shape`."""
+        return tuple(s // self.tiles(d, mesh_shape) for d, s in enumerate(self.physical_shape(shape, mesh_shape)))
+
+    def uneven(self, shape: Sequence[int], mesh_shape: Mapping[str, int]) -> frozenset[int]:
+        return frozenset(d for d, s in enumerate(shape) if s % self.tiles(d, mesh_shape))
+
+    def canonical(self, shape: Sequence[int], mesh_shape: Mapping[str, int]) -> "Sharding":
+        """This sharding with exactly its uneven dims padded."""
+        pad = self.uneven(shape, mesh_shape)
+        return self if pad == self.padded else dataclasses.replace(self, padded=pad)
 
     def without_partial(self) -> "Sharding":
-        return Sharding(self.dims)
+        return Sharding(self.dims, frozenset(), self.padded)
 
     def with_partial(self, axes: Iterable[str]) -> "Sharding":
-        return Sharding(self.dims, self.partial | frozenset(axes))
+        return Sharding(self.dims, self.partial | frozenset(axes), self.padded)
 
     def __str__(self) -> str:
-        body = ", ".join("*".join(d) if d else "-" for d in self.dims)
+        body = ", ".join(("*".join(d) if d else "-") + ("(pad)" if i in self.padded else "")
+                         for i, d in enumerate(self.dims))
         extra = f" partial({','.join(sorted(self.partial))})" if self.partial else ""
         return f"[{body}]{extra}"
 
+
+
+def padded_size(size: int, mesh_shape: Mapping[str, int]) -> int:
+    """size rounded up to a multiple of the device count: every split of it is even."""
+    n = math.prod(mesh_shape.values())
+    return -(-size // n) * n
+
+
+def splittable(size: int, tiles: int, compound: bool = False) -> bool:
+    """Whether a dim (or factor) of `size` may be split into `tiles`: evenly, or padded when simple."""
+    return size % tiles == 0 or (not compound and size >= tiles)

@@ -15,15 +15,19 @@ def randn(rng, *shape, dtype=np.float32):
     return np.asarray(rng.standard_normal(shape), dtype)
 
 
-def all_specs(shape, mesh):
-    """Every PartitionSpec-tuple that splits `shape` evenly over distinct axes of `mesh` (axes in any order)."""
+def all_specs(shape, mesh, uneven=False):
+    """Every PartitionSpec-tuple that splits `shape` over distinct axes of `mesh` (axes in any order).
+
+    Evenly only, unless uneven=True: then any split with at least one element per tile.
+    """
     names = list(mesh.axis_names)
     sizes = dict(mesh.shape)
     out = []
     for targets in itertools.product(range(len(shape) + 1), repeat=len(names)):
         for perm in itertools.permutations(names):
             dims = [tuple(a for a in perm if targets[names.index(a)] == d) for d in range(len(shape))]
-            if all(shape[d] % math.prod(sizes[a] for a in dims[d]) == 0 for d in range(len(shape))):
+            tiles = [math.prod(sizes[a] for a in dims[d]) for d in range(len(shape))]
+            if all(shape[d] % t == 0 or (uneven and shape[d] >= t) for d, t in enumerate(tiles)):
                 spec = tuple(None if not d else d for d in dims)
                 if spec not in out:
                     out.append(spec)
@@ -54,19 +58,20 @@ def get_mesh(name):
     return _MESHES[name]
 
 
-def check(fn, args, mesh, seed, n=6, out_random=True, rtol=1e-5, atol=1e-5, arg_specs=None):
+def check(fn, args, mesh, seed, n=6, out_random=True, rtol=1e-5, atol=1e-5, arg_specs=None, uneven=False):
     """Run fn with random input/output shardings n times; each must equal the unpartitioned result.
 
-    arg_specs: optional per-argument list of allowed specs (default: every even spec).
+    arg_specs: optional per-argument list of allowed specs (default: every even spec, or with
+    uneven=True every spec with at least one element per tile).
     """
     import random
     want = fn(*args)
     r = random.Random(seed)
     for _ in range(n):
-        in_specs = [r.choice(arg_specs[i] if arg_specs and arg_specs[i] is not None else all_specs(np.shape(a), mesh))
-                    for i, a in enumerate(args)]
+        in_specs = [r.choice(arg_specs[i] if arg_specs and arg_specs[i] is not None
+                             else all_specs(np.shape(a), mesh, uneven)) for i, a in enumerate(args)]
         outs = jax.tree_util.tree_leaves(want)
-        out_specs = [r.choice(all_specs(np.shape(o), mesh)) for o in outs] if out_random else None
+        out_specs = [r.choice(all_specs(np.shape(o), mesh, uneven)) for o in outs] if out_random else None
 
         def annotated(*xs):
             y = fn(*[gs.shard(x, s) if np.ndim(x) else x for x, s in zip(xs, in_specs)])

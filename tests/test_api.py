@@ -59,12 +59,6 @@ def test_unknown_mesh_axis(rng):
         gs.partition(lambda v: v + 1, mesh, in_shardings=(("foo",),))(randn(rng, 8, 4))
 
 
-def test_uneven_split_is_a_clear_error(rng):
-    mesh = gs.make_mesh({"x": 8})
-    with pytest.raises(ValueError, match=r"size 10, which is not divisible by the 8 tiles"):
-        gs.partition(lambda v: gs.split(v, 0, 8), mesh)(randn(rng, 10, 4))
-
-
 def test_device_assignment_matches_mesh(rng):
     mesh = gs.make_mesh({"data": 2, "model": 4})
     x = randn(rng, 8, 8)
