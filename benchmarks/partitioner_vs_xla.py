@@ -144,10 +144,12 @@ def build(fn, mesh, args, backend):
 
 
 def time_interleaved(a, b, args, steps):
-    """Median step times of two compiled functions, timed alternately so both see the same machine load."""
+    """Median step times of two compiled functions, timed alternately (in alternating order) so both
+    see the same machine load."""
     ta, tb = [], []
-    for _ in range(steps):
-        for fn, times in ((a, ta), (b, tb)):
+    for i in range(steps):
+        pair = ((a, ta), (b, tb))
+        for fn, times in (pair if i % 2 else pair[::-1]):
             s = time.perf_counter()
             jax.block_until_ready(fn(*args))
             times.append(time.perf_counter() - s)

@@ -14,7 +14,7 @@ import contextlib
 import contextvars
 import itertools
 import math
-from typing import Any, Optional, Sequence, Union
+from typing import Sequence, Union
 
 import jax
 import numpy as np

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import hooks as H
 from . import reshard as RS
@@ -72,11 +70,14 @@ class Lowering:
         self.mesh_shape: dict[str, int] = dict(mesh.shape)
         self.mesh_axes: tuple[str, ...] = tuple(mesh.axis_names)
         self.report = report
+        self._plans: dict = {}
 
     # ------------------------------------------------------------------ costing
-    @functools.lru_cache(maxsize=None)
     def reshard_steps(self, src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple:
-        return tuple(RS.plan(src, dst, shape, self.mesh_shape, self.mesh_axes))
+        key = (src, dst, tuple(shape))
+        if key not in self._plans:
+            self._plans[key] = tuple(RS.plan(src, dst, shape, self.mesh_shape, self.mesh_axes))
+        return self._plans[key]
 
     def reshard_collectives(self, src: Sharding, dst: Sharding, shape, dtype) -> list[Collective]:
         if src == dst:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 from jax._src import source_info_util
 from jax.extend import core
 

@@ -18,7 +18,6 @@ from typing import Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .cost import Collective
 from .sharding import Axes, Sharding

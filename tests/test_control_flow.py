@@ -2,8 +2,6 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
-import pytest
 
 import gshard_jax as gs
 from helpers import assert_close, check, get_mesh, hlo_counts, randn

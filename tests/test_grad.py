@@ -1,7 +1,6 @@
 """Gradients of partitioned functions equal those of the unpartitioned function."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import gshard_jax as gs

@@ -1,7 +1,6 @@
 """Resharding between every pair of shardings is exact, and uses the collective the order prescribes."""
 import random
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
