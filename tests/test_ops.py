@@ -113,9 +113,9 @@ def test_fallback_is_correct_and_reported(rng):
 # --------------------------------------------------------------------------- einsum property test
 
 @st.composite
-def einsum_case(draw):
+def einsum_case(draw, sizes_from=(2, 4, 8)):
     letters = list(string.ascii_lowercase[:6])
-    sizes = {c: draw(st.sampled_from([2, 4, 8])) for c in letters}
+    sizes = {c: draw(st.sampled_from(sizes_from)) for c in letters}
     lhs = draw(st.lists(st.sampled_from(letters), min_size=1, max_size=3, unique=True))
     rhs = draw(st.lists(st.sampled_from(letters), min_size=1, max_size=3, unique=True))
     both = set(lhs) | set(rhs)
@@ -126,12 +126,22 @@ def einsum_case(draw):
     return "".join(lhs), "".join(rhs), "".join(out), sizes, mesh_name, seed
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(einsum_case())
-def test_random_einsums(case):
+def _run_einsum(case, uneven):
     lhs, rhs, out, sizes, mesh_name, seed = case
     rng = np.random.default_rng(seed)
     a = randn(rng, *[sizes[c] for c in lhs])
     b = randn(rng, *[sizes[c] for c in rhs])
     spec = f"{lhs},{rhs}->{out}"
-    check(lambda x, y: jnp.einsum(spec, x, y), [a, b], get_mesh(mesh_name), seed=seed, n=2)
+    check(lambda x, y: jnp.einsum(spec, x, y), [a, b], get_mesh(mesh_name), seed=seed, n=2, uneven=uneven)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(einsum_case())
+def test_random_einsums(case):
+    _run_einsum(case, uneven=False)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(einsum_case(sizes_from=(2, 3, 5, 6, 8, 10)))
+def test_random_einsums_uneven(case):
+    _run_einsum(case, uneven=True)
