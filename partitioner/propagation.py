@@ -180,13 +180,38 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                 changed = True
         return changed
 
+    # A visit depends only on the shardings of the constraint's values, so a constraint is revisited
+    # (in a given direction and phase) only when one of its values changed since its last visit.
+    version: dict[Value, int] = {}
+    clock = [0]
+    seen: dict = {}
+
+    def stale(c: Constraint, key) -> bool:
+        last = seen.get(key, -1)
+        return any(version.get(v, 0) > last for v in c.ins + c.outs if isinstance(v, Value)) or last < 0
+
+    def run(c: Constraint, forward: bool, late: bool) -> bool:
+        key = (id(c), forward, late)
+        if not stale(c, key):
+            return False
+        before = {v: shardings.get(v) for v in (c.outs if forward else c.ins) if isinstance(v, Value)}
+        clock[0] += 1
+        seen[key] = clock[0]
+        changed = visit(c, forward, late)
+        if changed:
+            clock[0] += 1
+            for v, old in before.items():
+                if shardings.get(v) != old:
+                    version[v] = clock[0]
+        return changed
+
     for late in (False, True):
         for _ in range(max_passes):
             changed = False
             for c in cons:
-                changed |= visit(c, True, late)
+                changed |= run(c, True, late)
             for c in reversed(cons):
-                changed |= visit(c, False, late)
+                changed |= run(c, False, late)
             if not changed:
                 break
 

@@ -11,6 +11,7 @@ choice and costing all read these rules: there is no per-op code path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Callable, Mapping, Optional, Sequence
@@ -94,6 +95,13 @@ def tensor_to_factors(tf: TensorFactors, sharding: Sharding, sizes, mesh_shape) 
 
 def factors_to_tensor(tf: TensorFactors, fs: Mapping[str, Axes], sizes, mesh_shape) -> Optional[Sharding]:
     """The canonical sharding (uneven dims padded) of a tensor given its factors' axes."""
+    used = tuple((f, fs[f]) for d in tf for f in d if fs.get(f))
+    return _factors_to_tensor(tf, used, tuple(sorted(sizes.items())), tuple(sorted(mesh_shape.items())))
+
+
+@functools.lru_cache(maxsize=65536)
+def _factors_to_tensor(tf: TensorFactors, used: tuple, sizes: tuple, mesh: tuple) -> Optional[Sharding]:
+    fs, sizes, mesh_shape = dict(used), dict(sizes), dict(mesh)
     dims = []
     for d in tf:
         ax = factors_to_dim(d, fs, sizes, mesh_shape)
