@@ -96,11 +96,14 @@ def split(x, split_dimension: int, num_partitions: int):
     `num_partitions` (all axes when it is the device count).
     """
     rank = _rank(x)
-    if not isinstance(split_dimension, (int, np.integer)) or not -rank <= split_dimension < rank:
+    if isinstance(split_dimension, bool) or not isinstance(split_dimension, (int, np.integer)):
+        raise ValueError(f"split(x, split_dimension={split_dimension!r}, ...): expected an int dim; "
+                         f"got {type(split_dimension).__name__}")
+    if not -rank <= split_dimension < rank:
         raise ValueError(f"split(x, split_dimension={split_dimension!r}, num_partitions={num_partitions!r}): "
                          f"split_dimension is out of range for x of shape {tuple(np.shape(x))} (rank {rank}); "
                          f"expected an int in [{-rank}, {rank})")
-    if not isinstance(num_partitions, (int, np.integer)) or num_partitions < 1:
+    if isinstance(num_partitions, bool) or not isinstance(num_partitions, (int, np.integer)) or num_partitions < 1:
         raise ValueError(f"split(x, {split_dimension}, num_partitions={num_partitions!r}): expected a positive int")
     dim = int(split_dimension) % rank
     what = f"split(dim={dim}, n={num_partitions})"
@@ -141,8 +144,11 @@ def shard(x, device_assignment_or_spec: Union[np.ndarray, SpecLike]):
     """
     rank = _rank(x)
     arg = device_assignment_or_spec
+    def is_spec_entry(a):
+        return a is None or isinstance(a, str) or (isinstance(a, (tuple, list)) and all(isinstance(n, str) for n in a))
+
     if isinstance(arg, (np.ndarray, jax.Array)) or (isinstance(arg, list) and arg and
-                                                    not all(a is None or isinstance(a, (str, tuple)) for a in arg)):
+                                                    not all(is_spec_entry(a) for a in arg)):
         assignment = np.asarray(arg)
         if not np.issubdtype(assignment.dtype, np.integer):
             raise ValueError(f"shard(x, device_assignment): expected an integer array of device ids; "
@@ -153,7 +159,7 @@ def shard(x, device_assignment_or_spec: Union[np.ndarray, SpecLike]):
                              f"expected rank {rank}, or {rank + 1} with a trailing replication dim")
         what = f"shard(device_assignment shape {assignment.shape})"
         return _annotate(x, lambda mesh: from_device_assignment(mesh, assignment, rank), what)
-    spec = tuple(arg)
+    spec = tuple(tuple(a) if isinstance(a, list) else a for a in arg)
     if len(spec) > rank:
         raise ValueError(f"shard(x, {spec!r}): the spec has {len(spec)} entries but x has rank {rank} "
                          f"(shape {tuple(np.shape(x))}); expected at most {rank}")
@@ -163,15 +169,20 @@ def shard(x, device_assignment_or_spec: Union[np.ndarray, SpecLike]):
     what = f"shard({spec})"
 
     def resolve(mesh: Mesh) -> Sharding:
-        used = [a for s in spec if s is not None for a in ((s,) if isinstance(s, str) else s)]
-        for a in used:
-            if a not in mesh.axis_names:
-                raise ValueError(f"{what}: unknown mesh axis {a!r}; the mesh has axes {tuple(mesh.axis_names)}")
-        if len(used) != len(set(used)):
-            raise ValueError(f"{what}: a mesh axis is used on more than one dim; each axis may split one dim")
-        return Sharding.from_spec(spec, rank)
+        return Sharding.from_spec(check_spec(spec, mesh, what), rank)
 
     return _annotate(x, resolve, what)
+
+
+def check_spec(spec: tuple, mesh: Mesh, what: str) -> tuple:
+    """spec, after checking that it names only axes of `mesh`, each at most once."""
+    names = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+    for a in names:
+        if a not in mesh.axis_names:
+            raise ValueError(f"{what}: unknown mesh axis {a!r} in {spec}; the mesh has axes {tuple(mesh.axis_names)}")
+    if len(names) != len(set(names)):
+        raise ValueError(f"{what}: {spec} uses a mesh axis on more than one dim; each axis may split one dim")
+    return spec
 
 
 def tile_devices(mesh: Mesh, sharding: Sharding) -> dict[tuple[int, ...], set[int]]:
@@ -180,14 +191,8 @@ def tile_devices(mesh: Mesh, sharding: Sharding) -> dict[tuple[int, ...], set[in
     shape = dict(mesh.shape)
     out: dict = {}
     for coord in itertools.product(*(range(shape[a]) for a in names)):
-        c = dict(zip(names, coord))
-        tile = []
-        for axes in sharding.dims:
-            i = 0
-            for a in axes:
-                i = i * shape[a] + c[a]
-            tile.append(i)
-        out.setdefault(tuple(tile), set()).add(int(mesh.devices[coord].id))
+        tile = sharding.tile_index(dict(zip(names, coord)), shape)
+        out.setdefault(tile, set()).add(int(mesh.devices[coord].id))
     return out
 
 

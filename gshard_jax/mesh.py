@@ -5,6 +5,7 @@ import math
 from typing import Mapping, Optional, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 
@@ -18,11 +19,11 @@ def make_mesh(axes: Mapping[str, int], devices: Optional[Sequence[jax.Device]] =
         raise ValueError(f"make_mesh expects a non-empty dict of axis name -> size, e.g. "
                          f"{{'data': 2, 'model': 4}}; got {axes!r}")
     devices = list(devices if devices is not None else jax.devices())
-    names, sizes = list(axes), [axes[n] for n in axes]
+    names, sizes = list(axes), [int(axes[n]) if isinstance(axes[n], np.integer) else axes[n] for n in axes]
     for n, s in zip(names, sizes):
         if not isinstance(n, str) or not n:
             raise ValueError(f"make_mesh: axis names must be non-empty strings; got {n!r} in {dict(axes)}")
-        if not isinstance(s, int) or (s < 1 and s != -1):
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or (s < 1 and s != -1):
             raise ValueError(f"make_mesh: axis {n!r} has size {s!r}; expected a positive int (or -1 for one axis)")
     if sizes.count(-1) > 1:
         raise ValueError(f"make_mesh: at most one axis may be -1; got {dict(axes)}")

@@ -90,7 +90,3 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
         n /= 1024
     return f"{n}"
-
-
-def group_size(axes, mesh_shape: Mapping[str, int]) -> int:
-    return math.prod(mesh_shape[a] for a in axes)

@@ -90,9 +90,8 @@ def collectives(ctx: OpContext) -> list[Collective]:
             out.append(Collective("all-gather", axes, n, vb * n, (n,) + shape, "", "candidate values"))
             out.append(Collective("all-gather", axes, n, b * n, (n,) + shape, dt, "candidate indices"))
         else:  # top_k: values and indices of every shard's k candidates
-            out.append(Collective("all-gather", axes, n, b * n, shape[:-1] + (shape[-1] * n,), dt, "candidates"))
-            ib = ctx.out_bytes(1)
-            out.append(Collective("all-gather", axes, n, ib * n, shape[:-1] + (shape[-1] * n,), "int32", "indices"))
+            out.append(Collective("all-gather", axes, n, b * n, shape, dt, "candidates"))
+            out.append(Collective("all-gather", axes, n, ctx.out_bytes(1) * n, shape, "int32", "candidate indices"))
     elif name in CUMULATIVE:
         axis = ctx.eqn.params["axis"]
         axes = ctx.axes(ctx.rule.operands[0][axis][0])
@@ -171,35 +170,43 @@ def _arg_reduce(ctx: OpContext, ins, params, bind):
 
 
 def _top_k(ctx: OpContext, ins, params, bind):
+    """top_k along a split dim: local top-k with global indices, gather the candidates, top-k of those."""
     (x,) = ins
+    axis = ctx.eqn.params.get("axis", -1) % x.ndim
     axes = _reduced_axes(ctx)
     k = ctx.eqn.params["k"]
-    if axes and x.shape[-1] < k:  # too few local candidates: take the whole dim
-        x, axes = jax.lax.all_gather(x, _name(axes), axis=x.ndim - 1, tiled=True), ()
+    if axes and x.shape[axis] < k:  # too few local candidates: take the whole dim
+        x, axes = jax.lax.all_gather(x, _name(axes), axis=axis, tiled=True), ()
     vals, idx = bind(x, **params)
     if not axes:
         return [vals, idx]
-    idx = idx + (ctx.index(axes) * x.shape[-1]).astype(idx.dtype)
-    vals = jax.lax.all_gather(vals, _name(axes), axis=vals.ndim - 1, tiled=True)
-    idx = jax.lax.all_gather(idx, _name(axes), axis=idx.ndim - 1, tiled=True)
-    best, pos = jax.lax.top_k(vals, k)
-    return [best, jnp.take_along_axis(idx, pos, axis=-1)]
+    idx = idx + (ctx.index(axes) * x.shape[axis]).astype(idx.dtype)
+    vals = jax.lax.all_gather(vals, _name(axes), axis=axis, tiled=True)
+    idx = jax.lax.all_gather(idx, _name(axes), axis=axis, tiled=True)
+    best, pos = jax.lax.top_k(jnp.moveaxis(vals, axis, -1), k)
+    pick = jnp.take_along_axis(jnp.moveaxis(idx, axis, -1), pos, axis=-1)
+    return [jnp.moveaxis(best, -1, axis), jnp.moveaxis(pick, -1, axis)]
 
 
+# combine(local, prefix) and the masked reduction of the gathered shard totals, per cumulative op.
 CUMULATIVE = {
-    "cumsum": (jnp.add, lambda g, m: jnp.sum(jnp.where(m, g, 0), axis=0), 0),
-    "cumprod": (jnp.multiply, lambda g, m: jnp.prod(jnp.where(m, g, 1), axis=0), 1),
-    "cummax": (jnp.maximum, lambda g, m: jnp.max(jnp.where(m, g, _lowest(g.dtype)), axis=0), None),
-    "cummin": (jnp.minimum, lambda g, m: jnp.min(jnp.where(m, g, _highest(g.dtype)), axis=0), None),
-    "cumlogsumexp": (jnp.logaddexp, lambda g, m: jax.nn.logsumexp(jnp.where(m, g, -jnp.inf), axis=0), None),
+    "cumsum": (jnp.add, lambda g, m: jnp.sum(jnp.where(m, g, 0), axis=0)),
+    "cumprod": (jnp.multiply, lambda g, m: jnp.prod(jnp.where(m, g, 1), axis=0)),
+    "cummax": (jnp.maximum, lambda g, m: jnp.max(jnp.where(m, g, _lowest(g.dtype)), axis=0)),
+    "cummin": (jnp.minimum, lambda g, m: jnp.min(jnp.where(m, g, _highest(g.dtype)), axis=0)),
+    "cumlogsumexp": (jnp.logaddexp, lambda g, m: jax.nn.logsumexp(jnp.where(m, g, -jnp.inf), axis=0)),
 }
 
 
 def _lowest(dtype):
+    if jnp.issubdtype(dtype, jnp.bool_):
+        return False
     return -jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
 
 
 def _highest(dtype):
+    if jnp.issubdtype(dtype, jnp.bool_):
+        return True
     return jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max
 
 
@@ -210,7 +217,7 @@ def _cumulative(ctx: OpContext, ins, params, bind):
     axes = ctx.axes(ctx.rule.operands[0][axis][0])
     if not axes:
         return [out]
-    combine, reduce_masked, _ = CUMULATIVE[ctx.eqn.name]
+    combine, reduce_masked = CUMULATIVE[ctx.eqn.name]
     total = jax.lax.slice_in_dim(out, 0 if reverse else out.shape[axis] - 1, 1 if reverse else out.shape[axis], axis=axis)
     gathered = jax.lax.all_gather(total, _name(axes), axis=0)
     n, me = gathered.shape[0], ctx.index(axes)
@@ -246,16 +253,16 @@ def _gather(ctx: OpContext, ins, params, bind):
     split = [(j, d, ax) for j, d, ax in split if ax and ctx.rule.reductions.get(ctx.rule.operands[0][d][0]) == "sum"]
     if not split:
         return bind(operand, indices, **params)
-    mode = ctx.eqn.params["mode"]
-    fill_drop = mode == jax.lax.GatherScatterMode.FILL_OR_DROP
+    fill_drop = ctx.eqn.params["mode"] == jax.lax.GatherScatterMode.FILL_OR_DROP
     keep = jnp.ones(indices.shape[:-1], bool)
     valid = jnp.ones(indices.shape[:-1], bool)
+    if fill_drop:  # a window out of range on any indexed dim gives the fill value
+        for j, d in enumerate(dn.start_index_map):
+            g = indices[..., j]
+            valid &= (g >= 0) & (g <= os[d] - ctx.eqn.params["slice_sizes"][d])
     first = jnp.bool_(True)
     for j, d, axes in split:
-        g = indices[..., j]
-        if fill_drop:
-            valid &= (g >= 0) & (g < os[d])
-        g = jnp.clip(g, 0, os[d] - 1)
+        g = jnp.clip(indices[..., j], 0, os[d] - 1)
         local = g - (ctx.index(axes) * operand.shape[d]).astype(g.dtype)
         keep &= (local >= 0) & (local < operand.shape[d])
         indices = indices.at[..., j].set(jnp.clip(local, 0, operand.shape[d] - 1))
@@ -280,10 +287,14 @@ def _scatter(ctx: OpContext, ins, params, bind):
     split = [(j, d, ctx.axes(ctx.rule.operands[0][d][0])) for j, d in enumerate(dn.scatter_dims_to_operand_dims)]
     split = [(j, d, ax) for j, d, ax in split if ax]
     if split:
+        if ctx.eqn.params["mode"] == jax.lax.GatherScatterMode.CLIP:  # clamp globally first, on every dim
+            us = ctx.eqn.invars[2].shape
+            window = [d for d in range(len(os)) if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+            size = {d: us[dn.update_window_dims[k]] for k, d in enumerate(window)}
+            for j, d in enumerate(dn.scatter_dims_to_operand_dims):
+                indices = indices.at[..., j].set(jnp.clip(indices[..., j], 0, os[d] - size.get(d, 1)))
         for j, d, axes in split:
             g = indices[..., j]
-            if ctx.eqn.params["mode"] == jax.lax.GatherScatterMode.CLIP:
-                g = jnp.clip(g, 0, os[d] - 1)
             indices = indices.at[..., j].set(g - (ctx.index(axes) * operand.shape[d]).astype(g.dtype))
         params = dict(params, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
     return bind(operand, indices, updates, **params)
@@ -336,16 +347,12 @@ def _dynamic_slice(ctx: OpContext, ins, params, bind):
 def _identity(kind: str, dtype):
     if kind in ("sum", "or"):
         return jnp.zeros((), dtype)
-    if kind == "prod":
+    if kind in ("prod", "and"):
         return jnp.ones((), dtype)
-    if kind == "and":
-        return jnp.ones((), dtype)
-    if kind in ("max", "argmax", "top_k", "cummax"):
+    if kind in ("max", "argmax", "top_k", "cummax", "cumlogsumexp"):
         return jnp.asarray(_lowest(dtype), dtype)
     if kind in ("min", "argmin", "cummin"):
         return jnp.asarray(_highest(dtype), dtype)
-    if kind == "cumlogsumexp":
-        return jnp.asarray(-jnp.inf, dtype)
     raise AssertionError(kind)
 
 

@@ -39,14 +39,6 @@ class Choice:
     cost: float
 
 
-def _shape(x) -> tuple[int, ...]:
-    return tuple(x.shape)
-
-
-def _dtype(x):
-    return x.aval.dtype
-
-
 def _stacked(s: Sharding) -> Sharding:
     """The sharding of a scan's stacked value whose slices are sharded as s (scan dim whole)."""
     return Sharding(((),) + s.dims, s.partial, frozenset(d + 1 for d in s.padded))
@@ -103,8 +95,8 @@ class Lowering:
             made = [m.with_partial(partial) for m in made]
             cost = 0.0
             for x, h, n in zip(eqn.invars, have, need):
-                if len(_shape(x)):
-                    cost += self.reshard_time(h, n, _shape(x), _dtype(x))
+                if len(x.shape):
+                    cost += self.reshard_time(h, n, x.shape, x.aval.dtype)
             for v, m, p in zip(eqn.outvars, made, planned):
                 cost += self.reshard_time(m, p, v.shape, v.dtype)
             ctx = H.OpContext(eqn, rule, fs, made, self.mesh_shape)
@@ -143,6 +135,12 @@ class Lowering:
             return jnp.full(dst.local_shape(v.shape, self.mesh_shape), v.val, v.aval.dtype)
         return self._reshard(env, v, dst, log)[0]
 
+    def _store(self, env, v: Value, x, have: Sharding, log: list) -> None:
+        """Bind v to a local value sharded as `have`, resharded to v's planned sharding."""
+        env[v] = (x, have)
+        planned = self.plan.sharding(v)
+        env[v] = (self._reshard(env, v, planned, log)[0], planned)
+
     def _reshard(self, env, v, dst: Sharding, log: list[Collective]):
         x, src = env[v]
         if src == dst:
@@ -163,8 +161,7 @@ class Lowering:
         try:
             benv = collections.ChainMap({}, env)
             for v, (x, have) in zip(program.invars, inputs):
-                benv[v] = (x, have)
-                benv[v] = (self._reshard(benv, v, self.plan.sharding(v), log)[0], self.plan.sharding(v))
+                self._store(benv, v, x, have, log)
             self._run_eqns(program.eqns, benv)
             return [self._read(benv, v, t, log) for v, t in zip(program.outvars, targets)]
         finally:
@@ -225,8 +222,7 @@ class Lowering:
         else:  # pragma: no cover
             raise AssertionError(eqn.name)
         for v, (x, have) in zip(eqn.outvars, results):
-            env[v] = (x, have)
-            env[v] = (self._reshard(env, v, plan(v), log)[0], plan(v))
+            self._store(env, v, x, have, log)
         if self.report is not None:
             self.report.rows.append(Row(eqn.index, eqn.source, self._prefix + eqn.name,
                                         [str(env[x][1]) for x in eqn.invars if isinstance(x, Value)],
@@ -236,12 +232,12 @@ class Lowering:
 
     def _eqn(self, eqn: Eqn, env) -> None:
         rule = self.plan.rules.get(eqn)
-        have = [env[x][1] if isinstance(x, Value) else Sharding.replicated(len(_shape(x))) for x in eqn.invars]
+        have = [env[x][1] if isinstance(x, Value) else Sharding.replicated(len(x.shape)) for x in eqn.invars]
         log: list[Collective] = []
         fallback = None
         if rule is None:
             fallback = f"no sharding rule for {eqn.name}: operands replicated, result sliced"
-            need = [Sharding.replicated(len(_shape(x))) for x in eqn.invars]
+            need = [Sharding.replicated(len(x.shape)) for x in eqn.invars]
             made = [Sharding.replicated(len(v.shape)) for v in eqn.outvars]
             choice = Choice({}, need, made, 0.0)
             strategy = "replicated (fallback)"
@@ -254,9 +250,7 @@ class Lowering:
             local_in.append(self._reshard(env, x, n, log)[0] if isinstance(x, Value) else x.val)
         outs = self._bind(eqn, rule, choice, local_in, log)
         for v, o, m in zip(eqn.outvars, outs, choice.made):
-            env[v] = (o, m)
-            planned = self.plan.sharding(v)
-            env[v] = (self._reshard(env, v, planned, log)[0], planned)
+            self._store(env, v, o, m, log)
         if self.report is not None:
             self.report.rows.append(Row(
                 eqn.index, eqn.source, self._prefix + eqn.name,

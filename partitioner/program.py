@@ -19,12 +19,10 @@ CALL_PRIMITIVES = {
     "pjit": "jaxpr",
     "jit": "jaxpr",
     "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
     "remat": "jaxpr",
     "checkpoint": "jaxpr",
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
 }
 
 
@@ -42,11 +40,6 @@ class Value:
     @property
     def dtype(self):
         return self.aval.dtype
-
-    @property
-    def nbytes(self) -> int:
-        import math
-        return math.prod(self.shape) * self.dtype.itemsize
 
     def __repr__(self) -> str:
         return self.name or f"v{id(self) % 10000}"

@@ -32,7 +32,6 @@ class Plan:
 
     shardings: dict[Value, Sharding]
     origins: dict[Value, str]
-    fixed: set[Value]
     rules: dict[Eqn, Optional[R.Rule]]
 
     def sharding(self, v) -> Sharding:
@@ -227,4 +226,4 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
         if v not in shardings:
             shardings[v] = Sharding.replicated(len(v.shape))
             origins[v] = "replicated: no annotation or sharded neighbour reached it"
-    return Plan(shardings, origins, fixed, rules)
+    return Plan(shardings, origins, rules)

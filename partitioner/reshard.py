@@ -44,26 +44,16 @@ def _lin_coords(mesh_shape: Mapping[str, int], axes: Axes):
     return list(itertools.product(*(range(mesh_shape[a]) for a in axes)))
 
 
-def _tile_index(coord: dict, dims: tuple[Axes, ...], mesh_shape) -> tuple[int, ...]:
-    out = []
-    for d in dims:
-        i = 0
-        for a in d:
-            i = i * mesh_shape[a] + coord[a]
-        out.append(i)
-    return tuple(out)
-
-
 def _permutation(src: Sharding, dst: Sharding, mesh_shape, mesh_axes: Sequence[str]):
     """Pairs (source, target) over the involved axes when dst is src's tiles on other devices."""
     axes = tuple(a for a in mesh_axes if a in (src.axes | dst.axes))
     holders: dict = {}
     coords = _lin_coords(mesh_shape, axes)
     for lin, c in enumerate(coords):
-        holders.setdefault(_tile_index(dict(zip(axes, c)), src.dims, mesh_shape), []).append(lin)
+        holders.setdefault(src.tile_index(dict(zip(axes, c)), mesh_shape), []).append(lin)
     wanted: dict = {}
     for lin, c in enumerate(coords):
-        wanted.setdefault(_tile_index(dict(zip(axes, c)), dst.dims, mesh_shape), []).append(lin)
+        wanted.setdefault(dst.tile_index(dict(zip(axes, c)), mesh_shape), []).append(lin)
     if set(holders) != set(wanted) or any(len(holders[t]) != len(wanted[t]) for t in holders):
         return None
     pairs = tuple((s, t) for tile in holders for s, t in zip(sorted(holders[tile]), sorted(wanted[tile])))

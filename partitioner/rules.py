@@ -16,7 +16,7 @@ import itertools
 import math
 from typing import Callable, Mapping, Optional, Sequence
 
-from .program import Const, Eqn
+from .program import Eqn
 from .sharding import Axes, Sharding, splittable
 
 DimFactors = tuple[str, ...]
@@ -129,16 +129,15 @@ class _Names:
 
 
 def _shape(x) -> tuple[int, ...]:
-    return tuple(x.aval.shape) if not isinstance(x, Const) else tuple(x.shape)
+    return tuple(x.aval.shape)
 
 
 ELEMENTWISE = frozenset("""
 abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp complex conj convert_element_type
-copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igammac imag
+copy cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igammac imag
 integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
 reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign
 sin sinh sqrt square sub tan tanh xor population_count clz stop_gradient sharding_annotation
-optimization_barrier_unused
 """.split())
 
 
@@ -285,13 +284,14 @@ def cumulative(eqn: Eqn) -> Rule:
 
 
 def top_k(eqn: Eqn) -> Rule:
-    """The last operand dim is a reduction-like factor (candidates combined by the hook); k stays whole."""
+    """The top-k dim is a reduction-like factor (candidates combined by the hook); k stays whole."""
     shape = _shape(eqn.invars[0])
+    axis = eqn.params.get("axis", -1) % len(shape)
     n = _Names()
     dims = [(n.new(s),) for s in shape]
     k = (n.new(eqn.params["k"]),)
-    out = tuple(dims[:-1]) + (k,)
-    return Rule("top_k", (tuple(dims),), (out, out), n.sizes, reductions={dims[-1][0]: "top_k"},
+    out = tuple(dims[:axis]) + (k,) + tuple(dims[axis + 1:])
+    return Rule("top_k", (tuple(dims),), (out, out), n.sizes, reductions={dims[axis][0]: "top_k"},
                 replicated=frozenset(k))
 
 

@@ -82,6 +82,16 @@ class Sharding:
         """The per-device shape of a value of (logical) `shape`."""
         return tuple(s // self.tiles(d, mesh_shape) for d, s in enumerate(self.physical_shape(shape, mesh_shape)))
 
+    def tile_index(self, coord: Mapping[str, int], mesh_shape: Mapping[str, int]) -> tuple[int, ...]:
+        """The tile (per dim) held by the device at mesh coordinates `coord`."""
+        out = []
+        for axes in self.dims:
+            i = 0
+            for a in axes:
+                i = i * mesh_shape[a] + coord[a]
+            out.append(i)
+        return tuple(out)
+
     def uneven(self, shape: Sequence[int], mesh_shape: Mapping[str, int]) -> frozenset[int]:
         return frozenset(d for d, s in enumerate(shape) if s % self.tiles(d, mesh_shape))
 

@@ -150,3 +150,45 @@ def test_explain_bytes_agree_with_hlo(name, rng):
     for kind in predicted:
         assert predicted[kind]["payload_bytes"] == actual[kind]["payload_bytes"], (kind, predicted, actual)
         assert predicted[kind]["moved_bytes"] == pytest.approx(actual[kind]["moved_bytes"]), kind
+
+
+def test_in_shardings_conventions(rng):
+    mesh = gs.make_mesh({"data": 2, "model": 4})
+    a, b = randn(rng, 8, 4), randn(rng, 8)
+    fn = lambda a, b: a + b[:, None]
+    # One entry per argument; (None, None) lets propagation decide both.
+    assert_close(gs.partition(fn, mesh, in_shardings=(None, None))(a, b), fn(a, b))
+    report = gs.explain(fn, mesh, a, b, in_shardings=(("data", None), None))
+    assert report.inputs[0].startswith("(8, 4) [data, -]") and report.inputs[1].startswith("(8,) [data]")
+    named = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    assert_close(gs.partition(fn, mesh, in_shardings=(named, named))(a, b), fn(a, b))
+    with pytest.raises(ValueError, match=r"one entry per argument \(2\)"):
+        gs.partition(fn, mesh, in_shardings=("data", None, None))(a, b)
+    with pytest.raises(ValueError, match="more than one dim"):
+        gs.partition(fn, mesh, in_shardings=(("data", "data"), None))
+
+
+def test_keyword_arguments(rng):
+    mesh = gs.make_mesh({"x": 8})
+    x = randn(rng, 8, 4)
+    fn = lambda x, scale=1.0: gs.split(x, 0, 8) * scale
+    assert_close(gs.partition(fn, mesh)(x, scale=3.0), x * 3.0)
+
+
+def test_spec_as_list_of_lists_and_mesh_sizes(rng):
+    mesh = gs.make_mesh({"data": np.int64(2), "model": 4})
+    x = randn(rng, 8, 4)
+    fn = lambda v: gs.shard(v, [["data", "model"], None]) + 1.0
+    assert gs.explain(fn, mesh, x).rows[0].outputs == ["[data*model, -]"]
+    with pytest.raises(ValueError, match="positive int"):
+        gs.make_mesh({"data": True, "model": 8})
+    with pytest.raises(ValueError, match="expected an int dim"):
+        gs.split(x, 0.0, 8)
+
+
+def test_conflicting_out_sharding_is_an_error(rng):
+    mesh = gs.make_mesh({"x": 8})
+    x = randn(rng, 8)
+    assert_close(gs.partition(lambda v: v, mesh, out_shardings=("x",))(x), x)
+    with pytest.raises(ValueError, match="conflicts with the sharding this output already has"):
+        gs.partition(lambda v: v, mesh, in_shardings=((None,),), out_shardings=("x",))(x)

@@ -95,3 +95,19 @@ SLICING = {
 @pytest.mark.parametrize("name", list(SLICING))
 def test_slicing_ops(mesh, rng, name):
     check(SLICING[name], [randn(rng, 8, 8)], mesh, seed=len(name), n=6)
+
+
+def test_gather_fill_mode_on_an_unsplit_indexed_dim(rng):
+    mesh = get_mesh("8")
+    t = np.arange(64.0, dtype=np.float32).reshape(16, 4)
+    i, j = np.array([0, 3, 9, 15], np.int32), np.array([0, 1, 7, 2], np.int32)  # (9, 7) is out of range
+    fn = lambda t, i, j: gs.split(jnp.asarray(t), 0, 8).at[i, j].get(mode="fill")
+    assert_close(gs.partition(fn, mesh)(t, i, j), fn(t, i, j))
+
+
+def test_scatter_clip_mode_on_an_unsplit_indexed_dim(rng):
+    mesh = get_mesh("8")
+    op, u = np.zeros((16, 4), np.float32), np.array([1.0, 2, 3, 4], np.float32)
+    i, j = np.array([1, 5, 9, 14], np.int32), np.array([0, 7, 2, 3], np.int32)  # column 7 clamps to 3
+    fn = lambda o, i, j, u: gs.split(jnp.asarray(o), 0, 8).at[i, j].add(u, mode="clip")
+    assert_close(gs.partition(fn, mesh)(op, i, j, u), fn(op, i, j, u))

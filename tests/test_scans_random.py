@@ -86,3 +86,11 @@ def test_dropout_mask_in_split_layer(rng):
     np.testing.assert_array_equal(np.asarray(got_keep), np.asarray(want_keep))
     assert_close(got, want, rtol=1e-6, atol=0)
     assert hlo_counts(f, key, x) == {}
+
+
+@pytest.mark.parametrize("split_dim", [0, 1])
+def test_top_k_along_a_leading_axis(split_dim):
+    mesh = get_mesh("8")
+    x = np.asarray(jax.random.normal(jax.random.key(0), (4096, 32)))
+    fn = lambda v: jax.lax.top_k(gs.split(v, split_dim, 8), 2, axis=0)
+    assert_close(gs.partition(fn, mesh)(x), fn(x))

@@ -88,3 +88,18 @@ def test_uneven_grad_and_scan(rng):
 
     want = jax.grad(loss, argnums=(0, 1))(x, ws)
     assert_close(gs.partition(jax.grad(loss, argnums=(0, 1)), mesh)(x, ws), want, rtol=1e-4, atol=1e-6)
+
+
+def test_bool_max_min_uneven():
+    mesh = get_mesh("8")
+    b = np.array([True, False] * 5)
+    for fn in (lambda v: jnp.max(gs.split(v, 0, 8)), lambda v: jnp.min(gs.split(v, 0, 8)),
+               lambda v: jnp.all(gs.split(v, 0, 8)), lambda v: jnp.any(gs.split(~v, 0, 8))):
+        assert bool(gs.partition(fn, mesh)(b)) == bool(fn(b))
+
+
+def test_uneven_in_shardings(rng):
+    mesh = get_mesh("8")
+    x = randn(rng, 10, 4)
+    f = gs.partition(lambda v: v * 2.0, mesh, in_shardings=(jax.sharding.PartitionSpec("x"),))
+    assert_close(f(x), x * 2.0)
