@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 
 import gshard_jax as gs  # noqa: E402
 from models import lm  # noqa: E402
+from models.moe import expert_einsums  # noqa: E402
 from partitioner.hlo import collective_stats  # noqa: E402
 
 
@@ -57,13 +58,7 @@ def mlp_loss(x, w1, w2):
 
 
 def moe_chain(dispatch, combine, x, wi, wo):
-    n = len(jax.devices())
-    x = gs.split(x, 0, n)
-    dispatch, combine = gs.split(dispatch, 0, n), gs.split(combine, 0, n)
-    e_in = gs.split(jnp.einsum("GSEC,GSM->EGCM", dispatch, x), 0, n)
-    h = jax.nn.relu(jnp.einsum("EGCM,EMH->EGCH", e_in, gs.split(wi, 0, n)))
-    e_out = gs.split(jnp.einsum("EGCH,EHM->GECM", h, gs.split(wo, 0, n)), 0, n)
-    return gs.split(jnp.einsum("GSEC,GECM->GSM", combine, e_out), 0, n)
+    return expert_einsums(dispatch, combine, x, wi, wo, len(jax.devices()))
 
 
 def moe_loss(dispatch, combine, x, wi, wo):

@@ -7,16 +7,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import gshard_jax as gs  # noqa: E402
+from models.moe import expert_einsums  # noqa: E402
 
 N = len(jax.devices())
 
 
 def moe(dispatch, combine, x, wi, wo):
-    x = gs.split(x, 0, N)
-    e_in = gs.split(jnp.einsum("GSEC,GSM->EGCM", dispatch, x), 0, N)
-    h = jax.nn.relu(jnp.einsum("EGCM,EMH->EGCH", e_in, wi))
-    e_out = gs.split(jnp.einsum("EGCH,EHM->GECM", h, wo), 0, N)
-    return jnp.einsum("GSEC,GECM->GSM", combine, e_out)
+    return expert_einsums(dispatch, combine, x, wi, wo, N)
 
 
 def main():

@@ -1,11 +1,11 @@
 """REFERENCE section A's per-op table: the collectives in the compiled HLO, one test per row."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import gshard_jax as gs
 from helpers import assert_close, hlo_counts, randn
+from models.moe import expert_einsums
 
 D = 8
 
@@ -93,13 +93,8 @@ def test_dispatch_einsum_all_to_all(mesh1d, rng):
     assert run(fn, mesh1d, mask, x) == {"all-to-all": 1}
 
 
-def moe_chain(dispatch, combine, x, wi, wo, n=D):
-    x = gs.split(x, 0, n)
-    dispatch, combine = gs.split(dispatch, 0, n), gs.split(combine, 0, n)
-    e_in = gs.split(jnp.einsum("GSEC,GSM->EGCM", dispatch, x), 0, n)
-    h = jax.nn.relu(jnp.einsum("EGCM,EMH->EGCH", e_in, gs.split(wi, 0, n)))
-    e_out = gs.split(jnp.einsum("EGCH,EHM->GECM", h, gs.split(wo, 0, n)), 0, n)
-    return gs.split(jnp.einsum("GSEC,GECM->GSM", combine, e_out), 0, n)
+def moe_chain(dispatch, combine, x, wi, wo):
+    return expert_einsums(dispatch, combine, x, wi, wo, D)
 
 
 def moe_inputs(rng, G=8, S=8, E=8, C=4, M=16, H=32):
