@@ -264,8 +264,6 @@ class Lowering:
 
     def _bind(self, eqn: Eqn, rule: Optional[R.Rule], choice: Choice, local_in: list, log: list):
         """Bind the primitive on local shards, with local-shape params, through its hook if it has one."""
-        if eqn.name == "sharding_annotation":
-            return [local_in[0]]
         params = dict(eqn.params)
         for key in ("sharding", "out_sharding"):
             if key in params:

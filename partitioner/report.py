@@ -100,6 +100,6 @@ class Report:
                              f"moved {_fmt_bytes(t['moved_bytes']):>10}")
         if not counts:
             lines.append("  no communication")
-        lines.append(f"  predicted communication {self.comm_time * 1e6:.1f}us, compute {self.compute_time * 1e6:.1f}us; "
-                     f"fallbacks: {len(self.fallbacks)}")
+        lines.append(f"  predicted communication {self.comm_time * 1e6:.3g}us, compute {self.compute_time * 1e6:.3g}us "
+                     f"per call; fallbacks: {len(self.fallbacks)}")
         return "\n".join(lines)
