@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import html
 import json
 from typing import Optional
 
@@ -77,6 +78,32 @@ class Report:
             "totals_per_call": self.totals(dynamic=True),
             "predicted_comm_time_s": self.comm_time, "predicted_compute_time_s": self.compute_time,
             "fallbacks": [r.index for r in self.fallbacks]}, default=str, **kw)
+
+    def to_html(self) -> str:
+        """A self-contained HTML page: inputs, outputs, one table row per op (fallbacks highlighted), totals."""
+        esc = html.escape
+        cells = ("#", "source", "primitive", "operands (have -> need)", "result (made -> planned)", "strategy",
+                 "collectives", "sharding from")
+        rows = []
+        for r in self.rows:
+            coll = "<br>".join(esc(f"{c} ({c.time(self.profile) * 1e6:.3g}us)") for c in r.collectives) or "-"
+            style = ' class="fallback"' if r.fallback else ""
+            strategy = esc(r.strategy) + (f"<br><b>FALLBACK</b>: {esc(r.fallback)}" if r.fallback else "")
+            rows.append(f"<tr{style}><td>{r.index}</td><td>{esc(r.source)}</td><td>{esc(r.primitive)}</td>"
+                        f"<td>{esc(' '.join(r.operands))}</td><td>{esc(' '.join(r.outputs))}</td><td>{strategy}</td>"
+                        f"<td>{coll}</td><td>{esc('; '.join(r.origins))}</td></tr>")
+        totals = "".join(f"<tr><td>{k}</td><td>{t['count']}</td><td>{t['payload_bytes']}</td><td>{t['moved_bytes']:.0f}</td></tr>"
+                         for k, t in self.totals().items() if t["count"])
+        io = "".join(f"<li>input {i}: {esc(x)}</li>" for i, x in enumerate(self.inputs)) + \
+            "".join(f"<li>output {i}: {esc(x)}</li>" for i, x in enumerate(self.outputs))
+        return (f"<!doctype html><html><head><meta charset='utf-8'><title>gshard_jax partition report</title>"
+                f"<style>table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 6px;"
+                f"font:12px monospace;vertical-align:top}}.fallback{{background:#fdd}}</style></head><body>"
+                f"<h1>Partition report</h1><p>mesh {esc(str(self.mesh))}, profile {esc(self.profile.name)}</p>"
+                f"<ul>{io}</ul><table><tr>{''.join(f'<th>{c}</th>' for c in cells)}</tr>{''.join(rows)}</table>"
+                f"<h2>Totals per device</h2><table><tr><th>kind</th><th>count</th><th>payload bytes</th>"
+                f"<th>moved bytes</th></tr>{totals}</table><p>predicted communication {self.comm_time * 1e6:.3g}us"
+                f" per call; fallbacks: {len(self.fallbacks)}</p></body></html>")
 
     def __str__(self) -> str:
         lines = [f"gshard_jax partition report  mesh={self.mesh}  profile={self.profile.name}"]

@@ -125,6 +125,8 @@ def test_explain_report(rng):
     data = json.loads(report.to_json())
     assert data["totals"]["all-to-all"]["count"] == 2
     assert {"source", "primitive", "operands", "outputs", "strategy", "collectives", "origins"} <= set(data["rows"][0])
+    page = report.to_html()
+    assert page.count("<tr>") == len(report.rows) + 1 + 2 and "all-to-all" in page  # header, rows, totals
     sources = [r["source"] for r in data["rows"] if r["source"]]
     assert sources and all("models/moe.py" in src for src in sources)  # the user's code, not the annotation helpers
 
