@@ -223,12 +223,8 @@ class Lowering:
             raise AssertionError(eqn.name)
         for v, (x, have) in zip(eqn.outvars, results):
             self._store(env, v, x, have, log)
-        if self.report is not None:
-            self.report.rows.append(Row(eqn.index, eqn.source, self._prefix + eqn.name,
-                                        [str(env[x][1]) for x in eqn.invars if isinstance(x, Value)],
-                                        [str(plan(v)) for v in eqn.outvars], strategy, log,
-                                        [self.plan.origins.get(v, "") for v in eqn.outvars], None, 0.0,
-                                        sum(c.time(self.profile) for c in log), self._trips))
+        self._record(eqn, [str(env[x][1]) for x in eqn.invars if isinstance(x, Value)],
+                     [str(plan(v)) for v in eqn.outvars], strategy, log)
 
     def _eqn(self, eqn: Eqn, env) -> None:
         rule = self.plan.rules.get(eqn)
@@ -251,16 +247,19 @@ class Lowering:
         outs = self._bind(eqn, rule, choice, local_in, log)
         for v, o, m in zip(eqn.outvars, outs, choice.made):
             self._store(env, v, o, m, log)
+        self._record(eqn, [f"{h}" if h == n else f"{h}->{n}" for h, n in zip(have, choice.need) if h.rank],
+                     [f"{m}" if m == self.plan.sharding(v) else f"{m}->{self.plan.sharding(v)}"
+                      for v, m in zip(eqn.outvars, choice.made)], strategy, log, fallback,
+                     compute_time(sum(math.prod(m.local_shape(v.shape, self.mesh_shape))
+                                      for v, m in zip(eqn.outvars, choice.made)), self.profile))
+
+    def _record(self, eqn: Eqn, operands: list[str], outputs: list[str], strategy: str, log: list,
+                fallback: Optional[str] = None, compute: float = 0.0) -> None:
+        """One report row for an equation (when explain() is collecting one)."""
         if self.report is not None:
-            self.report.rows.append(Row(
-                eqn.index, eqn.source, self._prefix + eqn.name,
-                [f"{h}" if h == n else f"{h}->{n}" for h, n in zip(have, choice.need) if h.rank],
-                [f"{m}" if m == self.plan.sharding(v) else f"{m}->{self.plan.sharding(v)}"
-                 for v, m in zip(eqn.outvars, choice.made)],
-                strategy, log, [self.plan.origins.get(v, "") for v in eqn.outvars], fallback,
-                compute_time(sum(math.prod(m.local_shape(v.shape, self.mesh_shape))
-                                 for v, m in zip(eqn.outvars, choice.made)), self.profile),
-                sum(c.time(self.profile) for c in log), self._trips))
+            self.report.rows.append(Row(eqn.index, eqn.source, self._prefix + eqn.name, operands, outputs, strategy,
+                                        log, [self.plan.origins.get(v, "") for v in eqn.outvars], fallback,
+                                        compute, sum(c.time(self.profile) for c in log), self._trips))
 
     def _bind(self, eqn: Eqn, rule: Optional[R.Rule], choice: Choice, local_in: list, log: list):
         """Bind the primitive on local shards, with local-shape params, through its hook if it has one."""

@@ -51,7 +51,7 @@ class Constraint:
 
 def _link(a, b, name: str, source: str, stacked: int = 0) -> Constraint:
     """a and b share every dim; with stacked=1, a has an extra leading dim (the scan dim) kept whole."""
-    names = R._Names()
+    names = R.FactorNames()
     dims = tuple((names.new(s),) for s in b.shape)
     lead = tuple((names.new(a.shape[0]),) for _ in range(stacked))
     rep = frozenset(f for (f,) in lead)

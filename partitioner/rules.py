@@ -117,7 +117,9 @@ def _factors_to_tensor(tf: TensorFactors, used: tuple, sizes: tuple, mesh: tuple
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
-class _Names:
+class FactorNames:
+    """Fresh factor names (a, b, c, ...) and their sizes, for building one rule."""
+
     def __init__(self) -> None:
         self.sizes: dict[str, int] = {}
 
@@ -144,7 +146,7 @@ sin sinh sqrt square sub tan tanh xor population_count clz stop_gradient shardin
 def elementwise(eqn: Eqn) -> Optional[Rule]:
     """Same factor for every dim; rank-0 operands and size-1 (implicitly broadcast) dims get their own."""
     out_shape = _shape(eqn.outvars[0])
-    n = _Names()
+    n = FactorNames()
     dims = tuple((n.new(s),) for s in out_shape)
     ops = []
     for x in eqn.invars:
@@ -158,7 +160,7 @@ def elementwise(eqn: Eqn) -> Optional[Rule]:
 def broadcast_in_dim(eqn: Eqn) -> Rule:
     x = eqn.invars[0]
     shape, bdims = eqn.params["shape"], eqn.params["broadcast_dimensions"]
-    n = _Names()
+    n = FactorNames()
     res = [(n.new(s),) for s in shape]
     op = []
     for i, d in enumerate(bdims):
@@ -176,7 +178,7 @@ def reshape(eqn: Eqn) -> Optional[Rule]:
     if eqn.params.get("dimensions") not in (None, ()):
         return None
     src, dst = list(_shape(eqn.invars[0])), list(eqn.params["new_sizes"])
-    n = _Names()
+    n = FactorNames()
     op: list[list[str]] = [[] for _ in src]
     res: list[list[str]] = [[] for _ in dst]
     rep: set[str] = set()
@@ -214,13 +216,13 @@ def reshape(eqn: Eqn) -> Optional[Rule]:
 
 
 def transpose(eqn: Eqn) -> Rule:
-    n = _Names()
+    n = FactorNames()
     op = [(n.new(s),) for s in _shape(eqn.invars[0])]
     return Rule("transpose", (tuple(op),), (tuple(op[p] for p in eqn.params["permutation"]),), n.sizes)
 
 
 def squeeze(eqn: Eqn) -> Rule:
-    n = _Names()
+    n = FactorNames()
     drop = {d % len(_shape(eqn.invars[0])) for d in eqn.params["dimensions"]}
     op = [(n.new(s),) for s in _shape(eqn.invars[0])]
     return Rule("squeeze", (tuple(op),), (tuple(f for d, f in enumerate(op) if d not in drop),), n.sizes)
@@ -231,7 +233,7 @@ _REDUCE_KINDS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min", 
 
 
 def reduction(eqn: Eqn) -> Rule:
-    n = _Names()
+    n = FactorNames()
     axes = set(eqn.params["axes"])
     op = [(n.new(s),) for s in _shape(eqn.invars[0])]
     kind = _REDUCE_KINDS[eqn.name]
@@ -242,7 +244,7 @@ def reduction(eqn: Eqn) -> Rule:
 def dot_general(eqn: Eqn) -> Rule:
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     ls, rs = _shape(eqn.invars[0]), _shape(eqn.invars[1])
-    n = _Names()
+    n = FactorNames()
     lhs = [(n.new(s),) for s in ls]
     rhs: list = [None] * len(rs)
     for a, b in zip(lb, rb):
@@ -260,7 +262,7 @@ def dot_general(eqn: Eqn) -> Rule:
 
 
 def iota(eqn: Eqn) -> Rule:
-    n = _Names()
+    n = FactorNames()
     res = tuple((n.new(s),) for s in eqn.params["shape"])
     return Rule("iota", tuple(() for _ in eqn.invars), (res,), n.sizes)
 
@@ -269,7 +271,7 @@ def along_axis(eqn: Eqn) -> Rule:
     """Ops that need their axis whole (sort) and pass the other dims through."""
     axis = eqn.params.get("axis", eqn.params.get("dimension"))
     shape = _shape(eqn.invars[0])
-    n = _Names()
+    n = FactorNames()
     dims = tuple((n.new(s),) for s in shape)
     axis %= len(shape)
     return Rule(f"{eqn.name}(axis whole)", (dims,) * len(eqn.invars), (dims,) * len(eqn.outvars), n.sizes,
@@ -278,7 +280,7 @@ def along_axis(eqn: Eqn) -> Rule:
 
 def cumulative(eqn: Eqn) -> Rule:
     """cumsum & co: every dim passes through; a split scan axis is fixed up by the hook (shard totals)."""
-    n = _Names()
+    n = FactorNames()
     dims = tuple((n.new(s),) for s in _shape(eqn.invars[0]))
     return Rule("cumulative", (dims,), (dims,), n.sizes)
 
@@ -287,7 +289,7 @@ def top_k(eqn: Eqn) -> Rule:
     """The top-k dim is a reduction-like factor (candidates combined by the hook); k stays whole."""
     shape = _shape(eqn.invars[0])
     axis = eqn.params.get("axis", -1) % len(shape)
-    n = _Names()
+    n = FactorNames()
     dims = [(n.new(s),) for s in shape]
     k = (n.new(eqn.params["k"]),)
     out = tuple(dims[:axis]) + (k,) + tuple(dims[axis + 1:])
@@ -295,22 +297,28 @@ def top_k(eqn: Eqn) -> Rule:
                 replicated=frozenset(k))
 
 
-def _windowed(eqn: Eqn, operand_shape, result_shape, whole: Sequence[bool], extra_operands: int) -> Rule:
-    """Dims flagged whole pass through; the others (sliced, padded, ...) stay replicated."""
-    n = _Names()
-    op, res, rep = [], [], set()
-    for d, (a, b) in enumerate(zip(operand_shape, result_shape)):
+def _paired_dims(n: "FactorNames", a_shape, b_shape, whole: Sequence[bool]):
+    """Dims of two tensors side by side: shared factors where flagged whole and equal, else replicated pairs."""
+    a_dims, b_dims, rep = [], [], set()
+    for d, (a, b) in enumerate(zip(a_shape, b_shape)):
         if whole[d] and a == b:
             f = n.new(a)
-            op.append((f,))
-            res.append((f,))
+            a_dims.append((f,))
+            b_dims.append((f,))
         else:
             fa, fb = n.new(a), n.new(b)
-            op.append((fa,))
-            res.append((fb,))
+            a_dims.append((fa,))
+            b_dims.append((fb,))
             rep |= {fa, fb}
-    ops = (tuple(op),) + tuple(() for _ in range(extra_operands))
-    return Rule(eqn.name, ops, (tuple(res),), n.sizes, replicated=frozenset(rep))
+    return tuple(a_dims), tuple(b_dims), rep
+
+
+def _windowed(eqn: Eqn, operand_shape, result_shape, whole: Sequence[bool], extra_operands: int) -> Rule:
+    """Dims flagged whole pass through; the others (sliced, padded, ...) stay replicated."""
+    n = FactorNames()
+    op, res, rep = _paired_dims(n, operand_shape, result_shape, whole)
+    ops = (op,) + tuple(() for _ in range(extra_operands))
+    return Rule(eqn.name, ops, (res,), n.sizes, replicated=frozenset(rep))
 
 
 def slice_rule(eqn: Eqn) -> Rule:
@@ -340,26 +348,16 @@ def dynamic_slice_rule(eqn: Eqn) -> Rule:
 
 def dynamic_update_slice_rule(eqn: Eqn) -> Rule:
     shape, upd = _shape(eqn.invars[0]), _shape(eqn.invars[1])
-    n = _Names()
-    op, up, rep = [], [], set()
-    for a, b in zip(shape, upd):
-        if a == b:
-            f = n.new(a)
-            op.append((f,))
-            up.append((f,))
-        else:
-            fa, fb = n.new(a), n.new(b)
-            op.append((fa,))
-            up.append((fb,))
-            rep |= {fa, fb}
+    n = FactorNames()
+    op, up, rep = _paired_dims(n, shape, upd, [True] * len(shape))
     idx = tuple(() for _ in eqn.invars[2:])
-    return Rule(eqn.name, (tuple(op), tuple(up)) + idx, (tuple(op),), n.sizes, replicated=frozenset(rep))
+    return Rule(eqn.name, (op, up) + idx, (op,), n.sizes, replicated=frozenset(rep))
 
 
 def concatenate_rule(eqn: Eqn) -> Rule:
     d = eqn.params["dimension"]
     out = _shape(eqn.outvars[0])
-    n = _Names()
+    n = FactorNames()
     dims = [(n.new(s),) for s in out]
     rep = {dims[d][0]}
     ops = []
@@ -380,7 +378,7 @@ def gather_rule(eqn: Eqn) -> Rule:
     dn = eqn.params["dimension_numbers"]
     sizes_ = eqn.params["slice_sizes"]
     os, is_, out_shape = _shape(eqn.invars[0]), _shape(eqn.invars[1]), _shape(eqn.outvars[0])
-    n = _Names()
+    n = FactorNames()
     out: list = [None] * len(out_shape)
     idx: list = [None] * len(is_)
     rep, red = set(), {}
@@ -413,7 +411,7 @@ def scatter_rule(eqn: Eqn) -> Optional[Rule]:
     """scatter-add: update batch dims may split (a partial sum); indexed dims of size-1 windows may split."""
     dn = eqn.params["dimension_numbers"]
     os, is_, us = (_shape(x) for x in eqn.invars[:3])
-    n = _Names()
+    n = FactorNames()
     op: list = [(n.new(s),) for s in os]
     idx: list = [None] * len(is_)
     upd: list = [None] * len(us)
@@ -453,7 +451,7 @@ def random_bits_rule(eqn: Eqn) -> Optional[Rule]:
         return None
     if "fry" not in str(eqn.invars[0].aval.dtype):
         return None
-    n = _Names()
+    n = FactorNames()
     res = tuple((n.new(s),) for s in eqn.params["shape"])
     return Rule("random_bits", ((),), (res,), n.sizes)
 
@@ -461,7 +459,7 @@ def random_bits_rule(eqn: Eqn) -> Optional[Rule]:
 def trailing(eqn: Eqn) -> Rule:
     """Leading dims shared by operand and result; trailing extra dims (key words, split counts) kept whole."""
     a, b = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
-    n = _Names()
+    n = FactorNames()
     common = min(len(a), len(b))
     shared = [(n.new(s),) for s in a[:common]]
     ea = [(n.new(s),) for s in a[common:]]

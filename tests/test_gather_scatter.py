@@ -28,22 +28,16 @@ def test_lookups_under_random_shardings(mesh, rng, name):
     check(LOOKUPS[name], [table, idx], mesh, seed=len(name), n=8)
 
 
-def test_vocab_split_lookup_is_one_all_reduce(rng):
+@pytest.mark.parametrize("out_split,collectives", [(False, {"all-reduce": 1}), (True, {"reduce-scatter": 1})])
+def test_vocab_split_lookup_is_one_reduction(rng, out_split, collectives):
+    """The partial sum of a vocabulary-split lookup: an all-reduce, or a reduce-scatter when the rows are split."""
     mesh = get_mesh("8")
     table, idx = randn(rng, 64, 16), ids(rng, 8, 4, vocab=64)
-    fn = lambda t, i: gs.replicate(jnp.take(gs.split(t, 0, 8), gs.replicate(i), axis=0))
+    out = (lambda y: gs.split(y, 0, 8)) if out_split else gs.replicate
+    fn = lambda t, i: out(jnp.take(gs.split(t, 0, 8), gs.replicate(i), axis=0))
     f = gs.partition(fn, mesh)
     assert_close(f(table, idx), fn(table, idx))
-    assert hlo_counts(f, table, idx) == {"all-reduce": 1}
-
-
-def test_vocab_split_lookup_batch_split_output_is_reduce_scatter(rng):
-    mesh = get_mesh("8")
-    table, idx = randn(rng, 64, 16), ids(rng, 8, 4, vocab=64)
-    fn = lambda t, i: gs.split(jnp.take(gs.split(t, 0, 8), gs.replicate(i), axis=0), 0, 8)
-    f = gs.partition(fn, mesh)
-    assert_close(f(table, idx), fn(table, idx))
-    assert hlo_counts(f, table, idx) == {"reduce-scatter": 1}
+    assert hlo_counts(f, table, idx) == collectives
 
 
 def test_feature_split_and_index_parallel_lookups_need_no_communication(rng):
