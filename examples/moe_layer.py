@@ -7,7 +7,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import gshard_jax as gs  # noqa: E402
-from models.moe import expert_einsums  # noqa: E402
+from gshard_jax.models.moe import expert_einsums  # noqa: E402
 
 N = len(jax.devices())
 

@@ -5,10 +5,10 @@ from jax._src import source_info_util as _source_info_util
 
 # Report source locations in the user's code, not in the annotation helpers.
 _source_info_util.register_exclusion(_os.path.dirname(__file__) + _os.sep)
-from partitioner.cost import HardwareProfile
-from partitioner.hlo import collective_stats
-from partitioner.report import Report
-from partitioner.sharding import Sharding
+from .partitioner.cost import HardwareProfile
+from .partitioner.hlo import collective_stats
+from .partitioner.report import Report
+from .partitioner.sharding import Sharding
 
 from .annotations import replicate, shard, split
 from .api import explain, partition

@@ -22,7 +22,7 @@ from jax._src.interpreters import ad, batching, mlir
 from jax.extend import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from partitioner.sharding import Sharding
+from .partitioner.sharding import Sharding
 
 # --------------------------------------------------------------------------- the primitive
 

@@ -7,12 +7,12 @@ import jax
 from jax._src.tree_util import broadcast_prefix
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from partitioner import lower as L
-from partitioner.cost import DEFAULT_PROFILE, HardwareProfile
-from partitioner.program import Value, from_jaxpr
-from partitioner.propagation import propagate
-from partitioner.report import Report
-from partitioner.sharding import Sharding
+from .partitioner import lower as L
+from .partitioner.cost import DEFAULT_PROFILE, HardwareProfile
+from .partitioner.program import Value, from_jaxpr
+from .partitioner.propagation import propagate
+from .partitioner.report import Report
+from .partitioner.sharding import Sharding
 
 from . import annotations as A
 

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 import gshard_jax as gs
-from partitioner.hlo import collective_stats, summary
+from gshard_jax.partitioner.hlo import collective_stats, summary
 
 
 def randn(rng, *shape, dtype=np.float32):

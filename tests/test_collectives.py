@@ -5,7 +5,7 @@ import pytest
 
 import gshard_jax as gs
 from helpers import assert_close, hlo_counts, randn
-from models.moe import expert_einsums
+from gshard_jax.models.moe import expert_einsums
 
 D = 8
 

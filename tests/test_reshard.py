@@ -6,8 +6,8 @@ import pytest
 
 import gshard_jax as gs
 from helpers import all_specs, assert_close, hlo_counts, randn
-from partitioner import reshard as RS
-from partitioner.sharding import Sharding
+from gshard_jax.partitioner import reshard as RS
+from gshard_jax.partitioner.sharding import Sharding
 
 
 def _identity_partitioned(mesh, src, dst):

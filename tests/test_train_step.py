@@ -8,7 +8,7 @@ import pytest
 
 import gshard_jax as gs
 from helpers import assert_close
-from models import lm
+from gshard_jax.models import lm
 
 LAYOUTS = {
     "data8": ({"data": 8}, lm.Layout("data", None)),

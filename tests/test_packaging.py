@@ -1,0 +1,36 @@
+"""Installing gshard-jax puts one top-level package on the path: gshard_jax."""
+import os
+import subprocess
+import sys
+
+import gshard_jax
+
+
+def test_user_modules_named_partitioner_and_models_do_not_shadow(tmp_path):
+    """A user's own partitioner.py and models/ package next to their script leave gshard_jax intact."""
+    (tmp_path / "partitioner.py").write_text("raise ImportError('the user partitioner.py was imported')\n")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "__init__.py").write_text("raise ImportError('the user models/ was imported')\n")
+    code = ("import gshard_jax, gshard_jax.partitioner.rules, gshard_jax.models.lm, gshard_jax.models.moe\n"
+            "print('gshard_jax imported')\n"
+            "import partitioner\n")  # the user's own module must be the one `import partitioner` finds
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert r.stdout.strip() == "gshard_jax imported", r.stderr
+    assert "the user partitioner.py was imported" in r.stderr, r.stderr
+
+
+def test_no_top_level_partitioner_or_models_installed(tmp_path):
+    """Outside the repository, only gshard_jax.partitioner / gshard_jax.models exist."""
+    code = ("import importlib.util as u\n"
+            "print(u.find_spec('partitioner'), u.find_spec('models'), u.find_spec('gshard_jax.partitioner').name)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["None", "None", "gshard_jax.partitioner"]
+
+
+def test_partitioner_is_inside_the_namespace():
+    import gshard_jax.models  # noqa: F401
+    assert gshard_jax.partitioner.__name__ == "gshard_jax.partitioner"
+    assert gshard_jax.models.__name__ == "gshard_jax.models"
