@@ -35,7 +35,19 @@ def _arrays(shape: str) -> list[int]:
     return out
 
 
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[(?P<mesh>[^\]]*)\]\s*\{(?P<axes>[^}]*)\}")
+_MESH_AXIS = re.compile(r"'([^']+)'\s*=\s*(\d+)")
+_GROUP_AXIS = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")
+
+
 def _group_size(rest: str) -> int:
+    m = _MESH_GROUPS.search(rest)
+    if m:  # newer syntax: replica_groups=mesh['a'=2,'b'=4] {'a'} (a sub-axis reads 'b':(1)2)
+        sizes = {name: int(n) for name, n in _MESH_AXIS.findall(m.group("mesh"))}
+        group = 1
+        for name, _, sub in _GROUP_AXIS.findall(m.group("axes")):
+            group *= int(sub) if sub else sizes[name]
+        return group
     m = re.search(r"replica_groups=\{(\{[\d,]*\})", rest)
     if m:
         return len([x for x in m.group(1).strip("{}").split(",") if x])

@@ -20,6 +20,8 @@ from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax._src.ad_checkpoint import remat_p
+from jax._src.interpreters import partial_eval as pe
 
 from . import hooks as H
 from . import reshard as RS
@@ -51,6 +53,22 @@ def _merge_fs(dims_fs: Sequence[Optional[R.FactorSharding]]) -> R.FactorSharding
             if ax:
                 out.setdefault(f, ax)
     return out
+
+
+def checkpoint_region(fn, args: list, params: dict, positions: list[int]) -> list:
+    """fn(*args) emitted as a checkpoint region (remat2) with the original region's policy and prevent_cse.
+
+    The region is traced on local shards (its collectives included) and bound
+    with the same `differentiated` flag, so the lowering keeps its optimization
+    barrier and XLA cannot merge the recomputation with the forward pass.
+    `positions` maps each arg to the original operand (for a per-operand prevent_cse).
+    """
+    closed = jax.make_jaxpr(fn)(*args)
+    cse = params["prevent_cse"]
+    if not isinstance(cse, bool):
+        cse = (False,) * len(closed.consts) + tuple(cse[i] for i in positions)
+    return remat_p.bind(*closed.consts, *args, jaxpr=pe.convert_constvars_jaxpr(closed.jaxpr), prevent_cse=cse,
+                        differentiated=params["differentiated"], policy=params["policy"])
 
 
 class Lowering:
@@ -145,6 +163,8 @@ class Lowering:
         x, src = env[v]
         if src == dst:
             return x, src
+        if 0 in v.shape:  # an empty array: every sharding holds nothing, so nothing moves
+            return jnp.zeros(dst.local_shape(v.shape, self.mesh_shape), v.dtype), dst
         key = (v, dst)
         if key not in self._cache:
             steps = self.reshard_steps(src, dst, v.shape)
@@ -167,7 +187,35 @@ class Lowering:
         finally:
             self._cache, self._prefix, self._trips = saved
 
+    def _checkpoint(self, eqn: Eqn, env) -> None:
+        """A checkpointed region: its body (which reads the caller's values) re-emitted as a checkpoint."""
+        body = eqn.subs["body"]
+        ins = list(dict.fromkeys(v for v in body.invars if isinstance(v, Value)))
+        args = [env[v][0] for v in ins]
+        log: list[Collective] = []
+
+        def region(*xs):
+            saved = (self._cache, self._prefix)
+            self._cache, self._prefix = {}, f"{self._prefix}checkpoint/"  # recompute reshards inside, too
+            try:
+                benv = collections.ChainMap({v: (x, env[v][1]) for v, x in zip(ins, xs)}, env)
+                self._run_eqns(body.eqns, benv)
+                return [benv[v][0] for v in eqn.outvars]
+            finally:
+                self._cache, self._prefix = saved
+
+        outs = checkpoint_region(region, args, eqn.params, [eqn.invars.index(v) for v in ins])
+        for v, x in zip(eqn.outvars, outs):
+            env[v] = (x, self.plan.sharding(v))
+        policy = eqn.params["policy"]
+        name = getattr(policy, "__name__", None) or type(policy).__name__ if policy is not None else "save nothing"
+        self._record(eqn, [str(env[v][1]) for v in ins], [str(env[v][1]) for v in eqn.outvars],
+                     f"checkpoint region: {len(body.eqns)} ops recomputed in the backward pass (policy {name}, "
+                     f"prevent_cse={eqn.params['prevent_cse']})", log)
+
     def _control_flow(self, eqn: Eqn, env) -> None:
+        if eqn.name == "remat2":
+            return self._checkpoint(eqn, env)
         log: list[Collective] = []
         plan = self.plan.sharding
         if eqn.name == "scan":

@@ -1,10 +1,17 @@
 """A flat, partitioner-owned view of a jaxpr.
 
-Call-like primitives (pjit, closed_call, remat, custom_jvp_call,
-custom_vjp_call) are inlined, so propagation and lowering see one list of
-equations and every decision is made with the whole program in view.
-Custom derivative rules are not needed here: differentiation happens before
-partitioning (``partition(jax.grad(f))``) or on the per-device program.
+Call-like primitives (pjit, closed_call, custom_jvp_call, custom_vjp_call)
+are inlined, so propagation and lowering see one list of equations and every
+decision is made with the whole program in view. Custom derivative rules are
+not needed here: differentiation happens before partitioning
+(``partition(jax.grad(f))``) or on the per-device program.
+
+Bodies that must stay regions become sub-programs (Eqn.subs): scan, while
+and cond bodies, and checkpointed regions (``remat2``, from jax.checkpoint /
+nn.remat). A checkpointed region is *aliased*, not linked: its sub-program's
+inputs are the caller's values and its results are the equation's results,
+so propagation sees exactly the inlined program, while lowering re-emits the
+body as a checkpoint (inlining would throw the rematerialisation away).
 """
 from __future__ import annotations
 
@@ -19,8 +26,6 @@ CALL_PRIMITIVES = {
     "pjit": "jaxpr",
     "jit": "jaxpr",
     "closed_call": "call_jaxpr",
-    "remat": "jaxpr",
-    "checkpoint": "jaxpr",
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
 }
@@ -87,7 +92,7 @@ class Program:
                 yield from sub.all_eqns()
 
 
-# Control-flow primitives whose bodies are partitioned as sub-programs: param -> sub-program names.
+# Primitives whose bodies are partitioned as sub-programs: sub-program name -> body.
 def _control_flow_subs(eqn) -> dict:
     p = eqn.params
     if eqn.primitive.name == "scan":
@@ -140,6 +145,16 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
             env[var] = op
         for eqn in jaxpr.eqns:
             ins = [read(a) for a in eqn.invars]
+            if eqn.primitive.name == "remat2":
+                body_eqns: list[Eqn] = []
+                outs = walk(eqn.params["jaxpr"], [], ins, body_eqns)
+                produced = {v for e in body_eqns for v in e.outvars}
+                made = list(dict.fromkeys(o for o in outs if isinstance(o, Value) and o in produced))
+                body = Program(list(ins), outs, body_eqns, [])
+                eqns.append(Eqn(eqn.primitive, ins, made, dict(eqn.params), _source(eqn), len(eqns), {"body": body}))
+                for var, out in zip(eqn.outvars, outs):
+                    env[var] = out
+                continue
             key = CALL_PRIMITIVES.get(eqn.primitive.name)
             if key is not None and key in eqn.params:
                 sub = eqn.params[key]

@@ -12,7 +12,8 @@ Control flow is propagated through *links*: identity constraints tie a loop's
 initial carry, the body's carry parameters, the body's carry results and the
 final carry together (so a stable carry needs no reshard inside the body);
 stacked values (scan xs/ys) are tied to the body's slices with the scan dim
-replicated; cond branches share their operands and results.
+replicated; cond branches share their operands and results. A checkpointed
+region (remat2) needs no links: its body already uses the caller's values.
 """
 from __future__ import annotations
 

@@ -140,6 +140,7 @@ copy cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma 
 integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
 reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign
 sin sinh sqrt square sub tan tanh xor population_count clz stop_gradient sharding_annotation
+name
 """.split())
 
 
@@ -179,6 +180,10 @@ def reshape(eqn: Eqn) -> Optional[Rule]:
         return None
     src, dst = list(_shape(eqn.invars[0])), list(eqn.params["new_sizes"])
     n = FactorNames()
+    if 0 in src:  # an empty array (e.g. jnp.pad's edge mode on a side of width 0): nothing to split
+        op_e, res_e = tuple((n.new(s),) for s in src), tuple((n.new(s),) for s in dst)
+        return Rule("reshape", (op_e,) + tuple(() for _ in eqn.invars[1:]), (res_e,), n.sizes,
+                    replicated=frozenset(n.sizes))
     op: list[list[str]] = [[] for _ in src]
     res: list[list[str]] = [[] for _ in dst]
     rep: set[str] = set()
@@ -368,6 +373,20 @@ def concatenate_rule(eqn: Eqn) -> Rule:
     return Rule("concatenate", tuple(ops), (tuple(dims),), n.sizes, replicated=frozenset(rep))
 
 
+def split_rule(eqn: Eqn) -> Rule:
+    """jnp.split: the split dim is kept whole (its pieces are global offsets); other dims pass through."""
+    d = eqn.params["axis"] % len(_shape(eqn.invars[0]))
+    n = FactorNames()
+    dims = [(n.new(s),) for s in _shape(eqn.invars[0])]
+    rep = {dims[d][0]}
+    outs = []
+    for v in eqn.outvars:
+        f = n.new(_shape(v)[d])
+        rep.add(f)
+        outs.append(tuple(dims[:d]) + ((f,),) + tuple(dims[d + 1:]))
+    return Rule("split", (tuple(dims),), tuple(outs), n.sizes, replicated=frozenset(rep))
+
+
 def gather_rule(eqn: Eqn) -> Rule:
     """Index-parallel batch dims, pass-through operand dims, and trivially sliced indexed dims.
 
@@ -487,6 +506,7 @@ RULES: dict[str, Callable[[Eqn], Optional[Rule]]] = {
     "dynamic_slice": dynamic_slice_rule,
     "dynamic_update_slice": dynamic_update_slice_rule,
     "concatenate": concatenate_rule,
+    "split": split_rule,
     "gather": gather_rule,
     "scatter-add": scatter_rule,
     "scatter_add": scatter_rule,
