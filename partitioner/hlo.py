@@ -35,14 +35,14 @@ def _arrays(shape: str) -> list[int]:
     return out
 
 
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[(?P<mesh>[^\]]*)\]\s*\{(?P<axes>[^}]*)\}")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[(?P<mesh>[^\]]*)\][^{]*\{(?P<axes>[^}]*)\}")
 _MESH_AXIS = re.compile(r"'([^']+)'\s*=\s*(\d+)")
 _GROUP_AXIS = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")
 
 
 def _group_size(rest: str) -> int:
     m = _MESH_GROUPS.search(rest)
-    if m:  # newer syntax: replica_groups=mesh['a'=2,'b'=4] {'a'} (a sub-axis reads 'b':(1)2)
+    if m:  # newer syntax: replica_groups=mesh['a'=2,'b'=4] {'a'}, maybe with device_ids=(...) before the axes
         sizes = {name: int(n) for name, n in _MESH_AXIS.findall(m.group("mesh"))}
         group = 1
         for name, _, sub in _GROUP_AXIS.findall(m.group("axes")):

@@ -1,10 +1,11 @@
 """REFERENCE section A's per-op table: the collectives in the compiled HLO, one test per row."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import gshard_jax as gs
-from helpers import assert_close, hlo_counts, randn
+from helpers import assert_close, hlo_counts, hlo_stats, randn
 from gshard_jax.models.moe import expert_einsums
 
 D = 8
@@ -105,3 +106,25 @@ def moe_inputs(rng, G=8, S=8, E=8, C=4, M=16, H=32):
 
 def test_moe_chain_two_all_to_alls(mesh1d, rng):
     assert run(moe_chain, mesh1d, *moe_inputs(rng)) == {"all-to-all": 2}
+
+
+def test_collective_stats_reads_mesh_replica_groups():
+    """XLA's newer syntax names the group by mesh axes: replica_groups=mesh[...] {axes}."""
+    line = ("  %ar = (f32[8]{0}, f32[]) all-reduce(%a, %b), channel_id=3, replica_groups=mesh['axis_0'=2,"
+            "'axis_1'=4] {'axis_0'}, use_global_device_ids=true, to_apply=%add")
+    stats = gs.collective_stats(line)["all-reduce"]
+    assert (stats["count"], stats["payload_bytes"], stats["moved_bytes"]) == (1, 36, 36.0)  # 2(n-1)/n x 36, n=2
+    both = line.replace("{'axis_0'}", "{'axis_0','axis_1'}")
+    assert gs.collective_stats(both)["all-reduce"]["moved_bytes"] == 2 * 7 / 8 * 36
+    permuted = line.replace("'axis_1'=4] {'axis_0'}", "'axis_1'=4], device_ids=([2,4]T(1,0)) {'axis_1'}")
+    assert gs.collective_stats(permuted)["all-reduce"]["moved_bytes"] == 2 * 3 / 4 * 36
+
+
+def test_xla_data_parallel_grad_bytes_are_counted(rng):
+    """XLA's partitioned data-parallel grad all-reduces the weight gradient: the bytes must be counted."""
+    mesh = gs.make_mesh({"data": 2, "model": 4})
+    w, x = randn(rng, 16, 16), randn(rng, 8, 16)
+    g = jax.grad(lambda w, x: jnp.sum(jnp.tanh(gs.shard(x, ("data", None)) @ w) ** 2))
+    ours = hlo_stats(gs.partition(g, mesh), w, x)["all-reduce"]
+    xla = hlo_stats(gs.partition(g, mesh, backend="xla"), w, x)["all-reduce"]
+    assert xla["moved_bytes"] > 0 and xla["moved_bytes"] == ours["moved_bytes"]
