@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import jax
+from jax._src.interpreters import partial_eval as pe
 from jax._src.tree_util import broadcast_prefix
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -98,6 +99,10 @@ def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardw
 
         with A.active(mesh, "gshard"):
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
+        # Plan the program XLA will run: values nothing uses (e.g. the forward loss inside jax.grad) are
+        # dropped first, so no collective is planned or reported for them, and there is less to partition.
+        jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
+        closed = jax.extend.core.ClosedJaxpr(jaxpr, closed.consts)
         out_tree = jax.tree_util.tree_structure(out_shape)
         outputs = list(out_shape) if isinstance(out_shape, (tuple, list)) else [out_shape]
         specs = out_shardings if isinstance(out_shape, (tuple, list)) or out_shardings is None else (out_shardings,)

@@ -2,9 +2,11 @@
 
 Payload follows partitioner.cost: the result buffer of an all-gather,
 all-reduce, all-to-all or collective-permute, the operand (result x group)
-of a reduce-scatter. Async ``-start`` forms are included and ``-done`` halves not counted twice;
-a tuple-shaped instruction (an all-to-all in chunks, combined all-reduces)
-counts once, with the bytes of all its elements.
+of a reduce-scatter. Async ``-start`` forms are included and ``-done`` halves not counted twice.
+`count` is the number of collectives performed: XLA's combiners merge
+several all-reduces (all-gathers, reduce-scatters) into one tuple-shaped
+instruction, which counts as its elements; a tuple-shaped all-to-all is one
+all-to-all in chunks and counts once.
 """
 from __future__ import annotations
 
@@ -83,7 +85,7 @@ def collective_stats(compiled: Any) -> dict:
             group = max(group, 2)
         payload = sum(sizes) * (group if kind == "reduce-scatter" else 1)
         t = out[kind]
-        t["count"] += 1
+        t["count"] += 1 if kind == "all-to-all" else len(sizes)
         t["payload_bytes"] += payload
         t["moved_bytes"] += moved_bytes(kind, payload, group)
     return out

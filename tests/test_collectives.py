@@ -113,7 +113,8 @@ def test_collective_stats_reads_mesh_replica_groups():
     line = ("  %ar = (f32[8]{0}, f32[]) all-reduce(%a, %b), channel_id=3, replica_groups=mesh['axis_0'=2,"
             "'axis_1'=4] {'axis_0'}, use_global_device_ids=true, to_apply=%add")
     stats = gs.collective_stats(line)["all-reduce"]
-    assert (stats["count"], stats["payload_bytes"], stats["moved_bytes"]) == (1, 36, 36.0)  # 2(n-1)/n x 36, n=2
+    # Two all-reduces combined into one instruction: 2(n-1)/n x 36 bytes moved with n=2.
+    assert (stats["count"], stats["payload_bytes"], stats["moved_bytes"]) == (2, 36, 36.0)
     both = line.replace("{'axis_0'}", "{'axis_0','axis_1'}")
     assert gs.collective_stats(both)["all-reduce"]["moved_bytes"] == 2 * 7 / 8 * 36
     permuted = line.replace("'axis_1'=4] {'axis_0'}", "'axis_1'=4], device_ids=([2,4]T(1,0)) {'axis_1'}")

@@ -81,3 +81,13 @@ def test_mlp_train_step_with_optax(rng):
     assert float(got_loss) < float(jax.jit(mlp_loss)(params, x, y))
     report = gs.explain(step, mesh, params, opt.init(params), x, y)
     assert not report.fallbacks, [r.primitive for r in report.fallbacks]
+
+
+def test_plan_is_made_after_dead_code_elimination(rng):
+    """grad() drops the forward loss: its all-reduce is neither planned nor reported, as in the HLO."""
+    mesh = gs.make_mesh({"data": 2, "model": 4})
+    x, w1, w2 = randn(rng, 8, 16), randn(rng, 16, 32), randn(rng, 32, 16)
+    g = jax.grad(lambda x, w1, w2: jnp.sum(megatron_mlp(x, w1, w2) ** 2), argnums=(1, 2))
+    report = gs.explain(g, mesh, x, w1, w2)
+    assert not [r for r in report.rows if r.primitive == "reduce_sum" and r.collectives]
+    assert report.totals()["all-reduce"]["count"] == hlo_counts(gs.partition(g, mesh), x, w1, w2)["all-reduce"] == 3
