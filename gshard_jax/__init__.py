@@ -1,10 +1,16 @@
 """gshard_jax: GShard-style sharding annotations and an explainable SPMD partitioner for JAX."""
+import importlib.util as _importlib_util
 import os as _os
 
 from jax._src import source_info_util as _source_info_util
 
-# Report source locations in the user's code, not in the annotation helpers.
+# Report source locations in the user's code, not in the annotation helpers or the libraries it calls.
 _source_info_util.register_exclusion(_os.path.dirname(__file__) + _os.sep)
+for _lib in ("flax", "optax", "orbax", "einops"):
+    _spec = _importlib_util.find_spec(_lib)
+    if _spec is not None and _spec.submodule_search_locations:
+        for _path in _spec.submodule_search_locations:
+            _source_info_util.register_exclusion(_path.rstrip(_os.sep) + _os.sep)
 from .partitioner.cost import HardwareProfile
 from .partitioner.hlo import collective_stats
 from .partitioner.report import Report

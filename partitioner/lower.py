@@ -29,7 +29,7 @@ from . import rules as R
 from .cost import Collective, HardwareProfile, compute_time
 from .program import Const, Eqn, Program, Value
 from .propagation import Plan
-from .report import Report, Row
+from .report import Operand, Report, Result, Row
 from .sharding import Sharding
 
 
@@ -74,9 +74,18 @@ def checkpoint_region(fn, args: list, params: dict, positions: list[int]) -> lis
 class Lowering:
     """The per-device interpreter of a planned program, and its report."""
 
-    def __init__(self, program: Program, plan: Plan, mesh: jax.sharding.Mesh,
-                 profile: HardwareProfile, report: Optional[Report] = None):
+    def __init__(self, program: Program, plan: Plan, mesh: jax.sharding.Mesh, profile: HardwareProfile,
+                 report: Optional[Report] = None, entry: Optional[Sequence[Sharding]] = None,
+                 exit: Optional[Sequence[Sharding]] = None, in_names: Sequence[str] = (),
+                 out_names: Sequence[str] = ()):
+        """entry / exit: how each input (then constant) arrives and each output leaves the per-device program
+        (default: as planned); the reshards to and from the plan are part of the program and of the report."""
         self.program, self.plan, self.profile = program, plan, profile
+        values = list(program.invars) + [v for v, _ in program.consts]
+        self.entry = list(entry) if entry is not None else [plan.sharding(v) for v in values]
+        self.exit = list(exit) if exit is not None else [plan.sharding(v) for v in program.outvars]
+        self.in_names = list(in_names) + [str(v) for v in values[len(in_names):]]
+        self.out_names = list(out_names) + [f"out[{i}]" for i in range(len(out_names), len(program.outvars))]
         self.mesh_shape: dict[str, int] = dict(mesh.shape)
         self.mesh_axes: tuple[str, ...] = tuple(mesh.axis_names)
         self.report = report
@@ -135,10 +144,32 @@ class Lowering:
         self._cache: dict = {}
         self._prefix, self._trips = "", 1
         values = list(self.program.invars) + [v for v, _ in self.program.consts]
-        for v, x in zip(values, local_args):
-            env[v] = (x, self.plan.sharding(v))
+        for v, x, e, name in zip(values, local_args, self.entry, self.in_names):
+            log: list[Collective] = []
+            self._store(env, v, x, e, log)
+            if e != self.plan.sharding(v):
+                self._boundary_row("input", name, v, e, self.plan.sharding(v), log)
         self._run_eqns(self.program.eqns, env)
-        return [self._read(env, v, self.plan.sharding(v), []) for v in self.program.outvars]
+        outs = []
+        for v, x, name in zip(self.program.outvars, self.exit, self.out_names):
+            log = []
+            outs.append(self._read(env, v, x, log))
+            if isinstance(v, Value) and x != self.plan.sharding(v):
+                self._boundary_row("output", name, v, self.plan.sharding(v), x, log)
+        return outs
+
+    def _boundary_row(self, kind: str, name: str, v: Value, src: Sharding, dst: Sharding, log: list) -> None:
+        """A report row for the reshard of an input on entry (placement, padding) or an output on exit (cut)."""
+        if self.report is None:
+            return
+        why = ("placed as the argument arrives, resharded to the plan" if kind == "input" else
+               "resharded from the plan to how the output leaves")
+        if dst.padded - src.padded or src.padded - dst.padded:
+            why += "; uneven dims padded on entry" if kind == "input" else "; uneven dims gathered and cut on exit"
+        shape, dtype = tuple(v.shape), str(v.aval.dtype)
+        self.report.rows.append(Row(-1, name, kind, [Operand(shape, dtype, src, dst)],
+                                    [Result(shape, dtype, dst, dst, self.plan.origins.get(v, ""))], why, log,
+                                    None, 0.0, sum(c.time(self.profile) for c in log), 1))
 
     def _run_eqns(self, eqns: Sequence[Eqn], env) -> None:
         for eqn in eqns:
@@ -209,7 +240,7 @@ class Lowering:
             env[v] = (x, self.plan.sharding(v))
         policy = eqn.params["policy"]
         name = getattr(policy, "__name__", None) or type(policy).__name__ if policy is not None else "save nothing"
-        self._record(eqn, [str(env[v][1]) for v in ins], [str(env[v][1]) for v in eqn.outvars],
+        self._record(eqn, [(v, env[v][1], env[v][1]) for v in ins], [env[v][1] for v in eqn.outvars],
                      f"checkpoint region: {len(body.eqns)} ops recomputed in the backward pass (policy {name}, "
                      f"prevent_cse={eqn.params['prevent_cse']})", log)
 
@@ -271,8 +302,8 @@ class Lowering:
             raise AssertionError(eqn.name)
         for v, (x, have) in zip(eqn.outvars, results):
             self._store(env, v, x, have, log)
-        self._record(eqn, [str(env[x][1]) for x in eqn.invars if isinstance(x, Value)],
-                     [str(plan(v)) for v in eqn.outvars], strategy, log)
+        self._record(eqn, [(x, env[x][1], env[x][1]) for x in eqn.invars if isinstance(x, Value)],
+                     [plan(v) for v in eqn.outvars], strategy, log)
 
     def _eqn(self, eqn: Eqn, env) -> None:
         rule = self.plan.rules.get(eqn)
@@ -295,19 +326,20 @@ class Lowering:
         outs = self._bind(eqn, rule, choice, local_in, log)
         for v, o, m in zip(eqn.outvars, outs, choice.made):
             self._store(env, v, o, m, log)
-        self._record(eqn, [f"{h}" if h == n else f"{h}->{n}" for h, n in zip(have, choice.need) if h.rank],
-                     [f"{m}" if m == self.plan.sharding(v) else f"{m}->{self.plan.sharding(v)}"
-                      for v, m in zip(eqn.outvars, choice.made)], strategy, log, fallback,
+        self._record(eqn, list(zip(eqn.invars, have, choice.need)), choice.made, strategy, log, fallback,
                      compute_time(sum(math.prod(m.local_shape(v.shape, self.mesh_shape))
                                       for v, m in zip(eqn.outvars, choice.made)), self.profile))
 
-    def _record(self, eqn: Eqn, operands: list[str], outputs: list[str], strategy: str, log: list,
-                fallback: Optional[str] = None, compute: float = 0.0) -> None:
-        """One report row for an equation (when explain() is collecting one)."""
-        if self.report is not None:
-            self.report.rows.append(Row(eqn.index, eqn.source, self._prefix + eqn.name, operands, outputs, strategy,
-                                        log, [self.plan.origins.get(v, "") for v in eqn.outvars], fallback,
-                                        compute, sum(c.time(self.profile) for c in log), self._trips))
+    def _record(self, eqn: Eqn, operands: list[tuple[Any, Sharding, Sharding]], made: list[Sharding],
+                strategy: str, log: list, fallback: Optional[str] = None, compute: float = 0.0) -> None:
+        """One report row for an equation (when explain() is collecting one): (value, have, need) per operand."""
+        if self.report is None:
+            return
+        ops = [Operand(tuple(x.shape), str(x.aval.dtype), h, n) for x, h, n in operands if len(x.shape)]
+        res = [Result(tuple(v.shape), str(v.aval.dtype), m, self.plan.sharding(v), self.plan.origins.get(v, ""))
+               for v, m in zip(eqn.outvars, made)]
+        self.report.rows.append(Row(eqn.index, eqn.source, self._prefix + eqn.name, ops, res, strategy, log,
+                                    fallback, compute, sum(c.time(self.profile) for c in log), self._trips))
 
     def _bind(self, eqn: Eqn, rule: Optional[R.Rule], choice: Choice, local_in: list, log: list):
         """Bind the primitive on local shards, with local-shape params, through its hook if it has one."""

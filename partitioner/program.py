@@ -16,6 +16,7 @@ body as a checkpoint (inlining would throw the rematerialisation away).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from jax._src import source_info_util
@@ -104,11 +105,21 @@ def _control_flow_subs(eqn) -> dict:
     return {}
 
 
-def _source(eqn) -> str:
+def _source(eqn, scope: str = "") -> str:
+    """Where the user wrote the op (file relative to the working directory) and its Flax module path.
+
+    The module path is JAX's name stack (Flax pushes one entry per module);
+    `scope` is the name stack of the inlined call the equation sits in.
+    """
     try:
-        return source_info_util.summarize(eqn.source_info)
+        loc = source_info_util.summarize(eqn.source_info)
     except Exception:  # pragma: no cover - source info is best effort
-        return "?"
+        loc = "?"
+    cwd = os.getcwd() + os.sep
+    if loc.startswith(cwd):
+        loc = loc[len(cwd):]
+    stack = "/".join(p for p in (scope, str(eqn.source_info.name_stack)) if p)
+    return f"{loc} [{stack}]" if stack else loc
 
 
 def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
@@ -131,7 +142,7 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
         consts.append((v, val))
         return v
 
-    def walk(jaxpr: core.Jaxpr, const_vals, in_operands, eqns: list) -> list:
+    def walk(jaxpr: core.Jaxpr, const_vals, in_operands, eqns: list, scope: str = "") -> list:
         env: dict = {}
 
         def read(a):
@@ -147,21 +158,24 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
             ins = [read(a) for a in eqn.invars]
             if eqn.primitive.name == "remat2":
                 body_eqns: list[Eqn] = []
-                outs = walk(eqn.params["jaxpr"], [], ins, body_eqns)
+                inner = "/".join(p for p in (scope, str(eqn.source_info.name_stack)) if p)
+                outs = walk(eqn.params["jaxpr"], [], ins, body_eqns, inner)
                 produced = {v for e in body_eqns for v in e.outvars}
                 made = list(dict.fromkeys(o for o in outs if isinstance(o, Value) and o in produced))
                 body = Program(list(ins), outs, body_eqns, [])
-                eqns.append(Eqn(eqn.primitive, ins, made, dict(eqn.params), _source(eqn), len(eqns), {"body": body}))
+                eqns.append(Eqn(eqn.primitive, ins, made, dict(eqn.params), _source(eqn, scope), len(eqns),
+                                {"body": body}))
                 for var, out in zip(eqn.outvars, outs):
                     env[var] = out
                 continue
             key = CALL_PRIMITIVES.get(eqn.primitive.name)
             if key is not None and key in eqn.params:
                 sub = eqn.params[key]
+                inner = "/".join(p for p in (scope, str(eqn.source_info.name_stack)) if p)
                 if isinstance(sub, core.ClosedJaxpr):
-                    outs = walk(sub.jaxpr, sub.consts, ins, eqns)
+                    outs = walk(sub.jaxpr, sub.consts, ins, eqns, inner)
                 else:
-                    outs = walk(sub, [], ins, eqns)
+                    outs = walk(sub, [], ins, eqns, inner)
                 for var, out in zip(eqn.outvars, outs):
                     env[var] = out
                 continue
@@ -169,15 +183,16 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
             for var, out in zip(eqn.outvars, outs):
                 if not isinstance(var, core.DropVar):
                     env[var] = out
-            subs = {name: sub_program(j) for name, j in _control_flow_subs(eqn).items()}
-            eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), _source(eqn), len(eqns), subs))
+            inner = "/".join(p for p in (scope, str(eqn.source_info.name_stack)) if p)
+            subs = {name: sub_program(j, inner) for name, j in _control_flow_subs(eqn).items()}
+            eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), _source(eqn, scope), len(eqns), subs))
         return [read(a) for a in jaxpr.outvars]
 
-    def sub_program(j) -> Program:
+    def sub_program(j, scope: str = "") -> Program:
         jaxpr, vals = (j.jaxpr, j.consts) if isinstance(j, core.ClosedJaxpr) else (j, [])
         invars = [new_value(v.aval) for v in jaxpr.invars]
         eqns: list[Eqn] = []
-        outvars = walk(jaxpr, vals, invars, eqns)
+        outvars = walk(jaxpr, vals, invars, eqns, scope)
         return Program(invars, outvars, eqns, [])
 
     top = sub_program(closed)

@@ -1,34 +1,114 @@
-"""The partitioner's account of itself: one row per equation, with totals (explain())."""
+"""The partitioner's account of itself (explain()): one row per equation, the program boundary, totals.
+
+Rows hold structured fields (shapes, shardings, origins, collectives);
+formatting happens only when printing. ``str(report)`` is the compact view
+(what communicates or falls back, then totals by kind) that fits a
+100-column terminal; ``report.table()`` lists every row; ``to_json()`` and
+``to_html()`` export the structured form. Notation: ``[data, -]`` splits dim 0
+over mesh axis ``data`` and keeps dim 1 whole; ``data*model`` splits one dim
+over two axes (major first); ``partial(model)`` holds unreduced summands over
+``model``; ``(pad)`` marks an uneven dim stored padded; ``a->b`` is a reshard
+from what an op has (or makes) to what it needs (or the plan wants).
+"""
 from __future__ import annotations
 
 import collections
 import dataclasses
 import html
 import json
+import textwrap
 from typing import Optional
 
 from .cost import Collective, HardwareProfile, KINDS, _fmt_bytes
+from .sharding import Sharding
+
+WIDTH = 100
+
+
+def _sharding_dict(s: Sharding) -> dict:
+    return {"dims": [list(d) for d in s.dims], "partial": sorted(s.partial), "padded": sorted(s.padded),
+            "text": str(s)}
+
+
+def _arrow(a: Sharding, b: Sharding) -> str:
+    return f"{a}" if a == b else f"{a}->{b}"
+
+
+@dataclasses.dataclass
+class Operand:
+    shape: tuple[int, ...]
+    dtype: str
+    have: Sharding
+    need: Sharding
+
+    def __str__(self) -> str:
+        return _arrow(self.have, self.need)
+
+    def to_dict(self) -> dict:
+        return {"shape": list(self.shape), "dtype": self.dtype, "have": _sharding_dict(self.have),
+                "need": _sharding_dict(self.need)}
+
+
+@dataclasses.dataclass
+class Result:
+    shape: tuple[int, ...]
+    dtype: str
+    made: Sharding
+    planned: Sharding
+    origin: str = ""
+
+    def __str__(self) -> str:
+        return _arrow(self.made, self.planned)
+
+    def to_dict(self) -> dict:
+        return {"shape": list(self.shape), "dtype": self.dtype, "made": _sharding_dict(self.made),
+                "planned": _sharding_dict(self.planned), "origin": self.origin}
+
+
+@dataclasses.dataclass
+class ValueInfo:
+    """An input or output of the partitioned function, named by its pytree key path."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    planned: Sharding
+    boundary: Sharding  # how it arrives (input) or leaves (output) the per-device program
+    origin: str = ""
+
+    def __str__(self) -> str:
+        cross = "" if self.boundary == self.planned else f" (crosses as {self.boundary})"
+        return f"{self.name}: {self.dtype}{list(self.shape)} {self.planned}{cross}  <- {self.origin}"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+                "planned": _sharding_dict(self.planned), "boundary": _sharding_dict(self.boundary),
+                "origin": self.origin}
 
 
 @dataclasses.dataclass
 class Row:
-    index: int
-    source: str
-    primitive: str
-    operands: list[str]  # "actual -> required" per operand
-    outputs: list[str]  # "produced -> planned" per result
+    index: int  # the equation's index in its (sub-)program; -1 for the program boundary
+    source: str  # the user's code (and Flax module path), or the boundary value's name
+    primitive: str  # prefixed by its region: scan/..., checkpoint/...; "input" / "output" at the boundary
+    operands: list[Operand]
+    outputs: list[Result]
     strategy: str
     collectives: list[Collective]
-    origins: list[str]
     fallback: Optional[str] = None
     compute_time: float = 0.0
     comm_time: float = 0.0
     trips: int = 1  # times the row runs per call (a scan body's length); a while body counts once
 
+    @property
+    def origins(self) -> list[str]:
+        return [r.origin for r in self.outputs]
+
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["collectives"] = [c.to_dict() for c in self.collectives]
-        return d
+        return {"index": self.index, "source": self.source, "primitive": self.primitive,
+                "operands": [o.to_dict() for o in self.operands], "outputs": [r.to_dict() for r in self.outputs],
+                "strategy": self.strategy, "collectives": [c.to_dict() for c in self.collectives],
+                "fallback": self.fallback, "compute_time_s": self.compute_time, "comm_time_s": self.comm_time,
+                "trips": self.trips}
 
 
 @dataclasses.dataclass
@@ -36,8 +116,9 @@ class Report:
     mesh: dict
     profile: HardwareProfile
     rows: list[Row] = dataclasses.field(default_factory=list)
-    inputs: list[str] = dataclasses.field(default_factory=list)
-    outputs: list[str] = dataclasses.field(default_factory=list)
+    inputs: list[ValueInfo] = dataclasses.field(default_factory=list)
+    outputs: list[ValueInfo] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def collectives(self) -> list[Collective]:
@@ -73,8 +154,9 @@ class Report:
 
     def to_json(self, **kw) -> str:
         return json.dumps({
-            "mesh": self.mesh, "profile": dataclasses.asdict(self.profile), "inputs": self.inputs,
-            "outputs": self.outputs, "rows": [r.to_dict() for r in self.rows], "totals": self.totals(),
+            "mesh": self.mesh, "profile": dataclasses.asdict(self.profile),
+            "inputs": [v.to_dict() for v in self.inputs], "outputs": [v.to_dict() for v in self.outputs],
+            "notes": self.notes, "rows": [r.to_dict() for r in self.rows], "totals": self.totals(),
             "totals_per_call": self.totals(dynamic=True),
             "predicted_comm_time_s": self.comm_time, "predicted_compute_time_s": self.compute_time,
             "fallbacks": [r.index for r in self.fallbacks]}, default=str, **kw)
@@ -90,12 +172,13 @@ class Report:
             style = ' class="fallback"' if r.fallback else ""
             strategy = esc(r.strategy) + (f"<br><b>FALLBACK</b>: {esc(r.fallback)}" if r.fallback else "")
             rows.append(f"<tr{style}><td>{r.index}</td><td>{esc(r.source)}</td><td>{esc(r.primitive)}</td>"
-                        f"<td>{esc(' '.join(r.operands))}</td><td>{esc(' '.join(r.outputs))}</td><td>{strategy}</td>"
-                        f"<td>{coll}</td><td>{esc('; '.join(r.origins))}</td></tr>")
+                        f"<td>{esc(' '.join(map(str, r.operands)))}</td><td>{esc(' '.join(map(str, r.outputs)))}</td>"
+                        f"<td>{strategy}</td><td>{coll}</td><td>{esc('; '.join(r.origins))}</td></tr>")
         totals = "".join(f"<tr><td>{k}</td><td>{t['count']}</td><td>{t['payload_bytes']}</td><td>{t['moved_bytes']:.0f}</td></tr>"
                          for k, t in self.totals().items() if t["count"])
-        io = "".join(f"<li>input {i}: {esc(x)}</li>" for i, x in enumerate(self.inputs)) + \
-            "".join(f"<li>output {i}: {esc(x)}</li>" for i, x in enumerate(self.outputs))
+        io = "".join(f"<li>input {esc(str(x))}</li>" for x in self.inputs) + \
+            "".join(f"<li>output {esc(str(x))}</li>" for x in self.outputs) + \
+            "".join(f"<li>note: {esc(n)}</li>" for n in self.notes)
         return (f"<!doctype html><html><head><meta charset='utf-8'><title>gshard_jax partition report</title>"
                 f"<style>table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 6px;"
                 f"font:12px monospace;vertical-align:top}}.fallback{{background:#fdd}}</style></head><body>"
@@ -105,20 +188,20 @@ class Report:
                 f"<th>moved bytes</th></tr>{totals}</table><p>predicted communication {self.comm_time * 1e6:.3g}us"
                 f" per call; fallbacks: {len(self.fallbacks)}</p></body></html>")
 
-    def __str__(self) -> str:
-        lines = [f"gshard_jax partition report  mesh={self.mesh}  profile={self.profile.name}"]
-        lines += [f"  input  {i}: {s}" for i, s in enumerate(self.inputs)]
-        lines += [f"  output {i}: {s}" for i, s in enumerate(self.outputs)]
-        header = f"{'#':>4} {'primitive':<20} {'operands (have -> need)':<44} {'result (made -> planned)':<30} " \
-                 f"{'strategy':<34} collectives"
-        lines += [header, "-" * len(header)]
-        for r in self.rows:
-            coll = "; ".join(f"{c} ({c.time(self.profile) * 1e6:.1f}us)" for c in r.collectives) or "-"
-            flag = f"  FALLBACK: {r.fallback}" if r.fallback else ""
-            lines.append(f"{r.index:>4} {r.primitive:<20} {' '.join(r.operands):<44} {' '.join(r.outputs):<30} "
-                         f"{r.strategy:<34} {coll}{flag}")
-            lines.append(f"{'':>4}   at {r.source or '?'}; result from: {'; '.join(r.origins)}")
-        lines.append("totals per device:")
+    # ------------------------------------------------------------------ text
+    def _row_lines(self, r: Row) -> list[str]:
+        head = f"{r.index if r.index >= 0 else '':>4} {r.primitive} at {r.source or '?'}"
+        if r.trips > 1:
+            head += f" (x{r.trips} per call)"
+        body = [f"{' '.join(map(str, r.operands)) or '-'} => {' '.join(map(str, r.outputs)) or '-'}",
+                f"{r.strategy}"]
+        body += [f"{c} moves {_fmt_bytes(c.moved)} ({c.time(self.profile) * 1e6:.3g}us)" for c in r.collectives]
+        if r.fallback:
+            body.append(f"FALLBACK: {r.fallback}")
+        return [_fit(head, 0)] + [_fit(b, 7) for b in body]
+
+    def _totals_lines(self) -> list[str]:
+        lines = ["totals per device:"]
         counts = collections.Counter()
         for kind, t in self.totals().items():
             if t["count"]:
@@ -127,6 +210,37 @@ class Report:
                              f"moved {_fmt_bytes(t['moved_bytes']):>10}")
         if not counts:
             lines.append("  no communication")
-        lines.append(f"  predicted communication {self.comm_time * 1e6:.3g}us, compute {self.compute_time * 1e6:.3g}us "
-                     f"per call; fallbacks: {len(self.fallbacks)}")
-        return "\n".join(lines)
+        lines.append(f"  predicted communication {self.comm_time * 1e6:.3g}us, compute "
+                     f"{self.compute_time * 1e6:.3g}us per call; fallbacks: {len(self.fallbacks)}")
+        return lines
+
+    def _header(self) -> list[str]:
+        lines = [f"gshard_jax partition report  mesh={self.mesh}  profile={self.profile.name}"]
+        lines += [_fit(f"input  {x}", 2) for x in self.inputs]
+        lines += [_fit(f"output {x}", 2) for x in self.outputs]
+        lines += [_fit(f"note: {n}", 2) for n in self.notes]
+        return lines
+
+    def table(self) -> str:
+        """Every row, with the origin of each result's sharding."""
+        lines = self._header()
+        for r in self.rows:
+            lines += self._row_lines(r)
+            lines.append(_fit(f"result from: {'; '.join(r.origins)}", 7))
+        return "\n".join(lines + self._totals_lines())
+
+    def __str__(self) -> str:
+        """The compact view: rows that communicate or fall back, then totals by kind."""
+        shown = [r for r in self.rows if r.collectives or r.fallback]
+        lines = self._header()
+        lines.append(f"{len(shown)} of {len(self.rows)} rows communicate or fall back "
+                     f"(report.table() lists all):")
+        for r in shown:
+            lines += self._row_lines(r)
+        return "\n".join(lines + self._totals_lines())
+
+
+def _fit(text: str, indent: int) -> str:
+    """text wrapped to WIDTH columns, continuation lines indented."""
+    return "\n".join(textwrap.wrap(text, WIDTH, initial_indent=" " * indent, subsequent_indent=" " * (indent + 4),
+                                   break_long_words=True, break_on_hyphens=False)) or " " * indent
