@@ -42,6 +42,14 @@ def hlo_stats(jitted, *args) -> dict:
     return collective_stats(jitted.lower(*args).compile())
 
 
+def assert_report_matches_hlo(report, stats) -> None:
+    """explain() tells the whole truth: per kind, the same count and payload bytes as the compiled HLO."""
+    predicted = report.totals()
+    for kind in predicted:
+        assert (predicted[kind]["count"], predicted[kind]["payload_bytes"]) == \
+            (stats[kind]["count"], stats[kind]["payload_bytes"]), (kind, predicted, stats)
+
+
 def assert_close(a, b, rtol=1e-5, atol=1e-5):
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
@@ -84,4 +92,4 @@ def check(fn, args, mesh, seed, n=6, out_random=True, rtol=1e-5, atol=1e-5, arg_
         assert_close(got, want, rtol=rtol, atol=atol)
 
 
-__all__ = ["randn", "all_specs", "hlo_counts", "hlo_stats", "assert_close", "check", "get_mesh", "gs"]
+__all__ = ["randn", "all_specs", "hlo_counts", "hlo_stats", "assert_close", "assert_report_matches_hlo", "check", "get_mesh", "gs"]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import gshard_jax as gs
-from helpers import assert_close, hlo_counts, hlo_stats, randn
+from helpers import assert_close, assert_report_matches_hlo, hlo_counts, hlo_stats, randn
 from test_collectives import moe_chain, moe_inputs
 from test_grad import megatron_mlp
 
@@ -156,8 +156,10 @@ def test_explain_bytes_agree_with_hlo(name, rng):
     axes, fn, make = PROGRAMS[name]
     mesh = gs.make_mesh(axes)
     args = make(rng)
-    predicted = gs.explain(fn, mesh, *args).totals()
+    report = gs.explain(fn, mesh, *args)
+    predicted = report.totals()
     actual = hlo_stats(gs.partition(fn, mesh), *args)
+    assert_report_matches_hlo(report, actual)
     for kind in predicted:
         assert predicted[kind]["payload_bytes"] == actual[kind]["payload_bytes"], (kind, predicted, actual)
         assert predicted[kind]["moved_bytes"] == pytest.approx(actual[kind]["moved_bytes"]), kind

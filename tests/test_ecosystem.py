@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import gshard_jax as gs
-from helpers import get_mesh, hlo_stats
+from helpers import assert_report_matches_hlo, get_mesh, hlo_stats
 
 B, L, D = 8, 16, 32
 
@@ -123,6 +123,7 @@ def check_case(layer: str, optimizer: str, annotation: str):
         # XLA's partitioner deviates from the unpartitioned step by the same amount. Allow no more.
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 + 2 * np.max(np.abs(r - w), initial=0))
     ours, xla = hlo_stats(ours_fn, *args), hlo_stats(xla_fn, *args)
+    assert_report_matches_hlo(report, ours)
     moved = lambda s: sum(v["moved_bytes"] for v in s.values())
     assert moved(ours) <= moved(xla) + 8, (moved(ours), moved(xla))  # +8: a scalar all-reduce's rounding
 

@@ -12,7 +12,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import gshard_jax as gs
-from helpers import assert_close, get_mesh, hlo_stats, randn
+from helpers import assert_close, assert_report_matches_hlo, get_mesh, hlo_stats, randn
 
 
 class Block(nn.Module):
@@ -86,6 +86,7 @@ def test_flax_remat_grad_is_partitioned_and_rematerialised(model, rng):
     assert regions and all(e.params["differentiated"] and e.params["prevent_cse"] for e in regions)
     # No more communication than XLA's partitioner on the same program, and no all-gathers of activations.
     ours, xla = hlo_stats(f, params, x), hlo_stats(gs.partition(g, mesh, backend="xla"), params, x)
+    assert_report_matches_hlo(report, ours)
     assert sum(s["moved_bytes"] for s in ours.values()) <= sum(s["moved_bytes"] for s in xla.values())
 
 

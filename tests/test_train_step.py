@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import gshard_jax as gs
-from helpers import assert_close
+from helpers import assert_close, assert_report_matches_hlo, hlo_stats
 from gshard_jax.models import lm
 
 LAYOUTS = {
@@ -44,6 +44,7 @@ def run_step(cfg, axes, layout, steps=2):
         params, state = want_p, want_s
     report = gs.explain(step, mesh, params, state, batch)
     assert [r.primitive for r in report.fallbacks] == []
+    assert_report_matches_hlo(report, hlo_stats(ours, params, state, batch))
     return report
 
 
