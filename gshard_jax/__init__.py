@@ -18,8 +18,9 @@ from .partitioner.sharding import Sharding
 
 from .annotations import replicate, shard, split
 from .api import explain, partition
+from .manual import manual
 from .mesh import make_mesh
 
-__all__ = ["make_mesh", "replicate", "split", "shard", "partition", "explain", "Report", "Sharding",
+__all__ = ["make_mesh", "replicate", "split", "shard", "manual", "partition", "explain", "Report", "Sharding",
            "HardwareProfile", "collective_stats"]
 __version__ = "0.1.0"

@@ -393,6 +393,7 @@ def mask_padding(ctx: OpContext, ins: list) -> list:
 
 HOOKS: dict[str, Callable] = {
     "sharding_annotation": lambda ctx, ins, params, bind: [ins[0]],  # resolved by the plan: nothing to run
+    "reshard": lambda ctx, ins, params, bind: [ins[0]],  # jax.sharding.reshard: a global-view identity
     "slice": _slice,
     "dynamic_slice": _dynamic_slice,
     "iota": _iota,

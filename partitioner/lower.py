@@ -24,6 +24,7 @@ from jax._src.ad_checkpoint import remat_p
 from jax._src.interpreters import partial_eval as pe
 
 from . import hooks as H
+from . import manual as M
 from . import reshard as RS
 from . import rules as R
 from .cost import Collective, HardwareProfile, compute_time
@@ -305,7 +306,23 @@ class Lowering:
         self._record(eqn, [(x, env[x][1], env[x][1]) for x in eqn.invars if isinstance(x, Value)],
                      [plan(v) for v in eqn.outvars], strategy, log)
 
+    def _manual(self, eqn: Eqn, env) -> None:
+        """A manual region: operands resharded to its in_specs, the body on local shards, results as declared."""
+        ins, outs = M.specs(eqn)
+        log: list[Collective] = []
+        local_in = [self._read(env, x, s, log) for x, s in zip(eqn.invars, ins)]
+        inner = M.collectives(eqn.params["jaxpr"], self.mesh_shape)
+        log.extend(inner)
+        for v, o, m in zip(eqn.outvars, M.run(eqn, local_in), outs):
+            self._store(env, v, o, m, log)
+        have = [env[x][1] if isinstance(x, Value) else s for x, s in zip(eqn.invars, ins)]
+        self._record(eqn, list(zip(eqn.invars, have, ins)), outs,
+                     f"manual region over {', '.join(self.mesh_axes)}: {len(eqn.params['jaxpr'].eqns)} ops on local "
+                     f"shards, {len(inner)} collectives of its own", log)
+
     def _eqn(self, eqn: Eqn, env) -> None:
+        if M.is_region(eqn):
+            return self._manual(eqn, env)
         rule = self.plan.rules.get(eqn)
         have = [env[x][1] if isinstance(x, Value) else Sharding.replicated(len(x.shape)) for x in eqn.invars]
         log: list[Collective] = []

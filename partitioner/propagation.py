@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Optional, Sequence
 
+from . import manual as M
 from . import rules as R
 from .program import Eqn, Program, Value
 from .sharding import Sharding, splittable
@@ -135,13 +136,25 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
         shardings[v], origins[v] = s.canonical(v.shape, mesh_shape), why
     fixed = set(seeds)
     rules = {e: (None if e.subs else R.rule_for(e)) for e in program.all_eqns()}
+    cons = constraints(program, rules)
     for e in program.all_eqns():
         if e.name == "sharding_annotation":
             v = e.outvars[0]
             shardings[v] = e.params["sharding"].canonical(v.shape, mesh_shape)
             origins[v] = f"user annotation {e.params['what']} at {e.source}"
             fixed.add(v)
-    cons = constraints(program, rules)
+        elif M.is_region(e):  # results fixed by out_specs; operands drawn towards in_specs through a link
+            M.check(e, mesh_shape)
+            ins, outs = M.specs(e)
+            for v, s in zip(e.outvars, outs):
+                shardings[v], origins[v] = s.canonical(v.shape, mesh_shape), f"manual region out_specs at {e.source}"
+                fixed.add(v)
+            for x, s in zip(e.invars, ins):
+                if isinstance(x, Value):
+                    want = Value(x.aval, "in_specs")
+                    shardings[want], origins[want] = s.canonical(x.shape, mesh_shape), "manual region in_specs"
+                    fixed.add(want)
+                    cons.append(_link(want, x, "manual region", e.source))
 
     def visit(c: Constraint, forward: bool, late: bool) -> bool:
         rule = c.rule

@@ -140,7 +140,7 @@ copy cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma 
 integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
 reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign
 sin sinh sqrt square sub tan tanh xor population_count clz stop_gradient sharding_annotation
-name
+name reshard
 """.split())
 
 
