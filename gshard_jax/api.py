@@ -82,7 +82,10 @@ def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardw
         multiple = isinstance(out_shape, (tuple, list))
         outputs = list(out_shape) if multiple else [out_shape]
         top = [f"out[{i}]" for i in range(len(outputs))] if multiple else ["out"]
-        out_specs = S.flat_specs(out_shardings if multiple or out_shardings is None else (out_shardings,),
+        wrapped = (isinstance(out_shardings, (tuple, list)) and len(out_shardings) == 1
+                   and not S.is_spec_tuple(tuple(out_shardings)))  # (spec,) for the one output
+        single = out_shardings if wrapped else (out_shardings,)
+        out_specs = S.flat_specs(out_shardings if multiple or out_shardings is None else single,
                                  outputs, mesh, "out_shardings", top, out_names)
         program = from_jaxpr(closed)
         seeds, notes = {}, []

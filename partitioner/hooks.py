@@ -297,6 +297,10 @@ def _scatter(ctx: OpContext, ins, params, bind):
             g = indices[..., j]
             indices = indices.at[..., j].set(g - (ctx.index(axes) * operand.shape[d]).astype(g.dtype))
         params = dict(params, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+        # Shifted indices fall outside the shard on all but one device. XLA rewrites such a scatter as a
+        # dynamic-update-slice at the clamped index and folds the operand's own slicing into that read,
+        # clamping only the sum, so a dropped update would write a value from elsewhere: keep them apart.
+        operand = jax.lax.optimization_barrier(operand)
     return bind(operand, indices, updates, **params)
 
 
@@ -339,7 +343,11 @@ def _slice(ctx: OpContext, ins, params, bind):
 
 
 def _dynamic_slice(ctx: OpContext, ins, params, bind):
-    return bind(*ins, **dict(params, slice_sizes=ctx.local_out()))
+    """Start indices clamped here, as dynamic_slice would: XLA folds a following slice into this one
+    (adding the offsets) and then clamps the sum, which differs when the start index was out of range."""
+    sizes = ctx.local_out()
+    starts = [jnp.clip(i, 0, n - s).astype(i.dtype) for i, n, s in zip(ins[1:], ins[0].shape, sizes)]
+    return bind(ins[0], *starts, **dict(params, slice_sizes=sizes))
 
 
 # --------------------------------------------------------------------------- padding of uneven splits

@@ -190,7 +190,8 @@ def collectives(steps: Sequence[Step], shape: Sequence[int], dtype, mesh_shape: 
             group = len(st.perm)
         else:
             local = st.after.local_shape(shape, mesh_shape)
-        out.append(Collective(st.kind, st.axes, group, int(math.prod(local)) * itemsize, tuple(local), str(dtype)))
+        size = 4 if st.kind == "reduce-scatter" and str(dtype) == "bool" else itemsize  # see apply()
+        out.append(Collective(st.kind, st.axes, group, int(math.prod(local)) * size, tuple(local), str(dtype)))
     return out
 
 
@@ -200,6 +201,23 @@ def linear_axis_index(axes: Axes, mesh_shape: Mapping[str, int]):
     for a in axes:
         idx = idx * mesh_shape[a] + jax.lax.axis_index(a)
     return idx
+
+
+def _all_to_all(x, axis: str, n: int, split: int, concat: int):
+    """A tiled all-to-all (dim `split` shrinks n-fold, dim `concat` grows) exchanged along a new leading dim.
+
+    XLA:CPU splits an all-to-all whose split and concat dims differ into per-peer chunks, and for some
+    layouts its verifier then rejects the chunks ("operands with different shapes"); exchanging the
+    peers' chunks along a leading dim of their own is the same collective with one array operand.
+    """
+    shape = list(x.shape)
+    parts = shape[:split] + [n, shape[split] // n] + shape[split + 1:]
+    y = jnp.moveaxis(x.reshape(parts), split, 0)                      # [n, ..., s/n, ...]: chunk k for peer k
+    y = jax.lax.all_to_all(y, axis, split_axis=0, concat_axis=0, tiled=True)  # [n, ...]: chunk from peer k
+    y = jnp.moveaxis(y, 0, concat)                                    # peer-major before the concat dim
+    out = shape[:split] + [shape[split] // n] + shape[split + 1:]
+    out[concat] *= n
+    return y.reshape(out)
 
 
 def apply(steps: Sequence[Step], x, mesh_shape: Mapping[str, int]):
@@ -217,12 +235,16 @@ def apply(steps: Sequence[Step], x, mesh_shape: Mapping[str, int]):
         elif st.kind == "all-gather":
             x = jax.lax.all_gather(x, st.axes if len(st.axes) > 1 else st.axes[0], axis=st.dim, tiled=True)
         elif st.kind == "all-to-all":
-            x = jax.lax.all_to_all(x, st.axes[0], split_axis=st.dim, concat_axis=st.src_dim, tiled=True)
+            x = _all_to_all(x, st.axes[0], mesh_shape[st.axes[0]], split=st.dim, concat=st.src_dim)
+        elif st.kind == "all-reduce" and x.dtype == jnp.bool_:  # a sum of bools is their or: max, in 1 byte
+            x = jax.lax.pmax(x.astype(jnp.uint8), st.axes).astype(jnp.bool_)
         elif st.kind == "all-reduce":
             x = jax.lax.psum(x, st.axes)
         elif st.kind == "reduce-scatter":
-            x = jax.lax.psum_scatter(x, st.axes if len(st.axes) > 1 else st.axes[0],
+            wide = x.dtype == jnp.bool_  # count the summands (in 4 bytes, as collectives() says), then or
+            y = jax.lax.psum_scatter(x.astype(jnp.int32) if wide else x, st.axes if len(st.axes) > 1 else st.axes[0],
                                      scatter_dimension=st.dim, tiled=True)
+            x = (y > 0) if wide else y
         elif st.kind == "collective-permute":
             pairs = [(s, t) for s, t in st.perm if s != t] + [(s, t) for s, t in st.perm if s == t]
             x = jax.lax.ppermute(x, st.axes if len(st.axes) > 1 else st.axes[0], perm=pairs)

@@ -1,0 +1,77 @@
+"""Programs that random testing found wrong, each reduced to its smallest form (issue: real programs)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import gshard_jax as gs
+from helpers import assert_report_matches_hlo, hlo_stats
+
+M222 = {"a": 2, "b": 2, "c": 2}
+M24 = {"a": 2, "b": 4}
+
+
+def same(fn, mesh_axes, *args, **kw):
+    """Partitioned equals unpartitioned, dtypes included; the report equals the compiled program."""
+    mesh = gs.make_mesh(mesh_axes)
+    want, f = jax.jit(fn)(*args), gs.partition(fn, mesh, **kw)
+    got = f(*args)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        assert np.asarray(g).dtype == np.asarray(w).dtype and np.shape(g) == np.shape(w)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+    kw_explain = {k: v for k, v in kw.items() if k in ("in_shardings", "out_shardings")}
+    assert_report_matches_hlo(gs.explain(fn, mesh, *args, **kw_explain), hlo_stats(f, *args))
+
+
+def test_pad_edge_mode():  # empty intermediate arrays once divided by zero in the reshape rule
+    x = np.random.default_rng(0).standard_normal((4, 12, 6)).astype(np.float32)
+    same(lambda x: jnp.pad(x, ((0, 0), (2, 2), (0, 0)), mode="edge"), M222, x)
+
+
+def test_take_of_bools_stays_bool():  # a partial sum of bools was all-reduced as int32
+    b = np.random.default_rng(1).random((8, 5, 2)) < 0.5
+    idx = np.array([3, -1, 7], np.int32)
+    same(lambda b, i: jnp.take(gs.shard(b, (None, ("b",), "a")), i, axis=1, mode="wrap"), M222, b, idx)
+    same(lambda b: jnp.take(gs.shard(b, (None, "b", None)), 1, axis=2), M222, b)
+
+
+def test_scatter_add_into_a_padded_split():  # XLA folded a dropped update's read into the wrong element
+    v = np.arange(12, dtype=np.float32) + 0.5
+    for i in (0, 5, 11, -1):
+        same(lambda v, i, c: gs.shard(v, ("b",)).at[i].add(c), M24, v, np.int32(i), np.float32(2.0),
+             out_shardings=((("b", "a"),),))
+
+
+def test_dynamic_slice_with_a_clamped_start():  # XLA folded a following slice and clamped only the sum
+    x = np.arange(48, dtype=np.float32).reshape(4, 12)
+    for i in (0, 2, 7, -3):
+        same(lambda x, i: gs.shard(lax.dynamic_slice(x, (i, i), (4, 8)), (("c", "a"), "b")), M222, x, np.int32(i))
+
+
+def test_all_to_all_between_padded_dims():  # XLA:CPU's verifier rejected the emitted all-to-all
+    rng = np.random.default_rng(2)
+    x, v = rng.standard_normal((2, 2, 8)).astype(np.float32), rng.standard_normal(2).astype(np.float32)
+
+    def fn(x, v):
+        x4 = gs.shard(x, (None, None, "b"))
+        y = jnp.einsum("abc,b->bca", x4, v).transpose(1, 2, 0)
+        return jnp.einsum("abc,cdb->da", x4, gs.shard(y, (None, ("b", "a"), None)))
+
+    same(fn, M24, x, v)
+
+
+def test_concatenate_and_uneven_split_slice():  # once hung: two all-gathers with one channel id
+    x = np.random.default_rng(3).standard_normal((2, 5)).astype(np.float32)
+
+    def fn(x):
+        v2 = gs.shard(x, (None, "a"))
+        v3 = jnp.concatenate([v2, v2], 0)
+        v5 = gs.split(v2, 1, 8)[:, :4]
+        return gs.shard(v3, ("b",)), v5, v2
+
+    same(fn, M24, x)
+
+
+def test_per_output_spec_tuples_for_two_outputs():
+    same(lambda a, b: (a * 2, b + 1), {"x": 8}, np.arange(16.0), np.arange(8.0), out_shardings=(("x",), ("x",)),
+         in_shardings=(("x",), ("x",)))
