@@ -91,6 +91,7 @@ class Lowering:
         self.mesh_axes: tuple[str, ...] = tuple(mesh.axis_names)
         self.report = report
         self._plans: dict = {}
+        self._times: dict = {}
 
     # ------------------------------------------------------------------ costing
     def reshard_steps(self, src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple:
@@ -105,7 +106,12 @@ class Lowering:
         return RS.collectives(self.reshard_steps(src, dst, tuple(shape)), shape, dtype, self.mesh_shape)
 
     def reshard_time(self, src, dst, shape, dtype) -> float:
-        return sum(c.time(self.profile) for c in self.reshard_collectives(src, dst, shape, dtype))
+        if src == dst:
+            return 0.0
+        key = (src, dst, tuple(shape), dtype)
+        if key not in self._times:
+            self._times[key] = sum(c.time(self.profile) for c in self.reshard_collectives(src, dst, shape, dtype))
+        return self._times[key]
 
     def choose(self, eqn: Eqn, rule: R.Rule, have: list[Sharding]) -> Choice:
         planned = [self.plan.sharding(v) for v in eqn.outvars]
@@ -113,6 +119,9 @@ class Lowering:
                      for tf, s in zip(rule.results, planned)]
         proposals += [_merge_fs(R.tensor_to_factors(tf, s, rule.sizes, self.mesh_shape))
                       for tf, s in zip(rule.operands, have)]
+        aligned = self._aligned(eqn, rule, have, planned, proposals)
+        if aligned is not None:
+            return aligned
         best: Optional[Choice] = None
         for fs in R.candidate_factor_shardings(rule, proposals, self.mesh_shape):
             need = [R.factors_to_tensor(tf, fs, rule.sizes, self.mesh_shape) for tf in rule.operands]
@@ -137,6 +146,32 @@ class Lowering:
         if best is None:  # the all-replicated candidate always exists unless a rule is inexpressible
             raise AssertionError(f"no valid factor sharding for {eqn.name} {rule.signature()}")
         return best
+
+    def _aligned(self, eqn: Eqn, rule: R.Rule, have: list[Sharding], planned: list[Sharding],
+                 proposals: list) -> Optional[Choice]:
+        """The choice that moves nothing, when the operands already are what it needs and it makes the plan.
+
+        No reshard in or out and no hook communication: no other candidate can cost less communication,
+        and none computes on smaller shards without resharding a result. Most equations take this path,
+        which skips enumerating candidates.
+        """
+        fs = _merge_fs([p for p in proposals])
+        used = [a for ax in fs.values() for a in ax]
+        if len(used) != len(set(used)) or any(f in rule.replicated for f, ax in fs.items() if ax):
+            return None
+        need = [R.factors_to_tensor(tf, fs, rule.sizes, self.mesh_shape) for tf in rule.operands]
+        made = [R.factors_to_tensor(tf, fs, rule.sizes, self.mesh_shape) for tf in rule.results]
+        if any(s is None for s in need + made):
+            return None
+        partial = [a for f, k in rule.reductions.items() if k == "sum" for a in fs.get(f, ())]
+        made = [m.with_partial(partial) for m in made]
+        if any(len(x.shape) and h != n for x, h, n in zip(eqn.invars, have, need)) or made != planned:
+            return None
+        if H.collectives(H.OpContext(eqn, rule, fs, made, self.mesh_shape)):
+            return None
+        work = math.prod(rule.sizes[f] // math.prod(self.mesh_shape[a] for a in fs.get(f, ()))
+                         for f in rule.factors)
+        return Choice(fs, need, made, compute_time(work * (2 if rule.reductions else 1), self.profile))
 
     # ------------------------------------------------------------------ execution
     def run(self, *local_args):

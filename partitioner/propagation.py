@@ -204,7 +204,9 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
         return any(version.get(v, 0) > last for v in c.ins + c.outs if isinstance(v, Value)) or last < 0
 
     def run(c: Constraint, forward: bool, late: bool) -> bool:
-        key = (id(c), forward, late)
+        # Only a backward visit of a late constraint differs between the phases: the others share one key,
+        # so the late phase revisits them only if their values changed since.
+        key = (id(c), forward, late and not forward and c.name in LATE_BACKWARD)
         if not stale(c, key):
             return False
         before = {v: shardings.get(v) for v in (c.outs if forward else c.ins) if isinstance(v, Value)}

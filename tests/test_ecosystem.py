@@ -162,3 +162,15 @@ def test_user_idioms_run_without_fallback():
 
     assert not gs.explain(fn, mesh, x).fallbacks
     np.testing.assert_allclose(gs.partition(fn, mesh)(x), fn(x), rtol=1e-6, atol=1e-6)
+
+
+def test_convolution_is_a_reported_fallback():
+    """Convolutions are not partitioned yet (halo exchange is its own issue): they run replicated, flagged."""
+    mesh = get_mesh("2x4")
+    conv = nn.Conv(4, (3, 3))
+    x = jnp.ones((8, 6, 6, 2))
+    params = conv.init(jax.random.key(0), x)
+    fn = lambda p, x: conv.apply(p, gs.shard(x, ("data", None, None, None)))
+    report = gs.explain(fn, mesh, params, x)
+    assert [r.primitive for r in report.fallbacks] == ["conv_general_dilated"]
+    np.testing.assert_allclose(gs.partition(fn, mesh)(params, x), fn(params, x), rtol=1e-5, atol=1e-5)
