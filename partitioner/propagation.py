@@ -18,6 +18,7 @@ region (remat2) needs no links: its body already uses the caller's values.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping, Optional, Sequence
 
 from . import manual as M
@@ -108,19 +109,24 @@ def constraints(program: Program, rules: Mapping[Eqn, Optional[R.Rule]]) -> list
     return out
 
 
-def _merge(cur: Sharding, new: Sharding, shape, mesh_shape) -> Sharding:
-    """Extend cur's dims with new's where new continues them with unused axes."""
+def _merge(cur: Sharding, new: Sharding, shape, mesh_shape, blocked: Optional[dict] = None,
+           by: str = "") -> Sharding:
+    """Extend cur's dims with new's where new continues them with unused axes (blocked[d]: why not)."""
     dims = list(cur.dims)
     used = set(cur.axes)
+    blocked = {} if blocked is None else blocked
     for d, (c, n) in enumerate(zip(cur.dims, new.dims)):
         if len(n) > len(c) and n[: len(c)] == c:
             extra = tuple(a for a in n[len(c):])
             if used & set(extra):
+                blocked[d] = (f"{by} would split it over {'*'.join(extra)}, which already splits another "
+                              f"dim of this value")
                 continue
             tiles = 1
             for a in c + extra:
                 tiles *= mesh_shape[a]
             if not splittable(shape[d], tiles):
+                blocked[d] = f"{by} would split it over {'*'.join(c + extra)}: {shape[d]} rows for {tiles} tiles"
                 continue
             dims[d] = c + extra
             used |= set(extra)
@@ -156,6 +162,21 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                     fixed.add(want)
                     cons.append(_link(want, x, "manual region", e.source))
 
+    blocked: dict[Value, dict[int, str]] = {}  # why a dim a neighbour would split stays whole
+
+    def note_whole(c: Constraint, tensors, n_in: int, forward: bool, whole: dict) -> None:
+        targets = range(n_in, len(tensors)) if forward else range(n_in)
+        for i in targets:
+            v, tf = tensors[i]
+            if not isinstance(v, Value) or v in fixed:
+                continue
+            for d, fd in enumerate(tf):
+                for f in fd:
+                    if f in whole:
+                        blocked.setdefault(v, {})[d] = (
+                            f"{c.name} at {c.source or '?'} needs dim {d} whole ({c.rule.kind}), so the split "
+                            f"over {'*'.join(whole[f])} stops there")
+
     def visit(c: Constraint, forward: bool, late: bool) -> bool:
         rule = c.rule
         tensors = list(zip(c.ins, rule.operands)) + list(zip(c.outs, rule.results))
@@ -164,15 +185,20 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
         order.sort(key=lambda i: tensors[i][0] not in fixed)
         fs: R.FactorSharding = {}
         used: set[str] = set()
+        whole: dict[str, tuple] = {}  # factors the rule keeps whole that a neighbour has split
         for i in order:
             v, tf = tensors[i]
             if not isinstance(v, Value) or v not in shardings:
                 continue
             for dim_fs in R.tensor_to_factors(tf, shardings[v], rule.sizes, mesh_shape):
                 for f, ax in (dim_fs or {}).items():
-                    if ax and f not in fs and f not in rule.replicated and not used & set(ax):
+                    if ax and f in rule.replicated:
+                        whole.setdefault(f, ax)
+                    elif ax and f not in fs and not used & set(ax):
                         fs[f] = ax
                         used |= set(ax)
+        if whole:
+            note_whole(c, tensors, n_in, forward, whole)
         if not fs:
             return False
         if not forward and c.name in LATE_BACKWARD and not late:
@@ -184,9 +210,22 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                 continue
             proposal = R.factors_to_tensor(tf, fs, rule.sizes, mesh_shape)
             if proposal is None:
-                proposal = Sharding(tuple(R.factors_to_dim(d, fs, rule.sizes, mesh_shape) or () for d in tf))
+                dims = [R.factors_to_dim(d, fs, rule.sizes, mesh_shape) for d in tf]
+                for d, (ax, fd) in enumerate(zip(dims, tf)):
+                    if ax is None:
+                        split = {f: fs[f] for f in fd if fs.get(f)}
+                        tiles = math.prod(mesh_shape[a] for ax_ in split.values() for a in ax_)
+                        names = "*".join(a for ax_ in split.values() for a in ax_)
+                        major = rule.sizes[fd[0]]
+                        blocked.setdefault(v, {})[d] = (
+                            f"a {c.name} at {c.source or '?'} merges this dim (size {v.shape[d]}) from dims of sizes "
+                            f"{[rule.sizes[f] for f in fd]}, and "
+                            + (f"{major} does not divide by {tiles} ({names})" if major % tiles else
+                               f"the split over {names} ({tiles} tiles) does not fall on its major dim"))
+                proposal = Sharding(tuple(ax or () for ax in dims))
             cur = shardings.get(v, Sharding.replicated(len(tf)))
-            new = _merge(cur, proposal, v.shape, mesh_shape)
+            new = _merge(cur, proposal, v.shape, mesh_shape, blocked.setdefault(v, {}),
+                         f"{c.name} at {c.source or '?'}")
             if new != cur:
                 shardings[v] = new
                 origins[v] = f"{'forward' if forward else 'backward'} from {c.name} at {c.source or '?'}"
@@ -242,4 +281,8 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
         if v not in shardings:
             shardings[v] = Sharding.replicated(len(v.shape))
             origins[v] = "replicated: no annotation or sharded neighbour reached it"
+        whole = {d: why for d, why in blocked.get(v, {}).items() if not shardings[v].dims[d]}
+        if whole:
+            why = "; ".join(f"dim {d} whole: {w}" for d, w in sorted(whole.items()))
+            origins[v] = f"replicated: {why}" if shardings[v].is_replicated else f"{origins[v]}; {why}"
     return Plan(shardings, origins, rules)

@@ -207,3 +207,18 @@ def test_conflicting_out_sharding_is_an_error(rng):
     assert_close(gs.partition(lambda v: v, mesh, out_shardings=("x",))(x), x)
     with pytest.raises(ValueError, match="conflicts with the sharding this output already has"):
         gs.partition(lambda v: v, mesh, in_shardings=((None,),), out_shardings=("x",))(x)
+
+
+def test_the_stated_reason_for_replication_is_the_real_one():
+    mesh = gs.make_mesh({"x": 8})
+    x = np.ones((10, 4), np.float32)
+    report = gs.explain(lambda v: gs.split(v, 0, 8).reshape(40) * 2, mesh, x)
+    (row,) = [r for r in report.rows if r.primitive == "reshape"]
+    assert "a reshape" in row.origins[0] and "merges this dim (size 40) from dims of sizes [10, 4]" in row.origins[0]
+    assert "10 does not divide by 8 (x)" in row.origins[0] and row.origins[0].startswith("replicated: dim 0 whole")
+    report = gs.explain(lambda v: jnp.sort(gs.split(v, 0, 8), axis=0), mesh, x)
+    (row,) = [r for r in report.rows if r.primitive == "sort"]
+    assert "needs dim 0 whole" in row.origins[0] and "the split over x stops there" in row.origins[0]
+    report = gs.explain(lambda v: jnp.tanh(gs.split(v, 0, 8)[:, :2].reshape(20)), mesh, x)
+    assert all("no annotation or sharded neighbour reached it" not in r.origins[0]
+               for r in report.rows if r.primitive == "reshape")
