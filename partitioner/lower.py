@@ -115,9 +115,9 @@ class Lowering:
 
     def choose(self, eqn: Eqn, rule: R.Rule, have: list[Sharding]) -> Choice:
         planned = [self.plan.sharding(v) for v in eqn.outvars]
-        proposals = [_merge_fs(R.tensor_to_factors(tf, s, rule.sizes, self.mesh_shape))
+        proposals = [_merge_fs(rule.to_factors(tf, s, self.mesh_shape))
                      for tf, s in zip(rule.results, planned)]
-        proposals += [_merge_fs(R.tensor_to_factors(tf, s, rule.sizes, self.mesh_shape))
+        proposals += [_merge_fs(rule.to_factors(tf, s, self.mesh_shape))
                       for tf, s in zip(rule.operands, have)]
         aligned = self._aligned(eqn, rule, have, planned, proposals)
         if aligned is not None:

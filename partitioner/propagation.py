@@ -190,7 +190,7 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
             v, tf = tensors[i]
             if not isinstance(v, Value) or v not in shardings:
                 continue
-            for dim_fs in R.tensor_to_factors(tf, shardings[v], rule.sizes, mesh_shape):
+            for dim_fs in rule.to_factors(tf, shardings[v], mesh_shape):
                 for f, ax in (dim_fs or {}).items():
                     if ax and f in rule.replicated:
                         whole.setdefault(f, ax)

@@ -31,6 +31,15 @@ class Rule:
     sizes: Mapping[str, int]
     reductions: Mapping[str, str] = dataclasses.field(default_factory=dict)
     replicated: frozenset[str] = frozenset()
+    # Memo of tensor_to_factors per (tensor factors, sharding, mesh): propagation and lowering ask often.
+    memo: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def to_factors(self, tf: "TensorFactors", sharding: Sharding, mesh_shape: Mapping[str, int]) -> list:
+        key = (tf, sharding, tuple(mesh_shape.items()))
+        out = self.memo.get(key)
+        if out is None:
+            out = self.memo[key] = tensor_to_factors(tf, sharding, self.sizes, mesh_shape)
+        return out
 
     @property
     def factors(self) -> list[str]:
