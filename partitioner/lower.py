@@ -124,8 +124,8 @@ class Lowering:
             return aligned
         best: Optional[Choice] = None
         for fs in R.candidate_factor_shardings(rule, proposals, self.mesh_shape):
-            need = [R.factors_to_tensor(tf, fs, rule.sizes, self.mesh_shape) for tf in rule.operands]
-            made = [R.factors_to_tensor(tf, fs, rule.sizes, self.mesh_shape) for tf in rule.results]
+            need = [rule.to_tensor(tf, fs, self.mesh_shape) for tf in rule.operands]
+            made = [rule.to_tensor(tf, fs, self.mesh_shape) for tf in rule.results]
             if any(s is None for s in need + made):
                 continue
             partial = [a for f, k in rule.reductions.items() if k == "sum" for a in fs.get(f, ())]
@@ -159,8 +159,8 @@ class Lowering:
         used = [a for ax in fs.values() for a in ax]
         if len(used) != len(set(used)) or any(f in rule.replicated for f, ax in fs.items() if ax):
             return None
-        need = [R.factors_to_tensor(tf, fs, rule.sizes, self.mesh_shape) for tf in rule.operands]
-        made = [R.factors_to_tensor(tf, fs, rule.sizes, self.mesh_shape) for tf in rule.results]
+        need = [rule.to_tensor(tf, fs, self.mesh_shape) for tf in rule.operands]
+        made = [rule.to_tensor(tf, fs, self.mesh_shape) for tf in rule.results]
         if any(s is None for s in need + made):
             return None
         partial = [a for f, k in rule.reductions.items() if k == "sum" for a in fs.get(f, ())]

@@ -112,6 +112,8 @@ def constraints(program: Program, rules: Mapping[Eqn, Optional[R.Rule]]) -> list
 def _merge(cur: Sharding, new: Sharding, shape, mesh_shape, blocked: Optional[dict] = None,
            by: str = "") -> Sharding:
     """Extend cur's dims with new's where new continues them with unused axes (blocked[d]: why not)."""
+    if all(len(n) <= len(c) for c, n in zip(cur.dims, new.dims)):
+        return cur  # new extends no dim (the common case once propagation has settled)
     dims = list(cur.dims)
     used = set(cur.axes)
     blocked = {} if blocked is None else blocked
@@ -208,7 +210,7 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
             v, tf = tensors[i]
             if not isinstance(v, Value) or v in fixed:
                 continue
-            proposal = R.factors_to_tensor(tf, fs, rule.sizes, mesh_shape)
+            proposal = rule.to_tensor(tf, fs, mesh_shape)
             if proposal is None:
                 dims = [R.factors_to_dim(d, fs, rule.sizes, mesh_shape) for d in tf]
                 for d, (ax, fd) in enumerate(zip(dims, tf)):
@@ -223,7 +225,7 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                             + (f"{major} does not divide by {tiles} ({names})" if major % tiles else
                                f"the split over {names} ({tiles} tiles) does not fall on its major dim"))
                 proposal = Sharding(tuple(ax or () for ax in dims))
-            cur = shardings.get(v, Sharding.replicated(len(tf)))
+            cur = shardings.get(v) or Sharding.replicated(len(tf))
             new = _merge(cur, proposal, v.shape, mesh_shape, blocked.setdefault(v, {}),
                          f"{c.name} at {c.source or '?'}")
             if new != cur:
@@ -234,19 +236,22 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
 
     # A visit depends only on the shardings of the constraint's values, so a constraint is revisited
     # (in a given direction and phase) only when one of its values changed since its last visit.
-    version: dict[Value, int] = {}
+    # touched[i]: the clock when a value of constraint i last changed (found through `users`).
+    users: dict[Value, list[int]] = {}
+    for i, c in enumerate(cons):
+        for v in c.ins + c.outs:
+            if isinstance(v, Value):
+                users.setdefault(v, []).append(i)
+    touched = [0] * len(cons)
     clock = [0]
     seen: dict = {}
 
-    def stale(c: Constraint, key) -> bool:
-        last = seen.get(key, -1)
-        return any(version.get(v, 0) > last for v in c.ins + c.outs if isinstance(v, Value)) or last < 0
-
-    def run(c: Constraint, forward: bool, late: bool) -> bool:
+    def run(i: int, c: Constraint, forward: bool, late: bool) -> bool:
         # Only a backward visit of a late constraint differs between the phases: the others share one key,
         # so the late phase revisits them only if their values changed since.
-        key = (id(c), forward, late and not forward and c.name in LATE_BACKWARD)
-        if not stale(c, key):
+        key = (i, forward, late and not forward and c.name in LATE_BACKWARD)
+        last = seen.get(key, -1)
+        if last >= 0 and touched[i] <= last:
             return False
         before = {v: shardings.get(v) for v in (c.outs if forward else c.ins) if isinstance(v, Value)}
         clock[0] += 1
@@ -256,16 +261,17 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
             clock[0] += 1
             for v, old in before.items():
                 if shardings.get(v) != old:
-                    version[v] = clock[0]
+                    for j in users[v]:
+                        touched[j] = clock[0]
         return changed
 
     for late in (False, True):
         for _ in range(max_passes):
             changed = False
-            for c in cons:
-                changed |= run(c, True, late)
-            for c in reversed(cons):
-                changed |= run(c, False, late)
+            for i, c in enumerate(cons):
+                changed |= run(i, c, True, late)
+            for i in range(len(cons) - 1, -1, -1):
+                changed |= run(i, cons[i], False, late)
             if not changed:
                 break
 

@@ -41,6 +41,13 @@ class Rule:
             out = self.memo[key] = tensor_to_factors(tf, sharding, self.sizes, mesh_shape)
         return out
 
+    def to_tensor(self, tf: "TensorFactors", fs: Mapping[str, "Axes"], mesh_shape: Mapping[str, int]):
+        """factors_to_tensor, memoized per (tensor factors, the axes of its factors)."""
+        key = (tf, tuple(fs.get(f, ()) for d in tf for f in d), tuple(mesh_shape.items()))
+        if key not in self.memo:
+            self.memo[key] = factors_to_tensor(tf, fs, self.sizes, mesh_shape)
+        return self.memo[key]
+
     @property
     def factors(self) -> list[str]:
         return list(self.sizes)

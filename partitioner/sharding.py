@@ -15,6 +15,7 @@ top_k, scatter updates) mask them with their identity. A canonical sharding
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Iterable, Mapping, Sequence
 
@@ -59,7 +60,7 @@ class Sharding:
     def rank(self) -> int:
         return len(self.dims)
 
-    @property
+    @functools.cached_property
     def axes(self) -> frozenset[str]:
         """Axes that split some dim."""
         return frozenset(a for d in self.dims for a in d)
