@@ -18,6 +18,7 @@ region (remat2) needs no links: its body already uses the caller's values.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Mapping, Optional, Sequence
 
@@ -50,6 +51,11 @@ class Constraint:
     outs: list
     name: str
     source: str
+
+    @functools.cached_property
+    def tensors(self) -> list:
+        """(value, its factors) for the operands, then the results."""
+        return list(zip(self.ins, self.rule.operands)) + list(zip(self.outs, self.rule.results))
 
 
 def _link(a, b, name: str, source: str, stacked: int = 0) -> Constraint:
@@ -165,6 +171,7 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                     cons.append(_link(want, x, "manual region", e.source))
 
     blocked: dict[Value, dict[int, str]] = {}  # why a dim a neighbour would split stays whole
+    orders: dict = {}  # per (constraint, direction): the order its tensors are read in
 
     def note_whole(c: Constraint, tensors, n_in: int, forward: bool, whole: dict) -> None:
         targets = range(n_in, len(tensors)) if forward else range(n_in)
@@ -181,10 +188,12 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
 
     def visit(c: Constraint, forward: bool, late: bool) -> bool:
         rule = c.rule
-        tensors = list(zip(c.ins, rule.operands)) + list(zip(c.outs, rule.results))
-        n_in = len(c.ins)
-        order = list(range(len(tensors))) if forward else list(range(n_in, len(tensors))) + list(range(n_in))
-        order.sort(key=lambda i: tensors[i][0] not in fixed)
+        tensors, n_in = c.tensors, len(c.ins)
+        order = orders.get((id(c), forward))
+        if order is None:  # fixed values first; `fixed` does not change while propagating
+            order = list(range(len(tensors))) if forward else list(range(n_in, len(tensors))) + list(range(n_in))
+            order.sort(key=lambda i: tensors[i][0] not in fixed)
+            orders[(id(c), forward)] = order
         fs: R.FactorSharding = {}
         used: set[str] = set()
         whole: dict[str, tuple] = {}  # factors the rule keeps whole that a neighbour has split

@@ -33,15 +33,19 @@ class Sharding:
     padded: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
-        dims = tuple(tuple(d) for d in self.dims)
-        object.__setattr__(self, "dims", dims)
-        object.__setattr__(self, "partial", frozenset(self.partial))
-        object.__setattr__(self, "padded", frozenset(self.padded))
+        dims = self.dims
+        if type(dims) is not tuple or not all(type(d) is tuple for d in dims):  # noqa: E721 (exact types)
+            dims = tuple(tuple(d) for d in dims)
+            object.__setattr__(self, "dims", dims)
+        if type(self.partial) is not frozenset:  # noqa: E721
+            object.__setattr__(self, "partial", frozenset(self.partial))
+        if type(self.padded) is not frozenset:  # noqa: E721
+            object.__setattr__(self, "padded", frozenset(self.padded))
         used = [a for d in dims for a in d]
-        if len(used) != len(set(used)):
+        if len(used) > 1 and len(used) != len(set(used)):
             raise ValueError(f"sharding {dims} uses a mesh axis on more than one dim; "
                              "each mesh axis may split at most one dim of a tensor")
-        if set(used) & self.partial:
+        if self.partial and set(used) & self.partial:
             raise ValueError(f"sharding {dims} is partial over {sorted(self.partial)}, "
                              "an axis it also splits a dim on")
 
