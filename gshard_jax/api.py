@@ -89,9 +89,9 @@ def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardw
                                  outputs, mesh, "out_shardings", top, out_names)
         program = from_jaxpr(closed)
         seeds, notes = {}, []
-        for v, name, spec, placed in zip(program.invars, names, in_specs, placements):
+        placed = [S.to_sharding(p, v.shape, f"placement of {n}") for v, p, n in zip(program.invars, placements, names)]
+        for v, name, spec, at in zip(program.invars, names, in_specs, placed):
             sh = S.to_sharding(spec, v.shape, f"in_shardings for {name}")
-            at = S.to_sharding(placed, v.shape, f"placement of {name}")
             if sh is not None:
                 seeds[v] = (sh, f"in_shardings for {name}")
                 if at is not None and at.canonical(v.shape, mesh_shape) != sh.canonical(v.shape, mesh_shape):
@@ -110,7 +110,6 @@ def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardw
             seeds[v] = (sh, f"out_shardings for {name}")
         plan = propagate(program, mesh_shape, seeds)
         values = list(program.invars) + [v for v, _ in program.consts]
-        placed = [S.to_sharding(p, v.shape, "") for v, p in zip(program.invars, placements)]
         entry = [p if p is not None else _without_uneven(plan.sharding(v), v.shape, mesh_shape)
                  for v, p in zip(values, placed + [None] * len(program.consts))]
         exit_ = [_without_uneven(plan.sharding(v), v.shape, mesh_shape) for v in program.outvars]

@@ -124,12 +124,10 @@ class Lowering:
             return aligned
         best: Optional[Choice] = None
         for fs in R.candidate_factor_shardings(rule, proposals, self.mesh_shape):
-            need = [rule.to_tensor(tf, fs, self.mesh_shape) for tf in rule.operands]
-            made = [rule.to_tensor(tf, fs, self.mesh_shape) for tf in rule.results]
-            if any(s is None for s in need + made):
+            layout = self._layout(rule, fs)
+            if layout is None:
                 continue
-            partial = [a for f, k in rule.reductions.items() if k == "sum" for a in fs.get(f, ())]
-            made = [m.with_partial(partial) for m in made]
+            need, made = layout
             cost = 0.0
             for x, h, n in zip(eqn.invars, have, need):
                 if len(x.shape):
@@ -137,15 +135,26 @@ class Lowering:
             for v, m, p in zip(eqn.outvars, made, planned):
                 cost += self.reshard_time(m, p, v.shape, v.dtype)
             ctx = H.OpContext(eqn, rule, fs, made, self.mesh_shape)
-            cost += sum(c.time(self.profile) for c in H.collectives(ctx))
-            work = math.prod(rule.sizes[f] // math.prod(self.mesh_shape[a] for a in fs.get(f, ()))
-                             for f in rule.factors)
-            cost += compute_time(work * (2 if rule.reductions else 1), self.profile)
+            cost += sum(c.time(self.profile) for c in H.collectives(ctx)) + self._compute(rule, fs)
             if best is None or cost < best.cost - 1e-15:
                 best = Choice(fs, need, made, cost)
         if best is None:  # the all-replicated candidate always exists unless a rule is inexpressible
             raise AssertionError(f"no valid factor sharding for {eqn.name} {rule.signature()}")
         return best
+
+    def _layout(self, rule: R.Rule, fs: R.FactorSharding) -> Optional[tuple[list[Sharding], list[Sharding]]]:
+        """The operand shardings a factor sharding needs and the results it makes (split sums partial)."""
+        need = [rule.to_tensor(tf, fs, self.mesh_shape) for tf in rule.operands]
+        made = [rule.to_tensor(tf, fs, self.mesh_shape) for tf in rule.results]
+        if any(s is None for s in need + made):
+            return None
+        partial = [a for f, k in rule.reductions.items() if k == "sum" for a in fs.get(f, ())]
+        return need, [m.with_partial(partial) for m in made]
+
+    def _compute(self, rule: R.Rule, fs: R.FactorSharding) -> float:
+        work = math.prod(rule.sizes[f] // math.prod(self.mesh_shape[a] for a in fs.get(f, ()))
+                         for f in rule.factors)
+        return compute_time(work * (2 if rule.reductions else 1), self.profile)
 
     def _aligned(self, eqn: Eqn, rule: R.Rule, have: list[Sharding], planned: list[Sharding],
                  proposals: list) -> Optional[Choice]:
@@ -155,23 +164,19 @@ class Lowering:
         and none computes on smaller shards without resharding a result. Most equations take this path,
         which skips enumerating candidates.
         """
-        fs = _merge_fs([p for p in proposals])
+        fs = _merge_fs(proposals)
         used = [a for ax in fs.values() for a in ax]
         if len(used) != len(set(used)) or any(f in rule.replicated for f, ax in fs.items() if ax):
             return None
-        need = [rule.to_tensor(tf, fs, self.mesh_shape) for tf in rule.operands]
-        made = [rule.to_tensor(tf, fs, self.mesh_shape) for tf in rule.results]
-        if any(s is None for s in need + made):
+        layout = self._layout(rule, fs)
+        if layout is None:
             return None
-        partial = [a for f, k in rule.reductions.items() if k == "sum" for a in fs.get(f, ())]
-        made = [m.with_partial(partial) for m in made]
+        need, made = layout
         if any(len(x.shape) and h != n for x, h, n in zip(eqn.invars, have, need)) or made != planned:
             return None
         if H.collectives(H.OpContext(eqn, rule, fs, made, self.mesh_shape)):
             return None
-        work = math.prod(rule.sizes[f] // math.prod(self.mesh_shape[a] for a in fs.get(f, ()))
-                         for f in rule.factors)
-        return Choice(fs, need, made, compute_time(work * (2 if rule.reductions else 1), self.profile))
+        return Choice(fs, need, made, self._compute(rule, fs))
 
     # ------------------------------------------------------------------ execution
     def run(self, *local_args):
@@ -200,7 +205,7 @@ class Lowering:
             return
         why = ("placed as the argument arrives, resharded to the plan" if kind == "input" else
                "resharded from the plan to how the output leaves")
-        if dst.padded - src.padded or src.padded - dst.padded:
+        if dst.padded != src.padded:
             why += "; uneven dims padded on entry" if kind == "input" else "; uneven dims gathered and cut on exit"
         shape, dtype = tuple(v.shape), str(v.aval.dtype)
         self.report.rows.append(Row(-1, name, kind, [Operand(shape, dtype, src, dst)],
@@ -209,8 +214,12 @@ class Lowering:
 
     def _run_eqns(self, eqns: Sequence[Eqn], env) -> None:
         for eqn in eqns:
-            if eqn.subs:
+            if eqn.name == "remat2":
+                self._checkpoint(eqn, env)
+            elif eqn.subs:
                 self._control_flow(eqn, env)
+            elif M.is_region(eqn):
+                self._manual(eqn, env)
             else:
                 self._eqn(eqn, env)
 
@@ -281,8 +290,6 @@ class Lowering:
                      f"prevent_cse={eqn.params['prevent_cse']})", log)
 
     def _control_flow(self, eqn: Eqn, env) -> None:
-        if eqn.name == "remat2":
-            return self._checkpoint(eqn, env)
         log: list[Collective] = []
         plan = self.plan.sharding
         if eqn.name == "scan":
@@ -356,8 +363,6 @@ class Lowering:
                      f"shards, {len(inner)} collectives of its own", log)
 
     def _eqn(self, eqn: Eqn, env) -> None:
-        if M.is_region(eqn):
-            return self._manual(eqn, env)
         rule = self.plan.rules.get(eqn)
         have = [env[x][1] if isinstance(x, Value) else Sharding.replicated(len(x.shape)) for x in eqn.invars]
         log: list[Collective] = []

@@ -375,32 +375,30 @@ def dynamic_update_slice_rule(eqn: Eqn) -> Rule:
     return Rule(eqn.name, (op, up) + idx, (op,), n.sizes, replicated=frozenset(rep))
 
 
-def concatenate_rule(eqn: Eqn) -> Rule:
-    d = eqn.params["dimension"]
-    out = _shape(eqn.outvars[0])
+def _pieces(whole_shape, piece_shapes, d: int):
+    """A tensor and its pieces along dim d (concatenate, split): d is kept whole, other dims shared."""
     n = FactorNames()
-    dims = [(n.new(s),) for s in out]
+    dims = [(n.new(s),) for s in whole_shape]
     rep = {dims[d][0]}
-    ops = []
-    for x in eqn.invars:
-        f = n.new(_shape(x)[d])
+    pieces = []
+    for shape in piece_shapes:
+        f = n.new(shape[d])
         rep.add(f)
-        ops.append(tuple(dims[:d]) + ((f,),) + tuple(dims[d + 1:]))
-    return Rule("concatenate", tuple(ops), (tuple(dims),), n.sizes, replicated=frozenset(rep))
+        pieces.append(tuple(dims[:d]) + ((f,),) + tuple(dims[d + 1:]))
+    return tuple(dims), tuple(pieces), n.sizes, frozenset(rep)
+
+
+def concatenate_rule(eqn: Eqn) -> Rule:
+    whole, pieces, sizes, rep = _pieces(_shape(eqn.outvars[0]), [_shape(x) for x in eqn.invars],
+                                        eqn.params["dimension"])
+    return Rule("concatenate", pieces, (whole,), sizes, replicated=rep)
 
 
 def split_rule(eqn: Eqn) -> Rule:
     """jnp.split: the split dim is kept whole (its pieces are global offsets); other dims pass through."""
-    d = eqn.params["axis"] % len(_shape(eqn.invars[0]))
-    n = FactorNames()
-    dims = [(n.new(s),) for s in _shape(eqn.invars[0])]
-    rep = {dims[d][0]}
-    outs = []
-    for v in eqn.outvars:
-        f = n.new(_shape(v)[d])
-        rep.add(f)
-        outs.append(tuple(dims[:d]) + ((f,),) + tuple(dims[d + 1:]))
-    return Rule("split", (tuple(dims),), tuple(outs), n.sizes, replicated=frozenset(rep))
+    shape = _shape(eqn.invars[0])
+    whole, pieces, sizes, rep = _pieces(shape, [_shape(v) for v in eqn.outvars], eqn.params["axis"] % len(shape))
+    return Rule("split", (whole,), pieces, sizes, replicated=rep)
 
 
 def gather_rule(eqn: Eqn) -> Rule:
