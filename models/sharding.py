@@ -1,0 +1,41 @@
+"""Logical axis names -> mesh axes: the one table that says how a model is split.
+
+Model code names the dims of every weight and activation with logical names
+(``batch``, ``length``, ``embed``, ``heads``, ``kv``, ``mlp``, ``expert``,
+``vocab``, ...) and calls :func:`constrain`; a config's rules table maps each
+logical name to a mesh axis, a tuple of axes, or None (not split). The same
+model then runs data-, expert- and model-parallel by changing only the table.
+Mapping is Flax's ``nn.logical_to_mesh_axes`` (a mesh axis already used by an
+earlier dim is skipped for later ones); the annotation is ``gs.shard``, so it
+is a no-op outside ``gs.partition`` and XLA's sharding constraint under
+``backend="xla"``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import flax.linen as nn
+import jax
+
+import gshard_jax as gs
+
+MeshAxes = Union[None, str, tuple[str, ...]]
+Rules = Sequence[tuple[str, MeshAxes]]
+
+
+def mesh_spec(names: Sequence[Optional[str]], rules: Rules) -> tuple[MeshAxes, ...]:
+    """Per dim, the mesh axes that the logical `names` map to under `rules`."""
+    known = {name for name, _ in rules}
+    unknown = [n for n in names if n is not None and n not in known]
+    if unknown:
+        raise ValueError(f"logical axis names {unknown} have no entry in the rules table {list(rules)}; "
+                         f"add a rule (name, mesh axis or None) for each")
+    return tuple(nn.logical_to_mesh_axes(tuple(names), tuple(rules)))
+
+
+def constrain(x: jax.Array, names: Sequence[Optional[str]], rules: Rules) -> jax.Array:
+    """Annotate `x` (one logical name per dim) with the mesh axes the rules give those names."""
+    if len(names) != x.ndim:
+        raise ValueError(f"constrain: {len(names)} logical names {tuple(names)} for an array of shape "
+                         f"{tuple(x.shape)}; expected one name (or None) per dim")
+    return gs.shard(x, mesh_spec(names, rules))
