@@ -16,8 +16,12 @@ from typing import Optional, Sequence, Union
 
 import flax.linen as nn
 import jax
+from jax._src import source_info_util
 
 import gshard_jax as gs
+
+# Report the model line that calls constrain(), not this helper.
+source_info_util.register_exclusion(__file__)
 
 MeshAxes = Union[None, str, tuple[str, ...]]
 Rules = Sequence[tuple[str, MeshAxes]]
