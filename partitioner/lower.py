@@ -56,6 +56,21 @@ def _merge_fs(dims_fs: Sequence[Optional[R.FactorSharding]]) -> R.FactorSharding
     return out
 
 
+def _choice_key(eqn: Eqn, rule: R.Rule, have: list[Sharding], planned: list[Sharding]) -> Optional[tuple]:
+    """What a strategy choice depends on (None if a param or literal cannot be hashed: no reuse)."""
+    try:
+        consts = tuple((i, x.val.item() if hasattr(x.val, "item") else x.val) for i, x in enumerate(eqn.invars)
+                       if isinstance(x, Const) and not x.shape)
+        if len(consts) != sum(isinstance(x, Const) for x in eqn.invars):
+            return None  # an array literal: its contents could matter to a hook
+        key = (eqn.prim, tuple(sorted(eqn.params.items())), rule.key, tuple(have), tuple(planned), consts,
+               tuple(x.aval.dtype for x in eqn.invars), tuple(v.aval.dtype for v in eqn.outvars))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def checkpoint_region(fn, args: list, params: dict, positions: list[int]) -> list:
     """fn(*args) emitted as a checkpoint region (remat2) with the original region's policy and prevent_cse.
 
@@ -92,6 +107,7 @@ class Lowering:
         self.report = report
         self._plans: dict = {}
         self._times: dict = {}
+        self._choices: dict = {}
 
     # ------------------------------------------------------------------ costing
     def reshard_steps(self, src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple:
@@ -114,7 +130,21 @@ class Lowering:
         return self._times[key]
 
     def choose(self, eqn: Eqn, rule: R.Rule, have: list[Sharding]) -> Choice:
+        """The cheapest factor sharding for eqn given what its operands have and the plan for its results.
+
+        The choice depends only on the op, its params, dtypes, rule, and those shardings, so equations
+        that repeat (the layers of an unrolled model) are decided once.
+        """
         planned = [self.plan.sharding(v) for v in eqn.outvars]
+        key = _choice_key(eqn, rule, have, planned)
+        choice = self._choices.get(key) if key is not None else None
+        if choice is None:
+            choice = self._choose(eqn, rule, have, planned)
+            if key is not None:
+                self._choices[key] = choice
+        return choice
+
+    def _choose(self, eqn: Eqn, rule: R.Rule, have: list[Sharding], planned: list[Sharding]) -> Choice:
         proposals = [_merge_fs(rule.to_factors(tf, s, self.mesh_shape))
                      for tf, s in zip(rule.results, planned)]
         proposals += [_merge_fs(rule.to_factors(tf, s, self.mesh_shape))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from . import manual as M
 from . import rules as R
@@ -52,10 +52,9 @@ class Constraint:
     name: str
     source: str
 
-    @functools.cached_property
-    def tensors(self) -> list:
-        """(value, its factors) for the operands, then the results."""
-        return list(zip(self.ins, self.rule.operands)) + list(zip(self.outs, self.rule.results))
+    def __post_init__(self) -> None:
+        # (value, its factors) for the operands, then the results
+        self.tensors = list(zip(self.ins, self.rule.operands)) + list(zip(self.outs, self.rule.results))
 
 
 def _link(a, b, name: str, source: str, stacked: int = 0) -> Constraint:
@@ -116,9 +115,10 @@ def constraints(program: Program, rules: Mapping[Eqn, Optional[R.Rule]]) -> list
 
 
 def _merge(cur: Sharding, new: Sharding, shape, mesh_shape, blocked: Optional[dict] = None,
-           by: str = "") -> Sharding:
-    """Extend cur's dims with new's where new continues them with unused axes (blocked[d]: why not)."""
-    if all(len(n) <= len(c) for c, n in zip(cur.dims, new.dims)):
+           by: Callable[[], str] = str) -> Sharding:
+    """Extend cur's dims with new's where new continues them with unused axes (blocked[d]: why not, by() names
+    the proposer)."""
+    if new.dims == cur.dims or all(len(n) <= len(c) for c, n in zip(cur.dims, new.dims)):
         return cur  # new extends no dim (the common case once propagation has settled)
     dims = list(cur.dims)
     used = set(cur.axes)
@@ -127,14 +127,14 @@ def _merge(cur: Sharding, new: Sharding, shape, mesh_shape, blocked: Optional[di
         if len(n) > len(c) and n[: len(c)] == c:
             extra = tuple(a for a in n[len(c):])
             if used & set(extra):
-                blocked[d] = (f"{by} would split it over {'*'.join(extra)}, which already splits another "
+                blocked[d] = (f"{by()} would split it over {'*'.join(extra)}, which already splits another "
                               f"dim of this value")
                 continue
             tiles = 1
             for a in c + extra:
                 tiles *= mesh_shape[a]
             if not splittable(shape[d], tiles):
-                blocked[d] = f"{by} would split it over {'*'.join(c + extra)}: {shape[d]} rows for {tiles} tiles"
+                blocked[d] = f"{by()} would split it over {'*'.join(c + extra)}: {shape[d]} rows for {tiles} tiles"
                 continue
             dims[d] = c + extra
             used |= set(extra)
@@ -171,7 +171,6 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                     cons.append(_link(want, x, "manual region", e.source))
 
     blocked: dict[Value, dict[int, str]] = {}  # why a dim a neighbour would split stays whole
-    orders: dict = {}  # per (constraint, direction): the order its tensors are read in
 
     def note_whole(c: Constraint, tensors, n_in: int, forward: bool, whole: dict) -> None:
         targets = range(n_in, len(tensors)) if forward else range(n_in)
@@ -186,39 +185,44 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                             f"{c.name} at {c.source or '?'} needs dim {d} whole ({c.rule.kind}), so the split "
                             f"over {'*'.join(whole[f])} stops there")
 
-    def visit(c: Constraint, forward: bool, late: bool) -> bool:
-        rule = c.rule
+    # Per constraint and direction: the order its tensors are read in (fixed values first; `fixed` does not
+    # change while propagating) and the tensors it may change (values that are not fixed).
+    reads: dict = {}
+    writes: dict = {}
+    for c in cons:
         tensors, n_in = c.tensors, len(c.ins)
-        order = orders.get((id(c), forward))
-        if order is None:  # fixed values first; `fixed` does not change while propagating
+        for forward in (True, False):
             order = list(range(len(tensors))) if forward else list(range(n_in, len(tensors))) + list(range(n_in))
             order.sort(key=lambda i: tensors[i][0] not in fixed)
-            orders[(id(c), forward)] = order
+            reads[id(c), forward] = [tensors[i] for i in order if isinstance(tensors[i][0], Value)]
+            targets = range(n_in, len(tensors)) if forward else range(n_in)
+            writes[id(c), forward] = [tensors[i] for i in targets
+                                      if isinstance(tensors[i][0], Value) and tensors[i][0] not in fixed]
+
+    def visit(c: Constraint, forward: bool, late: bool) -> list[Value]:
+        """Propose shardings to c's targets in this direction from its other values; the values it changed."""
+        rule = c.rule
         fs: R.FactorSharding = {}
         used: set[str] = set()
         whole: dict[str, tuple] = {}  # factors the rule keeps whole that a neighbour has split
-        for i in order:
-            v, tf = tensors[i]
-            if not isinstance(v, Value) or v not in shardings:
+        for v, tf in reads[id(c), forward]:
+            s = shardings.get(v)
+            if s is None or not s.axes:  # replicated: implies no factor sharding
                 continue
-            for dim_fs in rule.to_factors(tf, shardings[v], mesh_shape):
-                for f, ax in (dim_fs or {}).items():
-                    if ax and f in rule.replicated:
-                        whole.setdefault(f, ax)
-                    elif ax and f not in fs and not used & set(ax):
-                        fs[f] = ax
-                        used |= set(ax)
+            for f, ax in rule.split_factors(tf, s, mesh_shape):
+                if f in rule.replicated:
+                    whole.setdefault(f, ax)
+                elif f not in fs and used.isdisjoint(ax):
+                    fs[f] = ax
+                    used.update(ax)
         if whole:
-            note_whole(c, tensors, n_in, forward, whole)
+            note_whole(c, c.tensors, len(c.ins), forward, whole)
         if not fs:
-            return False
+            return []
         if not forward and c.name in LATE_BACKWARD and not late:
-            return False
-        changed = False
-        for i in (range(n_in, len(tensors)) if forward else range(n_in)):
-            v, tf = tensors[i]
-            if not isinstance(v, Value) or v in fixed:
-                continue
+            return []
+        changed = []
+        for v, tf in writes[id(c), forward]:
             proposal = rule.to_tensor(tf, fs, mesh_shape)
             if proposal is None:
                 dims = [R.factors_to_dim(d, fs, rule.sizes, mesh_shape) for d in tf]
@@ -236,11 +240,11 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                 proposal = Sharding(tuple(ax or () for ax in dims))
             cur = shardings.get(v) or Sharding.replicated(len(tf))
             new = _merge(cur, proposal, v.shape, mesh_shape, blocked.setdefault(v, {}),
-                         f"{c.name} at {c.source or '?'}")
+                         lambda: f"{c.name} at {c.source or '?'}")
             if new != cur:
                 shardings[v] = new
                 origins[v] = f"{'forward' if forward else 'backward'} from {c.name} at {c.source or '?'}"
-                changed = True
+                changed.append(v)
         return changed
 
     # A visit depends only on the shardings of the constraint's values, so a constraint is revisited
@@ -262,17 +266,15 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
         last = seen.get(key, -1)
         if last >= 0 and touched[i] <= last:
             return False
-        before = {v: shardings.get(v) for v in (c.outs if forward else c.ins) if isinstance(v, Value)}
         clock[0] += 1
         seen[key] = clock[0]
         changed = visit(c, forward, late)
         if changed:
             clock[0] += 1
-            for v, old in before.items():
-                if shardings.get(v) != old:
-                    for j in users[v]:
-                        touched[j] = clock[0]
-        return changed
+            for v in changed:
+                for j in users[v]:
+                    touched[j] = clock[0]
+        return bool(changed)
 
     for late in (False, True):
         for _ in range(max_passes):

@@ -31,22 +31,54 @@ class Rule:
     sizes: Mapping[str, int]
     reductions: Mapping[str, str] = dataclasses.field(default_factory=dict)
     replicated: frozenset[str] = frozenset()
-    # Memo of tensor_to_factors per (tensor factors, sharding, mesh): propagation and lowering ask often.
+    # Memo of tensor_to_factors / factors_to_tensor: propagation and lowering ask often. A rule belongs to one
+    # program on one mesh; the memo starts afresh if asked about another mesh.
     memo: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
+    def _memo(self, mesh_shape: Mapping[str, int]) -> dict:
+        seen = self.memo.get(None)
+        if seen is None or seen[0] is not mesh_shape:
+            key = tuple(mesh_shape.items())
+            if seen is None or seen[1] != key:
+                self.memo.clear()
+            self.memo[None] = (mesh_shape, key)
+        return self.memo
+
     def to_factors(self, tf: "TensorFactors", sharding: Sharding, mesh_shape: Mapping[str, int]) -> list:
-        key = (tf, sharding, tuple(mesh_shape.items()))
-        out = self.memo.get(key)
+        memo = self._memo(mesh_shape)
+        key = (tf, sharding)
+        out = memo.get(key)
         if out is None:
-            out = self.memo[key] = tensor_to_factors(tf, sharding, self.sizes, mesh_shape)
+            out = memo[key] = tensor_to_factors(tf, sharding, self.sizes, mesh_shape)
+        return out
+
+    def split_factors(self, tf: "TensorFactors", sharding: Sharding, mesh_shape: Mapping[str, int]) -> tuple:
+        """The (factor, axes) pairs with axes that the sharding implies (dims it cannot express skipped)."""
+        memo = self._memo(mesh_shape)
+        key = (tf, sharding, None)
+        out = memo.get(key)
+        if out is None:
+            out = memo[key] = tuple((f, ax) for d in self.to_factors(tf, sharding, mesh_shape) if d
+                                    for f, ax in d.items() if ax)
         return out
 
     def to_tensor(self, tf: "TensorFactors", fs: Mapping[str, "Axes"], mesh_shape: Mapping[str, int]):
         """factors_to_tensor, memoized per (tensor factors, the axes of its factors)."""
-        key = (tf, tuple(fs.get(f, ()) for d in tf for f in d), tuple(mesh_shape.items()))
-        if key not in self.memo:
-            self.memo[key] = factors_to_tensor(tf, fs, self.sizes, mesh_shape)
-        return self.memo[key]
+        memo = self._memo(mesh_shape)
+        key = (tf, tuple([fs.get(f, ()) for d in tf for f in d]))
+        if key in memo:
+            return memo[key]
+        out = memo[key] = factors_to_tensor(tf, fs, self.sizes, mesh_shape)
+        return out
+
+    @property
+    def key(self) -> tuple:
+        """Equal for rules that describe the same computation (sizes fix every tensor's shape)."""
+        key = self.memo.get("key")
+        if key is None:
+            key = self.memo["key"] = (self.kind, self.operands, self.results, tuple(self.sizes.items()),
+                                      tuple(self.reductions.items()), self.replicated)
+        return key
 
     @property
     def factors(self) -> list[str]:

@@ -31,6 +31,7 @@ class Sharding:
     dims: tuple[Axes, ...]
     partial: frozenset[str] = frozenset()
     padded: frozenset[int] = frozenset()
+    # axes: frozenset[str], the axes that split some dim (set in __post_init__)
 
     def __post_init__(self) -> None:
         dims = self.dims
@@ -42,7 +43,8 @@ class Sharding:
         if type(self.padded) is not frozenset:  # noqa: E721
             object.__setattr__(self, "padded", frozenset(self.padded))
         used = [a for d in dims for a in d]
-        if len(used) > 1 and len(used) != len(set(used)):
+        object.__setattr__(self, "axes", frozenset(used))  # not a field: equality and hash ignore it
+        if len(used) > 1 and len(used) != len(self.axes):
             raise ValueError(f"sharding {dims} uses a mesh axis on more than one dim; "
                              "each mesh axis may split at most one dim of a tensor")
         if self.partial and set(used) & self.partial:
@@ -63,11 +65,6 @@ class Sharding:
     @property
     def rank(self) -> int:
         return len(self.dims)
-
-    @functools.cached_property
-    def axes(self) -> frozenset[str]:
-        """Axes that split some dim."""
-        return frozenset(a for d in self.dims for a in d)
 
     @property
     def is_replicated(self) -> bool:
