@@ -58,13 +58,15 @@ def _merge_fs(dims_fs: Sequence[Optional[R.FactorSharding]]) -> R.FactorSharding
 
 def _choice_key(eqn: Eqn, rule: R.Rule, have: list[Sharding], planned: list[Sharding]) -> Optional[tuple]:
     """What a strategy choice depends on (None if a param or literal cannot be hashed: no reuse)."""
+    consts = ()
+    for i, x in enumerate(eqn.invars):
+        if isinstance(x, Const):
+            if x.aval.shape:
+                return None  # an array literal: its contents could matter to a hook
+            consts += ((i, x.val.item() if hasattr(x.val, "item") else x.val),)
     try:
-        consts = tuple((i, x.val.item() if hasattr(x.val, "item") else x.val) for i, x in enumerate(eqn.invars)
-                       if isinstance(x, Const) and not x.shape)
-        if len(consts) != sum(isinstance(x, Const) for x in eqn.invars):
-            return None  # an array literal: its contents could matter to a hook
-        key = (eqn.prim, tuple(sorted(eqn.params.items())), rule.key, tuple(have), tuple(planned), consts,
-               tuple(x.aval.dtype for x in eqn.invars), tuple(v.aval.dtype for v in eqn.outvars))
+        key = (eqn.prim, tuple(eqn.params.items()), rule.key, tuple(have), tuple(planned), consts,
+               tuple([x.aval.dtype for x in eqn.invars]), tuple([v.aval.dtype for v in eqn.outvars]))
         hash(key)
     except TypeError:
         return None
@@ -402,17 +404,21 @@ class Lowering:
             need = [Sharding.replicated(len(x.shape)) for x in eqn.invars]
             made = [Sharding.replicated(len(v.shape)) for v in eqn.outvars]
             choice = Choice({}, need, made, 0.0)
-            strategy = "replicated (fallback)"
         else:
             choice = self.choose(eqn, rule, have)
-            assigned = " ".join(f"{f}={'*'.join(ax)}" for f, ax in choice.fs.items() if ax)
-            strategy = f"{rule.kind} {rule.signature()} {assigned or 'unsplit'}"
         local_in = []
         for x, n in zip(eqn.invars, choice.need):
             local_in.append(self._reshard(env, x, n, log)[0] if isinstance(x, Value) else x.val)
         outs = self._bind(eqn, rule, choice, local_in, log)
         for v, o, m in zip(eqn.outvars, outs, choice.made):
             self._store(env, v, o, m, log)
+        if self.report is None:
+            return
+        if rule is None:
+            strategy = "replicated (fallback)"
+        else:
+            assigned = " ".join(f"{f}={'*'.join(ax)}" for f, ax in choice.fs.items() if ax)
+            strategy = f"{rule.kind} {rule.signature()} {assigned or 'unsplit'}"
         self._record(eqn, list(zip(eqn.invars, have, choice.need)), choice.made, strategy, log, fallback,
                      compute_time(sum(math.prod(m.local_shape(v.shape, self.mesh_shape))
                                       for v, m in zip(eqn.outvars, choice.made)), self.profile))

@@ -44,6 +44,7 @@ class Sharding:
             object.__setattr__(self, "padded", frozenset(self.padded))
         used = [a for d in dims for a in d]
         object.__setattr__(self, "axes", frozenset(used))  # not a field: equality and hash ignore it
+        object.__setattr__(self, "_hash", hash((dims, self.partial, self.padded)))
         if len(used) > 1 and len(used) != len(self.axes):
             raise ValueError(f"sharding {dims} uses a mesh axis on more than one dim; "
                              "each mesh axis may split at most one dim of a tensor")
@@ -51,7 +52,11 @@ class Sharding:
             raise ValueError(f"sharding {dims} is partial over {sorted(self.partial)}, "
                              "an axis it also splits a dim on")
 
+    def __hash__(self) -> int:  # computed once: shardings are dict keys all over the pass
+        return self._hash
+
     @staticmethod
+    @functools.lru_cache(maxsize=64)
     def replicated(rank: int) -> "Sharding":
         return Sharding(((),) * rank)
 
