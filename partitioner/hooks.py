@@ -30,7 +30,7 @@ import numpy as np
 from .cost import Collective
 from .program import Eqn
 from .reshard import linear_axis_index
-from .rules import FactorSharding, Rule
+from .factors import FactorSharding, Rule
 from .sharding import Axes, Sharding
 
 

@@ -26,7 +26,7 @@ from jax._src.interpreters import partial_eval as pe
 from . import hooks as H
 from . import manual as M
 from . import reshard as RS
-from . import rules as R
+from . import factors as F
 from .cost import Collective, HardwareProfile, compute_time
 from .program import Const, Eqn, Program, Value
 from .propagation import Plan
@@ -36,7 +36,7 @@ from .sharding import Sharding
 
 @dataclasses.dataclass
 class Choice:
-    fs: R.FactorSharding
+    fs: F.FactorSharding
     need: list[Sharding]
     made: list[Sharding]
     cost: float
@@ -47,8 +47,8 @@ def _stacked(s: Sharding) -> Sharding:
     return Sharding(((),) + s.dims, s.partial, frozenset(d + 1 for d in s.padded))
 
 
-def _merge_fs(dims_fs: Sequence[Optional[R.FactorSharding]]) -> R.FactorSharding:
-    out: R.FactorSharding = {}
+def _merge_fs(dims_fs: Sequence[Optional[F.FactorSharding]]) -> F.FactorSharding:
+    out: F.FactorSharding = {}
     for d in dims_fs:
         for f, ax in (d or {}).items():
             if ax:
@@ -56,7 +56,7 @@ def _merge_fs(dims_fs: Sequence[Optional[R.FactorSharding]]) -> R.FactorSharding
     return out
 
 
-def _choice_key(eqn: Eqn, rule: R.Rule, have: list[Sharding], planned: list[Sharding]) -> Optional[tuple]:
+def _choice_key(eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Sharding]) -> Optional[tuple]:
     """What a strategy choice depends on (None if a param or literal cannot be hashed: no reuse)."""
     consts = ()
     for i, x in enumerate(eqn.invars):
@@ -131,7 +131,7 @@ class Lowering:
             self._times[key] = sum(c.time(self.profile) for c in self.reshard_collectives(src, dst, shape, dtype))
         return self._times[key]
 
-    def choose(self, eqn: Eqn, rule: R.Rule, have: list[Sharding]) -> Choice:
+    def choose(self, eqn: Eqn, rule: F.Rule, have: list[Sharding]) -> Choice:
         """The cheapest factor sharding for eqn given what its operands have and the plan for its results.
 
         The choice depends only on the op, its params, dtypes, rule, and those shardings, so equations
@@ -146,7 +146,7 @@ class Lowering:
                 self._choices[key] = choice
         return choice
 
-    def _choose(self, eqn: Eqn, rule: R.Rule, have: list[Sharding], planned: list[Sharding]) -> Choice:
+    def _choose(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Sharding]) -> Choice:
         proposals = [_merge_fs(rule.to_factors(tf, s, self.mesh_shape))
                      for tf, s in zip(rule.results, planned)]
         proposals += [_merge_fs(rule.to_factors(tf, s, self.mesh_shape))
@@ -155,7 +155,7 @@ class Lowering:
         if aligned is not None:
             return aligned
         best: Optional[Choice] = None
-        for fs in R.candidate_factor_shardings(rule, proposals, self.mesh_shape):
+        for fs in F.candidate_factor_shardings(rule, proposals, self.mesh_shape):
             layout = self._layout(rule, fs)
             if layout is None:
                 continue
@@ -174,7 +174,7 @@ class Lowering:
             raise AssertionError(f"no valid factor sharding for {eqn.name} {rule.signature()}")
         return best
 
-    def _layout(self, rule: R.Rule, fs: R.FactorSharding) -> Optional[tuple[list[Sharding], list[Sharding]]]:
+    def _layout(self, rule: F.Rule, fs: F.FactorSharding) -> Optional[tuple[list[Sharding], list[Sharding]]]:
         """The operand shardings a factor sharding needs and the results it makes (split sums partial)."""
         need = [rule.to_tensor(tf, fs, self.mesh_shape) for tf in rule.operands]
         made = [rule.to_tensor(tf, fs, self.mesh_shape) for tf in rule.results]
@@ -183,12 +183,12 @@ class Lowering:
         partial = [a for f, k in rule.reductions.items() if k == "sum" for a in fs.get(f, ())]
         return need, [m.with_partial(partial) for m in made]
 
-    def _compute(self, rule: R.Rule, fs: R.FactorSharding) -> float:
+    def _compute(self, rule: F.Rule, fs: F.FactorSharding) -> float:
         work = math.prod(rule.sizes[f] // math.prod(self.mesh_shape[a] for a in fs.get(f, ()))
                          for f in rule.factors)
         return compute_time(work * (2 if rule.reductions else 1), self.profile)
 
-    def _aligned(self, eqn: Eqn, rule: R.Rule, have: list[Sharding], planned: list[Sharding],
+    def _aligned(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Sharding],
                  proposals: list) -> Optional[Choice]:
         """The choice that moves nothing, when the operands already are what it needs and it makes the plan.
 
@@ -434,7 +434,7 @@ class Lowering:
         self.report.rows.append(Row(eqn.index, eqn.source, self._prefix + eqn.name, ops, res, strategy, log,
                                     fallback, compute, sum(c.time(self.profile) for c in log), self._trips))
 
-    def _bind(self, eqn: Eqn, rule: Optional[R.Rule], choice: Choice, local_in: list, log: list):
+    def _bind(self, eqn: Eqn, rule: Optional[F.Rule], choice: Choice, local_in: list, log: list):
         """Bind the primitive on local shards, with local-shape params, through its hook if it has one."""
         params = dict(eqn.params)
         for key in ("sharding", "out_sharding"):

@@ -69,9 +69,17 @@ class Eqn:
     invars: list  # Value | Const
     outvars: list  # Value
     params: dict
-    source: str
+    where: Any  # (JAX source info, name-stack scope of the inlined call it sits in); see `source`
     index: int = -1
     subs: dict = dataclasses.field(default_factory=dict)  # control flow: name -> Program
+
+    @property
+    def source(self) -> str:
+        """Where the user wrote the op, formatted on first use (most equations are never named)."""
+        text = self.__dict__.get("_source")
+        if text is None:
+            text = self.__dict__["_source"] = _source(*self.where)
+        return text
 
     @property
     def name(self) -> str:
@@ -105,21 +113,26 @@ def _control_flow_subs(eqn) -> dict:
     return {}
 
 
-def _source(eqn, scope: str = "") -> str:
+def _source(source_info, scope: str = "") -> str:
     """Where the user wrote the op (file relative to the working directory) and its Flax module path.
 
     The module path is JAX's name stack (Flax pushes one entry per module);
     `scope` is the name stack of the inlined call the equation sits in.
     """
     try:
-        loc = source_info_util.summarize(eqn.source_info)
+        loc = source_info_util.summarize(source_info)
     except Exception:  # pragma: no cover - source info is best effort
         loc = "?"
     cwd = os.getcwd() + os.sep
     if loc.startswith(cwd):
         loc = loc[len(cwd):]
-    stack = "/".join(p for p in (scope, str(eqn.source_info.name_stack)) if p)
+    stack = _scope(source_info, scope)
     return f"{loc} [{stack}]" if stack else loc
+
+
+def _scope(source_info, scope: str) -> str:
+    """The name stack of an equation inside an inlined call with name stack `scope`."""
+    return "/".join(p for p in (scope, str(source_info.name_stack)) if p)
 
 
 def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
@@ -158,12 +171,11 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
             ins = [read(a) for a in eqn.invars]
             if eqn.primitive.name == "remat2":
                 body_eqns: list[Eqn] = []
-                inner = "/".join(p for p in (scope, str(eqn.source_info.name_stack)) if p)
-                outs = walk(eqn.params["jaxpr"], [], ins, body_eqns, inner)
+                outs = walk(eqn.params["jaxpr"], [], ins, body_eqns, _scope(eqn.source_info, scope))
                 produced = {v for e in body_eqns for v in e.outvars}
                 made = list(dict.fromkeys(o for o in outs if isinstance(o, Value) and o in produced))
                 body = Program(list(ins), outs, body_eqns, [])
-                eqns.append(Eqn(eqn.primitive, ins, made, dict(eqn.params), _source(eqn, scope), len(eqns),
+                eqns.append(Eqn(eqn.primitive, ins, made, dict(eqn.params), (eqn.source_info, scope), len(eqns),
                                 {"body": body}))
                 for var, out in zip(eqn.outvars, outs):
                     env[var] = out
@@ -171,7 +183,7 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
             key = CALL_PRIMITIVES.get(eqn.primitive.name)
             if key is not None and key in eqn.params:
                 sub = eqn.params[key]
-                inner = "/".join(p for p in (scope, str(eqn.source_info.name_stack)) if p)
+                inner = _scope(eqn.source_info, scope)
                 if isinstance(sub, core.ClosedJaxpr):
                     outs = walk(sub.jaxpr, sub.consts, ins, eqns, inner)
                 else:
@@ -183,9 +195,10 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
             for var, out in zip(eqn.outvars, outs):
                 if not isinstance(var, core.DropVar):
                     env[var] = out
-            inner = "/".join(p for p in (scope, str(eqn.source_info.name_stack)) if p)
-            subs = {name: sub_program(j, inner) for name, j in _control_flow_subs(eqn).items()}
-            eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), _source(eqn, scope), len(eqns), subs))
+            bodies = _control_flow_subs(eqn)
+            inner = _scope(eqn.source_info, scope) if bodies else ""
+            subs = {name: sub_program(j, inner) for name, j in bodies.items()}
+            eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), (eqn.source_info, scope), len(eqns), subs))
         return [read(a) for a in jaxpr.outvars]
 
     def sub_program(j, scope: str = "") -> Program:

@@ -18,11 +18,11 @@ region (remat2) needs no links: its body already uses the caller's values.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Callable, Mapping, Optional, Sequence
 
 from . import manual as M
+from . import factors as F
 from . import rules as R
 from .program import Eqn, Program, Value
 from .sharding import Sharding, splittable
@@ -36,7 +36,7 @@ class Plan:
 
     shardings: dict[Value, Sharding]
     origins: dict[Value, str]
-    rules: dict[Eqn, Optional[R.Rule]]
+    rules: dict[Eqn, Optional[F.Rule]]
 
     def sharding(self, v) -> Sharding:
         if isinstance(v, Value):
@@ -46,24 +46,29 @@ class Plan:
 
 @dataclasses.dataclass(eq=False)
 class Constraint:
-    rule: R.Rule
+    rule: F.Rule
     ins: list
     outs: list
     name: str
-    source: str
+    where: object  # the equation it comes from, or a description; see `source`
 
     def __post_init__(self) -> None:
         # (value, its factors) for the operands, then the results
         self.tensors = list(zip(self.ins, self.rule.operands)) + list(zip(self.outs, self.rule.results))
 
+    @property
+    def source(self) -> str:
+        """Where the user wrote the op (formatted only when a message names it)."""
+        return self.where.source if isinstance(self.where, Eqn) else str(self.where)
 
-def _link(a, b, name: str, source: str, stacked: int = 0) -> Constraint:
+
+def _link(a, b, name: str, where: object, stacked: int = 0) -> Constraint:
     """a and b share every dim; with stacked=1, a has an extra leading dim (the scan dim) kept whole."""
-    names = R.FactorNames()
+    names = F.FactorNames()
     dims = tuple((names.new(s),) for s in b.shape)
     lead = tuple((names.new(a.shape[0]),) for _ in range(stacked))
     rep = frozenset(f for (f,) in lead)
-    return Constraint(R.Rule("link", (lead + dims,), (dims,), names.sizes, replicated=rep), [a], [b], name, source)
+    return Constraint(F.Rule("link", (lead + dims,), (dims,), names.sizes, replicated=rep), [a], [b], name, where)
 
 
 def control_flow_links(e: Eqn) -> tuple[list[Constraint], list[Constraint]]:
@@ -75,32 +80,32 @@ def control_flow_links(e: Eqn) -> tuple[list[Constraint], list[Constraint]]:
         body = e.subs["body"]
         nc, nk = e.params["num_consts"], e.params["num_carry"]
         for i, (a, b) in enumerate(zip(e.invars, body.invars)):
-            into.append(_link(a, b, tag, e.source, stacked=int(i >= nc + nk)))
+            into.append(_link(a, b, tag, e, stacked=int(i >= nc + nk)))
         for k in range(nk):
             cin, cout = body.invars[nc + k], body.outvars[k]
-            out.append(_link(cout, cin, tag + " carry", e.source))
-            out.append(_link(cout, e.outvars[k], tag, e.source))
+            out.append(_link(cout, cin, tag + " carry", e))
+            out.append(_link(cout, e.outvars[k], tag, e))
         for y_body, y_out in zip(body.outvars[nk:], e.outvars[nk:]):
-            out.append(_link(y_out, y_body, tag, e.source, stacked=1))
+            out.append(_link(y_out, y_body, tag, e, stacked=1))
     elif e.name == "while":
         cond, body = e.subs["cond"], e.subs["body"]
         cn, bn = e.params["cond_nconsts"], e.params["body_nconsts"]
         consts_c, consts_b, init = e.invars[:cn], e.invars[cn:cn + bn], e.invars[cn + bn:]
-        into += [_link(a, b, tag, e.source) for a, b in zip(consts_c, cond.invars[:cn])]
-        into += [_link(a, b, tag, e.source) for a, b in zip(consts_b, body.invars[:bn])]
-        into += [_link(a, b, tag, e.source) for a, b in zip(init, body.invars[bn:])]
-        into += [_link(a, b, tag, e.source) for a, b in zip(init, cond.invars[cn:])]
+        into += [_link(a, b, tag, e) for a, b in zip(consts_c, cond.invars[:cn])]
+        into += [_link(a, b, tag, e) for a, b in zip(consts_b, body.invars[:bn])]
+        into += [_link(a, b, tag, e) for a, b in zip(init, body.invars[bn:])]
+        into += [_link(a, b, tag, e) for a, b in zip(init, cond.invars[cn:])]
         for cout, cin, ccond, final in zip(body.outvars, body.invars[bn:], cond.invars[cn:], e.outvars):
-            out += [_link(cout, cin, tag + " carry", e.source), _link(cout, ccond, tag, e.source),
-                    _link(cout, final, tag, e.source)]
+            out += [_link(cout, cin, tag + " carry", e), _link(cout, ccond, tag, e),
+                    _link(cout, final, tag, e)]
     elif e.name == "cond":
         for br in e.subs.values():
-            into += [_link(a, b, tag, e.source) for a, b in zip(e.invars[1:], br.invars)]
-            out += [_link(b, a, tag, e.source) for a, b in zip(e.outvars, br.outvars) if isinstance(b, Value)]
+            into += [_link(a, b, tag, e) for a, b in zip(e.invars[1:], br.invars)]
+            out += [_link(b, a, tag, e) for a, b in zip(e.outvars, br.outvars) if isinstance(b, Value)]
     return into, out
 
 
-def constraints(program: Program, rules: Mapping[Eqn, Optional[R.Rule]]) -> list[Constraint]:
+def constraints(program: Program, rules: Mapping[Eqn, Optional[F.Rule]]) -> list[Constraint]:
     out: list[Constraint] = []
     for e in program.eqns:
         if e.subs:
@@ -110,7 +115,7 @@ def constraints(program: Program, rules: Mapping[Eqn, Optional[R.Rule]]) -> list
                 out += constraints(sub, rules)
             out += after
         elif rules.get(e) is not None:
-            out.append(Constraint(rules[e], e.invars, e.outvars, e.name, e.source))
+            out.append(Constraint(rules[e], e.invars, e.outvars, e.name, e))
     return out
 
 
@@ -149,7 +154,12 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
     for v, (s, why) in seeds.items():
         shardings[v], origins[v] = s.canonical(v.shape, mesh_shape), why
     fixed = set(seeds)
-    rules = {e: (None if e.subs else R.rule_for(e)) for e in program.all_eqns()}
+    # Equal rules (the same op on the same shapes, e.g. in every layer) are one object, sharing its memo.
+    interned: dict[tuple, F.Rule] = {}
+    rules = {}
+    for e in program.all_eqns():
+        r = None if e.subs else R.rule_for(e)
+        rules[e] = r if r is None else interned.setdefault(r.key, r)
     cons = constraints(program, rules)
     for e in program.all_eqns():
         if e.name == "sharding_annotation":
@@ -168,7 +178,7 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                     want = Value(x.aval, "in_specs")
                     shardings[want], origins[want] = s.canonical(x.shape, mesh_shape), "manual region in_specs"
                     fixed.add(want)
-                    cons.append(_link(want, x, "manual region", e.source))
+                    cons.append(_link(want, x, "manual region", e))
 
     blocked: dict[Value, dict[int, str]] = {}  # why a dim a neighbour would split stays whole
 
@@ -185,47 +195,47 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                             f"{c.name} at {c.source or '?'} needs dim {d} whole ({c.rule.kind}), so the split "
                             f"over {'*'.join(whole[f])} stops there")
 
-    # Per constraint and direction: the order its tensors are read in (fixed values first; `fixed` does not
-    # change while propagating) and the tensors it may change (values that are not fixed).
-    reads: dict = {}
-    writes: dict = {}
+    # Per constraint, indexed by direction (0 backward, 1 forward): the tensors it reads, fixed values first
+    # (`fixed` does not change while propagating), and the tensors it may change (values that are not fixed).
     for c in cons:
-        tensors, n_in = c.tensors, len(c.ins)
-        for forward in (True, False):
-            order = list(range(len(tensors))) if forward else list(range(n_in, len(tensors))) + list(range(n_in))
-            order.sort(key=lambda i: tensors[i][0] not in fixed)
-            reads[id(c), forward] = [tensors[i] for i in order if isinstance(tensors[i][0], Value)]
-            targets = range(n_in, len(tensors)) if forward else range(n_in)
-            writes[id(c), forward] = [tensors[i] for i in targets
-                                      if isinstance(tensors[i][0], Value) and tensors[i][0] not in fixed]
+        n_in = len(c.ins)
+        ins = [t for t in c.tensors[:n_in] if isinstance(t[0], Value)]
+        outs = [t for t in c.tensors[n_in:] if isinstance(t[0], Value)]
+        c.reads = tuple([t for t in ts if t[0] in fixed] + [t for t in ts if t[0] not in fixed]
+                        for ts in (outs + ins, ins + outs))
+        c.writes = tuple([t for t in ts if t[0] not in fixed] for ts in (ins, outs))
+        c.late = c.name in LATE_BACKWARD
+        c.rule._memo(mesh_shape)  # the rules' memos are for this mesh from here on
 
     def visit(c: Constraint, forward: bool, late: bool) -> list[Value]:
         """Propose shardings to c's targets in this direction from its other values; the values it changed."""
         rule = c.rule
-        fs: R.FactorSharding = {}
+        memo, replicated = rule.memo, rule.replicated
+        fs: F.FactorSharding = {}
         used: set[str] = set()
         whole: dict[str, tuple] = {}  # factors the rule keeps whole that a neighbour has split
-        for v, tf in reads[id(c), forward]:
+        for v, tf in c.reads[forward]:
             s = shardings.get(v)
             if s is None or not s.axes:  # replicated: implies no factor sharding
                 continue
-            for f, ax in rule.split_factors(tf, s, mesh_shape):
-                if f in rule.replicated:
+            pairs = memo.get((tf, s, None))
+            if pairs is None:
+                pairs = rule.split_factors(tf, s, mesh_shape)
+            for f, ax in pairs:
+                if f in replicated:
                     whole.setdefault(f, ax)
                 elif f not in fs and used.isdisjoint(ax):
                     fs[f] = ax
                     used.update(ax)
         if whole:
             note_whole(c, c.tensors, len(c.ins), forward, whole)
-        if not fs:
-            return []
-        if not forward and c.name in LATE_BACKWARD and not late:
+        if not fs or (not forward and c.late and not late):
             return []
         changed = []
-        for v, tf in writes[id(c), forward]:
+        for v, tf in c.writes[forward]:
             proposal = rule.to_tensor(tf, fs, mesh_shape)
             if proposal is None:
-                dims = [R.factors_to_dim(d, fs, rule.sizes, mesh_shape) for d in tf]
+                dims = [F.factors_to_dim(d, fs, rule.sizes, mesh_shape) for d in tf]
                 for d, (ax, fd) in enumerate(zip(dims, tf)):
                     if ax is None:
                         split = {f: fs[f] for f in fd if fs.get(f)}
@@ -239,11 +249,13 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                                f"the split over {names} ({tiles} tiles) does not fall on its major dim"))
                 proposal = Sharding(tuple(ax or () for ax in dims))
             cur = shardings.get(v) or Sharding.replicated(len(tf))
+            if proposal.dims == cur.dims:
+                continue
             new = _merge(cur, proposal, v.shape, mesh_shape, blocked.setdefault(v, {}),
                          lambda: f"{c.name} at {c.source or '?'}")
             if new != cur:
                 shardings[v] = new
-                origins[v] = f"{'forward' if forward else 'backward'} from {c.name} at {c.source or '?'}"
+                origins[v] = (forward, c)  # formatted once propagation ends
                 changed.append(v)
         return changed
 
@@ -257,17 +269,18 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                 users.setdefault(v, []).append(i)
     touched = [0] * len(cons)
     clock = [0]
-    seen: dict = {}
+    # seen[direction][i]: the clock at constraint i's last visit in that direction (-1: never). Only a
+    # backward visit of a late constraint differs between the phases (seen[2]); the others are shared,
+    # so the late phase revisits them only if their values changed since.
+    seen = [[-1] * len(cons) for _ in range(3)]
 
     def run(i: int, c: Constraint, forward: bool, late: bool) -> bool:
-        # Only a backward visit of a late constraint differs between the phases: the others share one key,
-        # so the late phase revisits them only if their values changed since.
-        key = (i, forward, late and not forward and c.name in LATE_BACKWARD)
-        last = seen.get(key, -1)
+        last_seen = seen[2 if late and not forward and c.late else int(forward)]
+        last = last_seen[i]
         if last >= 0 and touched[i] <= last:
             return False
         clock[0] += 1
-        seen[key] = clock[0]
+        last_seen[i] = clock[0]
         changed = visit(c, forward, late)
         if changed:
             clock[0] += 1
@@ -294,6 +307,10 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                 out += values(sub)
         return out
 
+    for v, why in origins.items():
+        if type(why) is tuple:  # noqa: E721
+            forward, c = why
+            origins[v] = f"{'forward' if forward else 'backward'} from {c.name} at {c.source or '?'}"
     for v in values(program):
         if v not in shardings:
             shardings[v] = Sharding.replicated(len(v.shape))
