@@ -5,10 +5,13 @@ StableHLO: `.lower()`), XLA's compile of the result, and the number of HLO
 instructions in the compiled per-device program, for our partitioner and
 for XLA's on the same annotations, with ours/XLA ratios. Run:
 
-    python benchmarks/partition_scaling.py [--layers 2,8,24,48] [--repeats 3] [--json out.json]
+    python benchmarks/partition_scaling.py [--layers 2,8,24,48] [--repeats 3] [--compile-repeats 1]
+                                           [--no-compile] [--json out.json]
 
-Times are medians over --repeats (lowering) or one compile each (compiles of
-big programs take minutes); equations counts the program's jaxpr equations.
+Partition times are medians over --repeats fresh lowerings per backend (ours and XLA's alternating);
+compile times are medians over --compile-repeats compiles of fresh lowerings,
+ours and XLA's alternating (compiles of big programs take minutes; one each
+by default). Equations counts the program's jaxpr equations.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", default="2,8,24", help="comma-separated layer counts")
     p.add_argument("--repeats", type=int, default=3, help="lowerings timed per backend (median)")
+    p.add_argument("--compile-repeats", type=int, default=1, help="compiles timed per backend (median)")
     p.add_argument("--no-compile", action="store_true", help="time lowering only")
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
     return p.parse_args(argv)
@@ -34,6 +38,8 @@ ARGS = parse_args()
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+from jax._src.interpreters import pxla  # noqa: E402
 
 import gshard_jax as gs  # noqa: E402
 from gshard_jax.models import lm  # noqa: E402
@@ -53,19 +59,27 @@ def measure(layers: int) -> dict:
     mesh = gs.make_mesh({"data": 2, "model": 4})
     step = functools.partial(lm.train_step, cfg=cfg, lo=lm.Layout("data", "model"))
     row = {"layers": layers, "equations": len(jax.make_jaxpr(step)(params, state, batch).eqns)}
-    for backend in ("gshard", "xla"):
-        times = []
-        for _ in range(ARGS.repeats):
+    lowers: dict = {"gshard": [], "xla": []}
+    for _ in range(ARGS.repeats):  # ours and XLA's alternate, so both see the same host
+        for backend in lowers:
             f = gs.partition(step, mesh, backend=backend)  # a fresh function: nothing cached
             t = time.perf_counter()
-            lowered = f.lower(params, state, batch)
-            times.append(time.perf_counter() - t)
+            f.lower(params, state, batch)
+            lowers[backend].append(time.perf_counter() - t)
+    for backend, times in lowers.items():
         row[f"{backend}_partition_s"] = statistics.median(times)
-        if not ARGS.no_compile:
-            t = time.perf_counter()
-            compiled = lowered.compile()
-            row[f"{backend}_compile_s"] = time.perf_counter() - t
-            row[f"{backend}_hlo_ops"] = instructions(compiled.as_text())
+    if not ARGS.no_compile:
+        compiles: dict = {"gshard": [], "xla": []}
+        for _ in range(ARGS.compile_repeats):
+            for backend in compiles:
+                lowered = gs.partition(step, mesh, backend=backend).lower(params, state, batch)
+                pxla._cached_compilation.cache_clear()  # compile again, not a cache hit
+                t = time.perf_counter()
+                compiled = lowered.compile()
+                compiles[backend].append(time.perf_counter() - t)
+                row[f"{backend}_hlo_ops"] = instructions(compiled.as_text())
+        for backend, times in compiles.items():
+            row[f"{backend}_compile_s"] = statistics.median(times)
     for key in ("partition_s", "compile_s", "hlo_ops"):
         if f"xla_{key}" in row:
             row[f"ratio_{key}"] = row[f"gshard_{key}"] / row[f"xla_{key}"]

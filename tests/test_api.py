@@ -222,3 +222,29 @@ def test_the_stated_reason_for_replication_is_the_real_one():
     report = gs.explain(lambda v: jnp.tanh(gs.split(v, 0, 8)[:, :2].reshape(20)), mesh, x)
     assert all("no annotation or sharded neighbour reached it" not in r.origins[0]
                for r in report.rows if r.primitive == "reshape")
+
+
+def test_garbage_collector_paused_only_while_partitioning(rng):
+    """The collector is paused while a program is traced and planned, and left as the caller had it."""
+    import gc
+    mesh = gs.make_mesh({"x": 8})
+    seen = []
+
+    def f(v):
+        seen.append(gc.isenabled())  # runs while the pass traces it
+        return gs.split(v, 0, 8) * 2
+
+    x = randn(rng, 8, 4)
+    assert gc.isenabled()
+    assert_close(gs.partition(f, mesh)(x), x * 2)
+    gs.partition(f, mesh).lower(x)
+    assert seen == [False, False] and gc.isenabled()
+    with pytest.raises(ValueError):  # an error inside the pass still resumes it
+        gs.partition(lambda v: gs.split(v, 0, 3), mesh)(x)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        gs.partition(f, mesh).lower(x)
+        assert not gc.isenabled()  # a caller who paused it keeps it paused
+    finally:
+        gc.enable()
