@@ -32,6 +32,9 @@ class Rule:
     sizes: Mapping[str, int]
     reductions: Mapping[str, str] = dataclasses.field(default_factory=dict)
     replicated: frozenset[str] = frozenset()
+    # follower -> leader: factors of different sizes split together (a windowed op's input rows and the
+    # output rows or window rows they feed; the hook exchanges halos). A follower carries its leader's axes.
+    ties: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # Memo of tensor_to_factors / factors_to_tensor: propagation and lowering ask often. A rule belongs to one
     # program on one mesh; the memo starts afresh if asked about another mesh.
     memo: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -78,8 +81,22 @@ class Rule:
         key = self.memo.get("key")
         if key is None:
             key = self.memo["key"] = (self.kind, self.operands, self.results, tuple(self.sizes.items()),
-                                      tuple(self.reductions.items()), self.replicated)
+                                      tuple(self.reductions.items()), self.replicated,
+                                      tuple(self.ties.items()))
         return key
+
+    def tie(self, fs: "FactorSharding") -> Optional["FactorSharding"]:
+        """fs with every follower carrying its leader's axes (a leader takes its follower's when it has none);
+        None if a follower and its leader are split differently."""
+        if not self.ties:
+            return fs
+        out = dict(fs)
+        for follower, leader in self.ties.items():
+            fa, la = out.get(follower, ()), out.get(leader, ())
+            if fa and la and fa != la:
+                return None
+            out[leader] = out[follower] = la or fa
+        return out
 
     @property
     def factors(self) -> list[str]:
@@ -187,14 +204,21 @@ def candidate_factor_shardings(rule: Rule, proposals: list[FactorSharding], mesh
     """
     options: dict[str, list[Axes]] = {}
     compound = {f for tf in rule.operands + rule.results for d in tf if len(d) > 1 for f in d}
+    followers: dict[str, list[str]] = {}
+    for follower, leader in rule.ties.items():
+        followers.setdefault(leader, []).append(follower)
     for f in rule.factors:
+        if f in rule.ties:
+            continue  # a follower takes its leader's option
+        group = [f] + followers.get(f, [])
         opts: list[Axes] = [()]
-        if f not in rule.replicated:
+        if not any(g in rule.replicated for g in group):
             for p in proposals:
-                ax = p.get(f, ())
-                if ax and ax not in opts and splittable(rule.sizes[f], math.prod(mesh_shape[a] for a in ax),
-                                                        f in compound):
-                    opts.append(ax)
+                for g in group:
+                    ax = p.get(g, ())
+                    tiles = math.prod(mesh_shape[a] for a in ax)
+                    if ax and ax not in opts and all(splittable(rule.sizes[h], tiles, h in compound) for h in group):
+                        opts.append(ax)
         options[f] = opts
     while math.prod(len(o) for o in options.values()) > limit:
         f = max(options, key=lambda k: len(options[k]))
@@ -204,5 +228,8 @@ def candidate_factor_shardings(rule: Rule, proposals: list[FactorSharding], mesh
     for combo in itertools.product(*(options[f] for f in names)):
         used = [a for ax in combo for a in ax]
         if len(used) == len(set(used)):
-            out.append(dict(zip(names, combo)))
+            fs = dict(zip(names, combo))
+            for follower, leader in rule.ties.items():
+                fs[follower] = fs[leader]
+            out.append(fs)
     return out

@@ -30,6 +30,7 @@ import numpy as np
 from .cost import Collective
 from .program import Eqn
 from .reshard import linear_axis_index
+from . import windowed
 from .factors import FactorSharding, Rule
 from .sharding import Axes, Sharding
 
@@ -72,6 +73,8 @@ def _reduced_axes(ctx: OpContext) -> Axes:
 def collectives(ctx: OpContext) -> list[Collective]:
     """What the hook of ctx's primitive communicates under ctx's factor sharding."""
     name = ctx.eqn.name
+    if name in windowed.HOOKS:
+        return windowed.collectives(ctx)
     out: list[Collective] = []
     dtype = ctx.eqn.outvars[0].dtype
     dt = str(dtype)
@@ -413,4 +416,5 @@ HOOKS: dict[str, Callable] = {
     "gather": _gather,
     "scatter-add": _scatter, "scatter_add": _scatter, "scatter": _scatter,
     "random_bits": _random_bits,
+    **windowed.HOOKS,
 }

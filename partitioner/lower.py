@@ -166,7 +166,7 @@ class Lowering:
                     cost += self.reshard_time(h, n, x.shape, x.aval.dtype)
             for v, m, p in zip(eqn.outvars, made, planned):
                 cost += self.reshard_time(m, p, v.shape, v.dtype)
-            ctx = H.OpContext(eqn, rule, fs, made, self.mesh_shape)
+            ctx = H.OpContext(eqn, rule, fs, made, self.mesh_shape, need)
             cost += sum(c.time(self.profile) for c in H.collectives(ctx)) + self._compute(rule, fs)
             if best is None or cost < best.cost - 1e-15:
                 best = Choice(fs, need, made, cost)
@@ -184,8 +184,10 @@ class Lowering:
         return need, [m.with_partial(partial) for m in made]
 
     def _compute(self, rule: F.Rule, fs: F.FactorSharding) -> float:
+        # A tied leader (a windowed op's input rows) is counted through its follower (output or window rows).
+        leaders = set(rule.ties.values())
         work = math.prod(rule.sizes[f] // math.prod(self.mesh_shape[a] for a in fs.get(f, ()))
-                         for f in rule.factors)
+                         for f in rule.factors if f not in leaders)
         return compute_time(work * (2 if rule.reductions else 1), self.profile)
 
     def _aligned(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Sharding],
@@ -196,8 +198,10 @@ class Lowering:
         and none computes on smaller shards without resharding a result. Most equations take this path,
         which skips enumerating candidates.
         """
-        fs = _merge_fs(proposals)
-        used = [a for ax in fs.values() for a in ax]
+        fs = rule.tie(_merge_fs(proposals))
+        if fs is None:
+            return None
+        used = [a for f, ax in fs.items() if f not in rule.ties for a in ax]
         if len(used) != len(set(used)) or any(f in rule.replicated for f, ax in fs.items() if ax):
             return None
         layout = self._layout(rule, fs)
@@ -206,7 +210,7 @@ class Lowering:
         need, made = layout
         if any(len(x.shape) and h != n for x, h, n in zip(eqn.invars, have, need)) or made != planned:
             return None
-        if H.collectives(H.OpContext(eqn, rule, fs, made, self.mesh_shape)):
+        if H.collectives(H.OpContext(eqn, rule, fs, made, self.mesh_shape, need)):
             return None
         return Choice(fs, need, made, self._compute(rule, fs))
 

@@ -210,7 +210,7 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
     def visit(c: Constraint, forward: bool, late: bool) -> list[Value]:
         """Propose shardings to c's targets in this direction from its other values; the values it changed."""
         rule = c.rule
-        memo, replicated = rule.memo, rule.replicated
+        memo, replicated, ties = rule.memo, rule.replicated, rule.ties
         fs: F.FactorSharding = {}
         used: set[str] = set()
         whole: dict[str, tuple] = {}  # factors the rule keeps whole that a neighbour has split
@@ -222,6 +222,7 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
             if pairs is None:
                 pairs = rule.split_factors(tf, s, mesh_shape)
             for f, ax in pairs:
+                f = ties.get(f, f)  # a follower's split is its leader's
                 if f in replicated:
                     whole.setdefault(f, ax)
                 elif f not in fs and used.isdisjoint(ax):
@@ -231,6 +232,8 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
             note_whole(c, c.tensors, len(c.ins), forward, whole)
         if not fs or (not forward and c.late and not late):
             return []
+        if ties:
+            fs = rule.tie(fs)
         changed = []
         for v, tf in c.writes[forward]:
             proposal = rule.to_tensor(tf, fs, mesh_shape)

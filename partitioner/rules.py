@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional, Sequence
 
+from . import windowed
 from .factors import FactorNames, Rule
 from .program import Eqn
 
@@ -56,14 +57,14 @@ def reshape(eqn: Eqn) -> Optional[Rule]:
     """Split and merge dims into a common refinement of factors.
 
     Where the two shapes share no further factor (e.g. [6,4]->[4,6] after the
-    leading 2), the remaining dims get factors that must stay replicated.
+    leading 2), the remaining dims get factors that must stay replicated. With `dimensions` (transpose,
+    then reshape: what a grouped conv's gradient emits) the factors are those of the transposed operand.
     """
-    if eqn.params.get("dimensions") not in (None, ()):
-        return None
-    src, dst = list(_shape(eqn.invars[0])), list(eqn.params["new_sizes"])
+    perm = eqn.params.get("dimensions") or tuple(range(len(_shape(eqn.invars[0]))))
+    src, dst = [_shape(eqn.invars[0])[d] for d in perm], list(eqn.params["new_sizes"])
     n = FactorNames()
     if 0 in src:  # an empty array (e.g. jnp.pad's edge mode on a side of width 0): nothing to split
-        op_e, res_e = tuple((n.new(s),) for s in src), tuple((n.new(s),) for s in dst)
+        op_e, res_e = tuple((n.new(s),) for s in _shape(eqn.invars[0])), tuple((n.new(s),) for s in dst)
         return Rule("reshape", (op_e,) + tuple(() for _ in eqn.invars[1:]), (res_e,), n.sizes,
                     replicated=frozenset(n.sizes))
     op: list[list[str]] = [[] for _ in src]
@@ -98,7 +99,10 @@ def reshape(eqn: Eqn) -> Optional[Rule]:
                 dims[d].append(f)
                 rep.add(f)
     extra = tuple(() for _ in eqn.invars[1:])
-    return Rule("reshape", (tuple(map(tuple, op)),) + extra, (tuple(map(tuple, res)),), n.sizes,
+    unperm: list = [None] * len(op)
+    for j, d in enumerate(perm):
+        unperm[d] = tuple(op[j])
+    return Rule("reshape", (tuple(unperm),) + extra, (tuple(map(tuple, res)),), n.sizes,
                 replicated=frozenset(rep))
 
 
@@ -392,6 +396,7 @@ RULES: dict[str, Callable[[Eqn], Optional[Rule]]] = {
     "scatter_add": scatter_rule,
     "scatter": scatter_rule,
     "random_bits": random_bits_rule,
+    **windowed.RULES,
 }
 
 

@@ -1,0 +1,353 @@
+"""Windowed ops on split dims: convolutions and pooling, by halo exchange (REFERENCE section F).
+
+A windowed op's rule ties each spatial dim of its input to the dim a split
+of it carries to (factors.Rule.ties): the output rows (each device computes
+the windows of its block of output rows), or, when the window is longer than
+the output (the kernel gradient of a convolution, whose window is the
+forward output), the window rows (each device contracts its block: a partial
+sum, combined like any other). The hook then gives each device the input
+rows its windows read: it receives the rows its neighbours hold by one
+collective-permute per hop, sets rows outside the input to the op's pad
+value (0 for convolutions and sums, the identity of max/min), and runs the op
+on that local window with the padding it still needs. The split dim is never
+gathered, except for a base-dilated input whose shards would start at
+different dilation phases (XLA's partitioner gathers those too).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .cost import Collective
+from .factors import FactorNames, Rule
+from .program import Eqn
+from .reshard import linear_axis_index
+
+CONV = "conv_general_dilated"
+POOLS = {"reduce_window_sum": "sum", "reduce_window_max": "max", "reduce_window_min": "min"}
+
+
+def _shape(x) -> tuple[int, ...]:
+    return tuple(x.aval.shape)
+
+
+# --------------------------------------------------------------------------- rules
+
+@dataclasses.dataclass(frozen=True)
+class Spatial:
+    """One spatial dim of a windowed op: where it sits and its window geometry."""
+    lhs: int  # dim of the input
+    rhs: Optional[int]  # dim of the kernel (convolutions)
+    out: int  # dim of the result
+    size: int  # N: input rows
+    window: int  # T: window (kernel) rows
+    out_size: int  # O: output rows
+    stride: int
+    lo: int  # padding (may be negative)
+    hi: int
+    base: int  # lhs (base) dilation
+    dilation: int  # window (rhs) dilation
+    contracted: bool  # the split goes to the window rows (a partial sum), not to the output rows
+
+
+def spatial_dims(eqn: Eqn) -> list[Spatial]:
+    p = eqn.params
+    x = _shape(eqn.invars[0])
+    out = _shape(eqn.outvars[0])
+    if eqn.name == CONV:
+        dn, w = p["dimension_numbers"], _shape(eqn.invars[1])
+        dims = list(zip(dn.lhs_spec[2:], dn.rhs_spec[2:], dn.out_spec[2:]))
+        strides, pads, base, dil = p["window_strides"], p["padding"], p["lhs_dilation"], p["rhs_dilation"]
+        out_spatial = [(a, r, o, w[r]) for a, r, o in dims]
+    else:
+        n = len(x)
+        strides, pads = p["window_strides"], p["padding"]
+        base, dil = p["base_dilation"], p["window_dilation"]
+        out_spatial = [(d, None, d, p["window_dimensions"][d]) for d in range(n)]
+    result = []
+    for k, (a, r, o, t) in enumerate(out_spatial):
+        lo, hi = pads[k]
+        contracted = eqn.name == CONV and t > out[o]
+        result.append(Spatial(a, r, o, x[a], t, out[o], strides[k], lo, hi, base[k], dil[k], contracted))
+    return result
+
+
+def _plain(sp: Spatial) -> bool:
+    return (sp.window, sp.stride, sp.lo, sp.hi, sp.base, sp.dilation) == (1, 1, 0, 0, 1, 1)
+
+
+def conv_rule(eqn: Eqn) -> Rule:
+    """Batch and output features pass through; input features are a contraction; feature groups (grouped,
+    depthwise) and batch groups (the kernel gradient of a grouped conv) are major factors; spatial dims are
+    tied to the output rows or, for a kernel gradient, to the contracted window rows."""
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    xs, ws, os_ = _shape(eqn.invars[0]), _shape(eqn.invars[1]), _shape(eqn.outvars[0])
+    fg, bg = p["feature_group_count"], p["batch_group_count"]
+    n = FactorNames()
+    lhs: list = [None] * len(xs)
+    rhs: list = [None] * len(ws)
+    out: list = [None] * len(os_)
+    reductions, ties, replicated = {}, {}, set()
+    (lb, lf), (ro, ri), (ob, of) = dn.lhs_spec[:2], dn.rhs_spec[:2], dn.out_spec[:2]
+    ci = n.new(ws[ri])
+    rhs[ri] = (ci,)
+    reductions[ci] = "sum"
+    if bg > 1:  # lhs batch = (group, batch), rhs and result features = (group, feature)
+        g, b, co = n.new(bg), n.new(xs[lb] // bg), n.new(ws[ro] // bg)
+        lhs[lb], out[ob], rhs[ro], out[of] = (g, b), (b,), (g, co), (g, co)
+        lhs[lf] = (ci,)
+    else:
+        b = n.new(xs[lb])
+        lhs[lb], out[ob] = (b,), (b,)
+        if fg > 1:  # lhs features = (group, in), rhs and result features = (group, out)
+            g, co = n.new(fg), n.new(ws[ro] // fg)
+            lhs[lf], rhs[ro], out[of] = (g, ci), (g, co), (g, co)
+        else:
+            co = n.new(ws[ro])
+            lhs[lf], rhs[ro], out[of] = (ci,), (co,), (co,)
+    for sp in spatial_dims(eqn):
+        fl, fr, fo = n.new(sp.size), n.new(sp.window), n.new(sp.out_size)
+        lhs[sp.lhs], rhs[sp.rhs], out[sp.out] = (fl,), (fr,), (fo,)
+        if sp.contracted:
+            ties[fr] = fl
+            reductions[fr] = "sum"
+            replicated.add(fo)
+        else:
+            ties[fo] = fl
+            replicated.add(fr)
+    return Rule("conv", (tuple(lhs), tuple(rhs)), (tuple(out),), n.sizes, reductions, frozenset(replicated), ties)
+
+
+def pool_rule(eqn: Eqn) -> Rule:
+    """reduce_window_{sum,max,min}: dims without a window pass through, windowed dims tie input to output rows."""
+    n = FactorNames()
+    ins, outs, ties = [], [], {}
+    for sp in spatial_dims(eqn):
+        if _plain(sp):
+            f = n.new(sp.size)
+            ins.append((f,))
+            outs.append((f,))
+        else:
+            fi, fo = n.new(sp.size), n.new(sp.out_size)
+            ins.append((fi,))
+            outs.append((fo,))
+            ties[fo] = fi
+    return Rule(f"pool({POOLS[eqn.name]})", (tuple(ins),), (tuple(outs),), n.sizes, ties=ties)
+
+
+# --------------------------------------------------------------------------- halo geometry
+
+@dataclasses.dataclass(frozen=True)
+class Halo:
+    """Shard i needs input rows [i*step + first, i*step + first + rows) of the global input (N rows, stored
+    as k blocks of S); its local op then runs with padding (lo, hi) on those rows."""
+    k: int
+    S: int
+    N: int
+    step: int
+    first: int
+    rows: int
+    lo: int
+    hi: int
+
+    def _extent(self) -> tuple[int, int]:
+        left = [i * self.S - (i * self.step + self.first) for i in (0, self.k - 1)]
+        right = [i * self.step + self.first + self.rows - (i + 1) * self.S for i in (0, self.k - 1)]
+        return max(0, *left), max(0, *right)
+
+    def pieces(self) -> list[tuple[int, int]]:
+        """(hop, rows) of each collective-permute: negative hops bring rows from the left neighbours."""
+        left, right = self._extent()
+        out = []
+        for side, total in ((-1, left), (1, right)):
+            hops = -(-total // self.S)
+            for h in range(1, hops + 1):
+                if h < self.k:
+                    out.append((side * h, self.S if h < hops else total - (hops - 1) * self.S))
+        return out
+
+    def masked(self) -> bool:
+        """Whether some shard's window reaches outside the input's N rows (padding, uneven tail)."""
+        return self.first < 0 or (self.k - 1) * self.step + self.first + self.rows > self.N
+
+
+def halo(sp: Spatial, k: int, S: int, local: int) -> Optional[Halo]:
+    """The rows each of k shards needs; `local` is the local output rows (or window rows when contracted).
+    None when shards would start at different phases of a base-dilated input."""
+    extent = 1 + (sp.window - 1) * sp.dilation
+    if sp.contracted:
+        step, span = local * sp.dilation, (local - 1) * sp.dilation + (sp.out_size - 1) * sp.stride + 1
+    else:
+        step, span = local * sp.stride, (local - 1) * sp.stride + extent
+    if step % sp.base:
+        return None
+    lo = sp.lo % sp.base
+    rows = -(-(span - lo) // sp.base)
+    return Halo(k, S, sp.size, step // sp.base, -(sp.lo // sp.base), rows, lo, span - 1 - (rows - 1) * sp.base - lo)
+
+
+def _split(ctx, eqn: Eqn) -> list[tuple[int, Spatial, tuple, int]]:
+    """(index, spatial dim, its axes, shards) of each split spatial dim."""
+    out = []
+    for k, sp in enumerate(spatial_dims(eqn)):
+        axes = ctx.axes(ctx.rule.operands[0][sp.lhs][0])
+        if axes:
+            out.append((k, sp, axes, ctx.group(axes)))
+    return out
+
+
+def _local(ctx, sp: Spatial) -> int:
+    if sp.contracted:
+        return ctx.need[1].local_shape(ctx.eqn.invars[1].shape, ctx.mesh_shape)[sp.rhs]
+    return ctx.local_out()[sp.out]
+
+
+def _plans(ctx) -> list[tuple[int, Spatial, tuple, int, Optional[Halo]]]:
+    x = ctx.eqn.invars[0]
+    lshape = ctx.need[0].local_shape(x.shape, ctx.mesh_shape)
+    return [(k, sp, axes, n, halo(sp, n, lshape[sp.lhs], _local(ctx, sp))) for k, sp, axes, n in _split(ctx, ctx.eqn)]
+
+
+def collectives(ctx) -> list[Collective]:
+    """The halo exchanges (and gathers of base-dilated dims) a windowed op's hook emits."""
+    x = ctx.eqn.invars[0]
+    shape = list(ctx.need[0].local_shape(x.shape, ctx.mesh_shape))
+    out = []
+    for _, sp, axes, n, h in _plans(ctx):
+        if h is None:
+            nbytes = math.prod(shape) * x.aval.dtype.itemsize
+            out.append(Collective("all-gather", axes, n, nbytes * n, tuple(shape), str(x.aval.dtype),
+                                  "base-dilated rows"))
+            shape[sp.lhs] *= n
+            if sp.contracted:
+                w = ctx.eqn.invars[1]
+                wshape = ctx.need[1].local_shape(w.shape, ctx.mesh_shape)
+                wbytes = math.prod(wshape) * w.aval.dtype.itemsize
+                out.append(Collective("all-gather", axes, n, wbytes * n, tuple(wshape), str(w.aval.dtype),
+                                      "window rows"))
+            continue
+        for hop, rows in h.pieces():
+            piece = list(shape)
+            piece[sp.lhs] = rows
+            out.append(Collective("collective-permute", axes, n, math.prod(piece) * x.aval.dtype.itemsize,
+                                  tuple(piece), str(x.aval.dtype), f"halo {rows} rows from {abs(hop)} "
+                                  f"{'left' if hop < 0 else 'right'}"))
+        shape[sp.lhs] = h.rows
+    return out
+
+
+# --------------------------------------------------------------------------- hooks
+
+def _exchange(x, dim: int, axes: tuple, h: Halo, index, pad_value):
+    """x's rows [i*step + first, ... + rows) of the global input, with rows outside it set to pad_value."""
+    name = axes if len(axes) > 1 else axes[0]
+    left_rows, right_rows = h._extent()
+    parts_left, parts_right = [], []
+    for hop, rows in h.pieces():
+        if hop < 0:
+            part = jax.lax.slice_in_dim(x, h.S - rows, h.S, axis=dim)
+            perm = [(j, j - hop) for j in range(h.k + hop)]
+            parts_left.insert(0, jax.lax.ppermute(part, name, perm))
+        else:
+            part = jax.lax.slice_in_dim(x, 0, rows, axis=dim)
+            perm = [(j + hop, j) for j in range(h.k - hop)]
+            parts_right.append(jax.lax.ppermute(part, name, perm))
+    for parts, total, at in ((parts_left, left_rows, 0), (parts_right, right_rows, None)):
+        have = sum(p.shape[dim] for p in parts)
+        if total > have:  # hops past the last shard: nothing to receive, rows outside the input
+            zshape = list(x.shape)
+            zshape[dim] = total - have
+            z = jnp.zeros(zshape, x.dtype)
+            parts.insert(0, z) if at == 0 else parts.append(z)
+    ext = jnp.concatenate(parts_left + [x] + parts_right, axis=dim) if parts_left or parts_right else x
+    # ext holds global rows [i*S - left_rows, ...); the window starts at i*step + first.
+    if h.S == h.step:
+        win = jax.lax.slice_in_dim(ext, left_rows + h.first, left_rows + h.first + h.rows, axis=dim)
+    else:
+        start = left_rows + h.first + index * (h.step - h.S)
+        win = jax.lax.dynamic_slice_in_dim(ext, start, h.rows, axis=dim)
+    if not h.masked():
+        return win
+    row = jax.lax.broadcasted_iota(jnp.int32, win.shape, dim) + index * h.step + h.first
+    return jnp.where((row >= 0) & (row < h.N), win, jnp.asarray(pad_value, win.dtype))
+
+
+def _gather_rows(x, dim: int, axes: tuple, size: int, pad_value):
+    """The whole dim (every block gathered), rows past `size` set to pad_value."""
+    name = axes if len(axes) > 1 else axes[0]
+    full = jax.lax.all_gather(x, name, axis=dim, tiled=True)
+    row = jax.lax.broadcasted_iota(jnp.int32, full.shape, dim)
+    return jnp.where(row < size, full, jnp.asarray(pad_value, full.dtype))
+
+
+def _windowed(ctx, x, pad_value, padding: list) -> tuple:
+    """x with each split spatial dim replaced by the rows its local windows need; the local padding, and
+    per gathered (base-dilated) dim the output block this device keeps."""
+    keep = []
+    for k, sp, axes, n, h in _plans(ctx):
+        index = linear_axis_index(axes, ctx.mesh_shape)
+        if h is None:
+            x = _gather_rows(x, sp.lhs, axes, sp.size, pad_value)
+            keep.append((sp, axes, index, n))
+            continue
+        x = _exchange(x, sp.lhs, axes, h, index, pad_value)
+        padding[k] = (h.lo, h.hi)
+    return x, padding, keep
+
+
+def _keep_blocks(ctx, y, keep):
+    """From a result computed over whole (gathered) dims, this device's block of rows."""
+    local = ctx.local_out()
+    for sp, _, index, n in keep:
+        if sp.contracted:  # every device computed the whole sum: one of them keeps it
+            y = jnp.where(index == 0, y, jnp.zeros((), y.dtype))
+            continue
+        dim = sp.out
+        rows = local[dim]
+        extra = max(0, n * rows - y.shape[dim])
+        y = jnp.pad(y, [(0, extra if d == dim else 0) for d in range(y.ndim)])
+        y = jax.lax.dynamic_slice_in_dim(y, index * rows, rows, axis=dim)
+    return y
+
+
+def conv_hook(ctx, ins, params, bind):
+    lhs, rhs = ins
+    padding = [tuple(p) for p in params["padding"]]
+    lhs, padding, keep = _windowed(ctx, lhs, 0, padding)
+    for sp, axes, _, _ in keep:  # a gathered kernel-gradient window: its rows are gathered too
+        if sp.contracted:
+            rhs = _gather_rows(rhs, sp.rhs, axes, sp.window, 0)
+    p = dict(params, padding=tuple(padding))
+    for key in ("feature_group_count", "batch_group_count"):
+        if p[key] > 1:
+            g = ctx.rule.operands[1][ctx.eqn.params["dimension_numbers"].rhs_spec[0]][0]
+            p[key] //= ctx.group(ctx.axes(g))
+    (y,) = bind(lhs, rhs, **p)
+    return [_keep_blocks(ctx, y, keep) if keep else y]
+
+
+def _pad_value(kind: str, dtype):
+    if kind == "sum":
+        return 0
+    info = jnp.finfo(dtype) if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype)
+    if kind == "max":
+        return -np.inf if jnp.issubdtype(dtype, jnp.floating) else info.min
+    return np.inf if jnp.issubdtype(dtype, jnp.floating) else info.max
+
+
+def pool_hook(ctx, ins, params, bind):
+    (x,) = ins
+    padding = [tuple(p) for p in params["padding"]]
+    x, padding, keep = _windowed(ctx, x, _pad_value(POOLS[ctx.eqn.name], x.dtype), padding)
+    (y,) = bind(x, **dict(params, padding=tuple(padding)))
+    return [_keep_blocks(ctx, y, keep) if keep else y]
+
+
+RULES = {CONV: conv_rule, **{name: pool_rule for name in POOLS}}
+HOOKS = {CONV: conv_hook, **{name: pool_hook for name in POOLS}}

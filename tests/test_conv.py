@@ -1,0 +1,169 @@
+"""Convolutions and pooling on split dims: halo exchange, never a gather of the split dim (issue: halo exchange).
+
+Every case runs forward and under jax.grad, partitioned and unpartitioned, and
+compares the collectives of the compiled program with explain().
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gshard_jax as gs
+from helpers import assert_report_matches_hlo, get_mesh, hlo_stats
+
+
+def ints(rng, *shape):
+    """Small integers stored as float32: every sum below is exact, so results must be equal, not close,
+    whatever order the partitioned program adds in."""
+    return rng.integers(-2, 3, shape).astype(np.float32)
+
+
+def close(out, ref):
+    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def run(f, mesh, *args):
+    """Partitioned == unpartitioned, no fallback row, report == HLO; the compiled collectives by kind."""
+    out = gs.partition(f, mesh)(*args)
+    close(out, f(*args))
+    report = gs.explain(f, mesh, *args)
+    assert not report.fallbacks, report.table()
+    stats = hlo_stats(gs.partition(f, mesh), *args)
+    assert_report_matches_hlo(report, stats)
+    return {k: v["count"] for k, v in stats.items()}
+
+
+def grads(f):
+    """d/d(every arg) of a projection of f's output (an integer cotangent that is not all ones)."""
+    def loss(*args):
+        y = f(*args)
+        return jnp.sum(y * (jnp.arange(y.size).reshape(y.shape) % 5 - 2).astype(y.dtype))
+    return jax.grad(loss, argnums=tuple(range(f.__code__.co_argcount)))
+
+
+def conv2d(spec, stride=1, padding="SAME", rhs_dilation=1, lhs_dilation=1, groups=1):
+    def f(x, w):
+        return jax.lax.conv_general_dilated(gs.shard(x, spec), w, (stride, stride), padding,
+                                            lhs_dilation=(lhs_dilation,) * 2, rhs_dilation=(rhs_dilation,) * 2,
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                            feature_group_count=groups)
+    return f
+
+
+H_SPLIT = {"8": (None, "x", None, None), "2x4": (None, "data", "model", None)}  # H on 8, or H and W on 2 axes
+
+
+CASES = [(case, m) for case in ("3x3 same", "7x7 stride 2 pad 3", "dilated", "wider than a shard",
+                                 "uneven 30 rows", "valid", "transposed") for m in ("8", "2x4")
+         if (case, m) not in (("wider than a shard", "2x4"), ("uneven 30 rows", "2x4"))]
+
+
+@pytest.mark.parametrize("case,mesh_name", CASES)
+def test_spatially_split_conv(case, mesh_name, rng):
+    mesh, spec = get_mesh(mesh_name), H_SPLIT[mesh_name]
+    # On {2,4}, activations of 16 MB (in and out): with less than about 1 MB per device, gathering the 2-way split (one
+    # collective) is what the cost model rightly prefers to its two halo exchanges.
+    b, c = (4, 16) if mesh_name == "8" else (8, 4)
+    if case == "wider than a shard":  # 25 rows of window on 8-row shards: two hops each way; 4 MB, so
+        b = 16  # that four exchanges cost less than gathering
+    hw = {"uneven 30 rows": (30, 16), "wider than a shard": (64, 64)}.get(case, (64, 16) if mesh_name == "8" else (512, 256))
+    x = ints(rng, b, *hw, c)
+    kernel = {"7x7 stride 2 pad 3": (7, 7), "wider than a shard": (25, 1)}.get(case, (3, 3))
+    cout = 16 if (mesh_name, case) in (("2x4", "7x7 stride 2 pad 3"), ("8", "wider than a shard")) else 4  # output (input
+    w = ints(rng, *kernel, c, cout)  # gradient's input) as large as x
+    f = {"3x3 same": conv2d(spec), "7x7 stride 2 pad 3": conv2d(spec, 2, ((3, 3), (3, 3))),
+         "dilated": conv2d(spec, rhs_dilation=2), "wider than a shard": conv2d(spec),
+         "uneven 30 rows": conv2d(spec), "valid": conv2d(spec, padding="VALID"),
+         "transposed": conv2d(spec, padding=((2, 1), (2, 1)), lhs_dilation=2)}[case]
+    fwd = run(f, mesh, x, w)
+    back = run(grads(f), mesh, x, w)
+    if case not in ("uneven 30 rows", "valid"):  # even outputs: nothing gathered, not even on exit
+        assert fwd["all-gather"] == 0 and back["all-gather"] == 0, (fwd, back)
+    assert back["all-reduce"] + back["reduce-scatter"] >= 1  # the kernel gradient is a partial sum
+    if case == "3x3 same" and mesh_name == "8":
+        assert fwd == {**fwd, "collective-permute": 2, "all-gather": 0, "all-reduce": 0, "all-to-all": 0}
+    if case == "wider than a shard" and mesh_name == "8":
+        assert fwd["collective-permute"] == 4
+
+
+def test_causal_conv1d_has_a_left_halo_only(rng):
+    mesh = get_mesh("8")
+    x, w = ints(rng, 2, 64, 4), ints(rng, 5, 4, 6)
+
+    def f(x, w):
+        return jax.lax.conv_general_dilated(gs.shard(x, (None, "x", None)), w, (1,), ((4, 0),),
+                                            dimension_numbers=("NWC", "WIO", "NWC"))
+    assert run(f, mesh, x, w)["collective-permute"] == 1
+    run(grads(f), mesh, x, w)
+
+
+def test_base_dilation_out_of_phase_gathers(rng):
+    """A transposed conv whose shards would start at different dilation phases (3 output rows per shard,
+    dilation 2) gathers that dim, as XLA's partitioner does; its kernel gradient too."""
+    mesh = get_mesh("8")
+    x, w = ints(rng, 2, 12, 3), ints(rng, 3, 3, 2)
+
+    def f(x, w):
+        return jax.lax.conv_general_dilated(gs.shard(x, (None, "x", None)), w, (1,), ((2, 1),), lhs_dilation=(2,),
+                                            dimension_numbers=("NWC", "WIO", "NWC"))
+    run(f, mesh, x, w)
+    run(grads(f), mesh, x, w)
+
+
+def test_3d_conv_split_on_depth(rng):
+    mesh = get_mesh("2x4")
+    x, w = ints(rng, 8, 64, 64, 32, 2), ints(rng, 3, 3, 3, 2, 2)  # 16 MB in and out: see above
+
+    def f(x, w):
+        return jax.lax.conv_general_dilated(gs.shard(x, ("data", "model", None, None, None)), w, (1, 1, 1),
+                                            "SAME", dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))
+    counts = run(f, mesh, x, w)
+    assert counts["collective-permute"] == 2 and counts["all-gather"] == 0
+    run(grads(f), mesh, x, w)
+
+
+@pytest.mark.parametrize("split", ["batch", "out features", "in features", "groups", "depthwise"])
+def test_feature_and_group_splits(split, rng):
+    mesh = get_mesh("2x4")
+    c = 8
+    groups = {"groups": 2, "depthwise": c}.get(split, 1)
+    x, w = ints(rng, 4, 8, 8, c), ints(rng, 3, 3, c // groups, 8)
+    xs = {"batch": ("data", None, None, None), "in features": (None, None, None, "model"),
+          "groups": (None, None, None, "data"), "depthwise": (None, None, None, "model")}.get(split)
+    ws = {"out features": (None, None, None, "model"), "in features": (None, None, "model", None),
+          "groups": (None, None, None, "data"), "depthwise": (None, None, None, "model")}.get(split)
+
+    def f(x, w):
+        x = gs.shard(x, xs) if xs else x
+        w = gs.shard(w, ws) if ws else w
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                            feature_group_count=groups)
+    fwd = run(f, mesh, x, w)
+    back = run(grads(f), mesh, x, w)
+    assert fwd["all-gather"] == 0, fwd
+    if split == "in features":
+        assert fwd["all-reduce"] + fwd["reduce-scatter"] == 1  # a contraction: one partial sum
+    if split in ("groups", "depthwise", "out features", "batch"):
+        assert fwd["all-reduce"] == 0 and fwd["collective-permute"] == 0
+    if split == "batch":
+        assert back["all-reduce"] + back["reduce-scatter"] >= 1  # the kernel gradient sums over the batch
+
+
+@pytest.mark.parametrize("kind", ["max", "avg"])
+@pytest.mark.parametrize("window", ["3x3 stride 1 same", "2x2 stride 2", "3x3 stride 2 same"])
+def test_pooling_on_a_split_dim(kind, window, rng):
+    mesh = get_mesh("8")
+    x = ints(rng, 2, 32, 8, 3)
+    dims, strides, pad = {"3x3 stride 1 same": ((1, 3, 3, 1), (1, 1, 1, 1), "SAME"),
+                          "2x2 stride 2": ((1, 2, 2, 1), (1, 2, 2, 1), "VALID"),
+                          "3x3 stride 2 same": ((1, 3, 3, 1), (1, 2, 2, 1), "SAME")}[window]
+
+    def f(x):
+        x = gs.shard(x, (None, "x", None, None))
+        if kind == "max":
+            return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, dims, strides, pad)
+        return jax.lax.reduce_window(x, 0.0, jax.lax.add, dims, strides, pad) / 9.0
+    counts = run(f, mesh, x)
+    assert counts["all-gather"] == 0, counts
+    assert counts["collective-permute"] == {"3x3 stride 1 same": 2, "2x2 stride 2": 0, "3x3 stride 2 same": 1}[window]
