@@ -150,7 +150,7 @@ def test_feature_and_group_splits(split, rng):
         assert back["all-reduce"] + back["reduce-scatter"] >= 1  # the kernel gradient sums over the batch
 
 
-@pytest.mark.parametrize("kind", ["max", "avg"])
+@pytest.mark.parametrize("kind", ["max", "min", "avg"])
 @pytest.mark.parametrize("window", ["3x3 stride 1 same", "2x2 stride 2", "3x3 stride 2 same"])
 def test_pooling_on_a_split_dim(kind, window, rng):
     mesh = get_mesh("8")
@@ -163,6 +163,8 @@ def test_pooling_on_a_split_dim(kind, window, rng):
         x = gs.shard(x, (None, "x", None, None))
         if kind == "max":
             return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, dims, strides, pad)
+        if kind == "min":
+            return jax.lax.reduce_window(x, jnp.inf, jax.lax.min, dims, strides, pad)
         return jax.lax.reduce_window(x, 0.0, jax.lax.add, dims, strides, pad) / 9.0
     counts = run(f, mesh, x)
     assert counts["all-gather"] == 0, counts
