@@ -35,6 +35,9 @@ class Rule:
     # follower -> leader: factors of different sizes split together (a windowed op's input rows and the
     # output rows or window rows they feed; the hook exchanges halos). A follower carries its leader's axes.
     ties: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # False: propagation does not carry a split across the ties (slice, pad); the strategy choice still
+    # exchanges halos when the operand and the planned result are both split there.
+    ties_propagate: bool = True
     # Memo of tensor_to_factors / factors_to_tensor: propagation and lowering ask often. A rule belongs to one
     # program on one mesh; the memo starts afresh if asked about another mesh.
     memo: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -82,7 +85,7 @@ class Rule:
         if key is None:
             key = self.memo["key"] = (self.kind, self.operands, self.results, tuple(self.sizes.items()),
                                       tuple(self.reductions.items()), self.replicated,
-                                      tuple(self.ties.items()))
+                                      tuple(self.ties.items()), self.ties_propagate)
         return key
 
     def tie(self, fs: "FactorSharding") -> Optional["FactorSharding"]:

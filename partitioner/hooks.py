@@ -337,14 +337,6 @@ def _random_bits(ctx: OpContext, ins, params, bind):
     return [(bits1 ^ bits2).astype(dtype)]
 
 
-def _slice(ctx: OpContext, ins, params, bind):
-    """Whole dims may be split: their limit is the local size."""
-    x = ins[0]
-    gshape = ctx.eqn.invars[0].shape
-    limits = tuple(lim if x.shape[d] == gshape[d] else x.shape[d] for d, lim in enumerate(params["limit_indices"]))
-    return bind(*ins, **dict(params, limit_indices=limits))
-
-
 def _dynamic_slice(ctx: OpContext, ins, params, bind):
     """Start indices clamped here, as dynamic_slice would: XLA folds a following slice into this one
     (adding the offsets) and then clamps the sum, which differs when the start index was out of range."""
@@ -405,7 +397,6 @@ def mask_padding(ctx: OpContext, ins: list) -> list:
 HOOKS: dict[str, Callable] = {
     "sharding_annotation": lambda ctx, ins, params, bind: [ins[0]],  # resolved by the plan: nothing to run
     "reshard": lambda ctx, ins, params, bind: [ins[0]],  # jax.sharding.reshard: a global-view identity
-    "slice": _slice,
     "dynamic_slice": _dynamic_slice,
     "iota": _iota,
     "reduce_max": _reduce_combine, "reduce_min": _reduce_combine, "reduce_and": _reduce_combine,

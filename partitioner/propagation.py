@@ -211,6 +211,7 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
         """Propose shardings to c's targets in this direction from its other values; the values it changed."""
         rule = c.rule
         memo, replicated, ties = rule.memo, rule.replicated, rule.ties
+        opaque = () if rule.ties_propagate else rule.ties.keys() | set(rule.ties.values())
         fs: F.FactorSharding = {}
         used: set[str] = set()
         whole: dict[str, tuple] = {}  # factors the rule keeps whole that a neighbour has split
@@ -222,6 +223,8 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
             if pairs is None:
                 pairs = rule.split_factors(tf, s, mesh_shape)
             for f, ax in pairs:
+                if f in opaque:
+                    continue
                 f = ties.get(f, f)  # a follower's split is its leader's
                 if f in replicated:
                     whole.setdefault(f, ax)

@@ -212,20 +212,6 @@ def _windowed(eqn: Eqn, operand_shape, result_shape, whole: Sequence[bool], extr
     return Rule(eqn.name, ops, (res,), n.sizes, replicated=frozenset(rep))
 
 
-def slice_rule(eqn: Eqn) -> Rule:
-    shape, out = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
-    strides = eqn.params.get("strides") or (1,) * len(shape)
-    whole = [eqn.params["start_indices"][d] == 0 and eqn.params["limit_indices"][d] == shape[d] and strides[d] == 1
-             for d in range(len(shape))]
-    return _windowed(eqn, shape, out, whole, 0)
-
-
-def pad_rule(eqn: Eqn) -> Rule:
-    shape, out = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
-    whole = [tuple(c) == (0, 0, 0) for c in eqn.params["padding_config"]]
-    return _windowed(eqn, shape, out, whole, 1)
-
-
 def rev_rule(eqn: Eqn) -> Rule:
     shape = _shape(eqn.invars[0])
     whole = [d not in eqn.params["dimensions"] for d in range(len(shape))]
@@ -384,8 +370,6 @@ RULES: dict[str, Callable[[Eqn], Optional[Rule]]] = {
     **{name: cumulative for name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")},
     "sort": along_axis,
     "top_k": top_k,
-    "slice": slice_rule,
-    "pad": pad_rule,
     "rev": rev_rule,
     "dynamic_slice": dynamic_slice_rule,
     "dynamic_update_slice": dynamic_update_slice_rule,

@@ -30,6 +30,12 @@ from .reshard import linear_axis_index
 
 CONV = "conv_general_dilated"
 POOLS = {"reduce_window_sum": "sum", "reduce_window_max": "max", "reduce_window_min": "min"}
+SCATTER = "select_and_scatter_add"  # max pooling's transpose: (source [output rows], operand) -> operand shape
+
+
+def _input(eqn: Eqn) -> int:
+    """The operand whose rows the windows read."""
+    return 1 if eqn.name == SCATTER else 0
 
 
 def _shape(x) -> tuple[int, ...]:
@@ -57,20 +63,29 @@ class Spatial:
 
 def spatial_dims(eqn: Eqn) -> list[Spatial]:
     p = eqn.params
-    x = _shape(eqn.invars[0])
-    out = _shape(eqn.outvars[0])
+    x = _shape(eqn.invars[_input(eqn)])
+    out = _shape(eqn.invars[0] if eqn.name == SCATTER else eqn.outvars[0])
+    n = len(x)
+    ones = (1,) * n
     if eqn.name == CONV:
         dn, w = p["dimension_numbers"], _shape(eqn.invars[1])
-        dims = list(zip(dn.lhs_spec[2:], dn.rhs_spec[2:], dn.out_spec[2:]))
+        dims = [(a, r, o, w[r]) for a, r, o in zip(dn.lhs_spec[2:], dn.rhs_spec[2:], dn.out_spec[2:])]
         strides, pads, base, dil = p["window_strides"], p["padding"], p["lhs_dilation"], p["rhs_dilation"]
-        out_spatial = [(a, r, o, w[r]) for a, r, o in dims]
+    elif eqn.name == "pad":  # a window of 1 over the input dilated by interior+1 and padded
+        dims = [(d, None, d, 1) for d in range(n)]
+        cfg = p["padding_config"]
+        strides, pads, base, dil = ones, [(lo, hi) for lo, hi, _ in cfg], [i + 1 for _, _, i in cfg], ones
+    elif eqn.name == "slice":  # a window of 1, strided, with the cut rows as negative padding
+        dims = [(d, None, d, 1) for d in range(n)]
+        strides = p.get("strides") or ones
+        pads = [(-a, b - size) for a, b, size in zip(p["start_indices"], p["limit_indices"], x)]
+        base, dil = ones, ones
     else:
-        n = len(x)
+        dims = [(d, None, d, p["window_dimensions"][d]) for d in range(n)]
         strides, pads = p["window_strides"], p["padding"]
-        base, dil = p["base_dilation"], p["window_dilation"]
-        out_spatial = [(d, None, d, p["window_dimensions"][d]) for d in range(n)]
+        base, dil = p.get("base_dilation", ones), p.get("window_dilation", ones)
     result = []
-    for k, (a, r, o, t) in enumerate(out_spatial):
+    for k, (a, r, o, t) in enumerate(dims):
         lo, hi = pads[k]
         contracted = eqn.name == CONV and t > out[o]
         result.append(Spatial(a, r, o, x[a], t, out[o], strides[k], lo, hi, base[k], dil[k], contracted))
@@ -125,7 +140,8 @@ def conv_rule(eqn: Eqn) -> Rule:
 
 
 def pool_rule(eqn: Eqn) -> Rule:
-    """reduce_window_{sum,max,min}: dims without a window pass through, windowed dims tie input to output rows."""
+    """reduce_window_{sum,max,min}, pad and slice: dims without a window pass through, windowed dims tie input
+    to output rows."""
     n = FactorNames()
     ins, outs, ties = [], [], {}
     for sp in spatial_dims(eqn):
@@ -138,7 +154,10 @@ def pool_rule(eqn: Eqn) -> Rule:
             ins.append((fi,))
             outs.append((fo,))
             ties[fo] = fi
-    return Rule(f"pool({POOLS[eqn.name]})", (tuple(ins),), (tuple(outs),), n.sizes, ties=ties)
+    kind = f"pool({POOLS[eqn.name]})" if eqn.name in POOLS else f"{eqn.name}(windowed)"
+    extra = tuple(() for _ in eqn.invars[1:])  # pad's padding value
+    # A slice or pad does not carry a split to its other side (the plan decides each side); pooling does.
+    return Rule(kind, (tuple(ins),) + extra, (tuple(outs),), n.sizes, ties=ties, ties_propagate=eqn.name in POOLS)
 
 
 # --------------------------------------------------------------------------- halo geometry
@@ -196,7 +215,7 @@ def _split(ctx, eqn: Eqn) -> list[tuple[int, Spatial, tuple, int]]:
     """(index, spatial dim, its axes, shards) of each split spatial dim."""
     out = []
     for k, sp in enumerate(spatial_dims(eqn)):
-        axes = ctx.axes(ctx.rule.operands[0][sp.lhs][0])
+        axes = ctx.axes(ctx.rule.operands[_input(eqn)][sp.lhs][0])
         if axes:
             out.append((k, sp, axes, ctx.group(axes)))
     return out
@@ -205,32 +224,44 @@ def _split(ctx, eqn: Eqn) -> list[tuple[int, Spatial, tuple, int]]:
 def _local(ctx, sp: Spatial) -> int:
     if sp.contracted:
         return ctx.need[1].local_shape(ctx.eqn.invars[1].shape, ctx.mesh_shape)[sp.rhs]
+    if ctx.eqn.name == SCATTER:
+        return ctx.need[0].local_shape(ctx.eqn.invars[0].shape, ctx.mesh_shape)[sp.out]
     return ctx.local_out()[sp.out]
 
 
 def _plans(ctx) -> list[tuple[int, Spatial, tuple, int, Optional[Halo]]]:
-    x = ctx.eqn.invars[0]
-    lshape = ctx.need[0].local_shape(x.shape, ctx.mesh_shape)
+    i = _input(ctx.eqn)
+    lshape = ctx.need[i].local_shape(ctx.eqn.invars[i].shape, ctx.mesh_shape)
     return [(k, sp, axes, n, halo(sp, n, lshape[sp.lhs], _local(ctx, sp))) for k, sp, axes, n in _split(ctx, ctx.eqn)]
 
 
+def _gathers(shape: list, dim: int, axes: tuple, dtype: str, itemsize: int, mesh_shape, note: str) -> list:
+    """The per-axis all-gathers of _gather_rows (minor axis first); grows shape[dim] in place."""
+    out = []
+    for a in reversed(axes):
+        n = mesh_shape[a]
+        before = tuple(shape)
+        shape[dim] *= n
+        out.append(Collective("all-gather", (a,), n, math.prod(shape) * itemsize, before, dtype, note))
+    return out
+
+
 def collectives(ctx) -> list[Collective]:
-    """The halo exchanges (and gathers of base-dilated dims) a windowed op's hook emits."""
-    x = ctx.eqn.invars[0]
-    shape = list(ctx.need[0].local_shape(x.shape, ctx.mesh_shape))
+    """The halo exchanges (and gathers of base-dilated dims) a windowed op's hook emits; a scatter sends each
+    halo back the way it came, with the contributions to the neighbours' rows."""
+    i = _input(ctx.eqn)
+    x = ctx.eqn.invars[i]
+    shape = list(ctx.need[i].local_shape(x.shape, ctx.mesh_shape))
     out = []
     for _, sp, axes, n, h in _plans(ctx):
         if h is None:
-            nbytes = math.prod(shape) * x.aval.dtype.itemsize
-            out.append(Collective("all-gather", axes, n, nbytes * n, tuple(shape), str(x.aval.dtype),
-                                  "base-dilated rows"))
-            shape[sp.lhs] *= n
+            out += _gathers(shape, sp.lhs, axes, str(x.aval.dtype), x.aval.dtype.itemsize, ctx.mesh_shape,
+                            "base-dilated rows")
             if sp.contracted:
                 w = ctx.eqn.invars[1]
-                wshape = ctx.need[1].local_shape(w.shape, ctx.mesh_shape)
-                wbytes = math.prod(wshape) * w.aval.dtype.itemsize
-                out.append(Collective("all-gather", axes, n, wbytes * n, tuple(wshape), str(w.aval.dtype),
-                                      "window rows"))
+                wshape = list(ctx.need[1].local_shape(w.shape, ctx.mesh_shape))
+                out += _gathers(wshape, sp.rhs, axes, str(w.aval.dtype), w.aval.dtype.itemsize, ctx.mesh_shape,
+                                "window rows")
             continue
         for hop, rows in h.pieces():
             piece = list(shape)
@@ -239,25 +270,43 @@ def collectives(ctx) -> list[Collective]:
                                   tuple(piece), str(x.aval.dtype), f"halo {rows} rows from {abs(hop)} "
                                   f"{'left' if hop < 0 else 'right'}"))
         shape[sp.lhs] = h.rows
+    if ctx.eqn.name == SCATTER:  # the transposed exchange, in reverse order
+        out += [dataclasses.replace(c, note=c.note.replace("from", "back to")) for c in reversed(out)]
     return out
 
 
 # --------------------------------------------------------------------------- hooks
 
-def _exchange(x, dim: int, axes: tuple, h: Halo, index, pad_value):
+def _ppermute(x, axes: tuple, pairs: list, mesh_shape):
+    """ppermute with pairs of row-major indices over `axes` (major first). JAX numbers the devices of a tuple
+    of axes in mesh order, so the pairs are renumbered when `axes` lists them in another order."""
+    order = tuple(a for a in mesh_shape if a in axes)
+    if order != tuple(axes):
+        def renumber(j: int) -> int:
+            coords = {}
+            for a in reversed(axes):
+                j, coords[a] = divmod(j, mesh_shape[a])
+            out = 0
+            for a in order:
+                out = out * mesh_shape[a] + coords[a]
+            return out
+        pairs = [(renumber(s), renumber(t)) for s, t in pairs]
+    return jax.lax.ppermute(x, order if len(order) > 1 else order[0], pairs)
+
+
+def _exchange(x, dim: int, axes: tuple, h: Halo, index, pad_value, mesh_shape):
     """x's rows [i*step + first, ... + rows) of the global input, with rows outside it set to pad_value."""
-    name = axes if len(axes) > 1 else axes[0]
     left_rows, right_rows = h._extent()
     parts_left, parts_right = [], []
     for hop, rows in h.pieces():
         if hop < 0:
             part = jax.lax.slice_in_dim(x, h.S - rows, h.S, axis=dim)
             perm = [(j, j - hop) for j in range(h.k + hop)]
-            parts_left.insert(0, jax.lax.ppermute(part, name, perm))
+            parts_left.insert(0, _ppermute(part, axes, perm, mesh_shape))
         else:
             part = jax.lax.slice_in_dim(x, 0, rows, axis=dim)
             perm = [(j + hop, j) for j in range(h.k - hop)]
-            parts_right.append(jax.lax.ppermute(part, name, perm))
+            parts_right.append(_ppermute(part, axes, perm, mesh_shape))
     for parts, total, at in ((parts_left, left_rows, 0), (parts_right, right_rows, None)):
         have = sum(p.shape[dim] for p in parts)
         if total > have:  # hops past the last shard: nothing to receive, rows outside the input
@@ -279,9 +328,11 @@ def _exchange(x, dim: int, axes: tuple, h: Halo, index, pad_value):
 
 
 def _gather_rows(x, dim: int, axes: tuple, size: int, pad_value):
-    """The whole dim (every block gathered), rows past `size` set to pad_value."""
-    name = axes if len(axes) > 1 else axes[0]
-    full = jax.lax.all_gather(x, name, axis=dim, tiled=True)
+    """The whole dim (every block gathered, one axis at a time from the minor one, so blocks land in
+    row-major order whatever the mesh order), rows past `size` set to pad_value."""
+    full = x
+    for a in reversed(axes):
+        full = jax.lax.all_gather(full, a, axis=dim, tiled=True)
     row = jax.lax.broadcasted_iota(jnp.int32, full.shape, dim)
     return jnp.where(row < size, full, jnp.asarray(pad_value, full.dtype))
 
@@ -296,7 +347,7 @@ def _windowed(ctx, x, pad_value, padding: list) -> tuple:
             x = _gather_rows(x, sp.lhs, axes, sp.size, pad_value)
             keep.append((sp, axes, index, n))
             continue
-        x = _exchange(x, sp.lhs, axes, h, index, pad_value)
+        x = _exchange(x, sp.lhs, axes, h, index, pad_value, ctx.mesh_shape)
         padding[k] = (h.lo, h.hi)
     return x, padding, keep
 
@@ -349,5 +400,76 @@ def pool_hook(ctx, ins, params, bind):
     return [_keep_blocks(ctx, y, keep) if keep else y]
 
 
-RULES = {CONV: conv_rule, **{name: pool_rule for name in POOLS}}
-HOOKS = {CONV: conv_hook, **{name: pool_hook for name in POOLS}}
+def pad_hook(ctx, ins, params, bind):
+    x, value = ins
+    cfg = [tuple(c) for c in params["padding_config"]]
+    padding = [(lo, hi) for lo, hi, _ in cfg]
+    x, padding, keep = _windowed(ctx, x, value, padding)
+    (y,) = bind(x, value, padding_config=tuple((lo, hi, i) for (lo, hi), (_, _, i) in zip(padding, cfg)))
+    return [_keep_blocks(ctx, y, keep) if keep else y]
+
+
+def slice_hook(ctx, ins, params, bind):
+    """Windowed dims read their exchanged rows from 0; dims passed through whole may be split (local size)."""
+    (x,) = ins
+    gshape = ctx.eqn.invars[0].shape
+    starts, limits = list(params["start_indices"]), list(params["limit_indices"])
+    split = {sp.lhs for _, sp, _, _, _ in _plans(ctx)}
+    x, _, keep = _windowed(ctx, x, 0, [(0, 0)] * x.ndim)
+    for d in range(x.ndim):
+        if d in split and not any(sp.lhs == d for sp, *_ in keep):
+            starts[d], limits[d] = 0, x.shape[d]
+        elif x.shape[d] != gshape[d] and not any(sp.lhs == d for sp, *_ in keep):
+            limits[d] = x.shape[d]  # a dim passed through whole, split
+    (y,) = bind(x, start_indices=tuple(starts), limit_indices=tuple(limits), strides=params.get("strides"))
+    return [_keep_blocks(ctx, y, keep) if keep else y]
+
+
+def scatter_rule(eqn: Eqn) -> Rule:
+    """select_and_scatter_add: the operand's and the result's rows are one factor, tied to the source's rows
+    in windowed dims."""
+    n = FactorNames()
+    src, op, ties = [], [], {}
+    for sp in spatial_dims(eqn):
+        fi = n.new(sp.size)
+        op.append((fi,))
+        if _plain(sp):
+            src.append((fi,))
+        else:
+            fo = n.new(sp.out_size)
+            src.append((fo,))
+            ties[fo] = fi
+    return Rule("select_and_scatter", (tuple(src), tuple(op)), (tuple(op),), n.sizes, ties=ties)
+
+
+def scatter_hook(ctx, ins, params, bind):
+    """Select within each device's operand window (halo rows received), scatter onto that window, then send
+    the rows that belong to the neighbours back (the transpose of the exchange) and add them."""
+    source, operand = ins
+    plans = _plans(ctx)
+    padding = [tuple(p) for p in params["padding"]]
+    never = _pad_value("max" if params["select_prim"] is jax.lax.ge_p else "min", operand.dtype)  # not selected
+
+    def exchange(x):
+        for k, sp, axes, _, h in plans:
+            x = _exchange(x, sp.lhs, axes, h, linear_axis_index(axes, ctx.mesh_shape), 0, ctx.mesh_shape)
+        return x
+
+    window, back = jax.vjp(exchange, operand)
+    valid = None
+    for k, sp, axes, _, h in plans:
+        padding[k] = (h.lo, h.hi)
+        row = (jax.lax.broadcasted_iota(jnp.int32, window.shape, sp.lhs)
+               + linear_axis_index(axes, ctx.mesh_shape) * h.step + h.first)
+        ok = (row >= 0) & (row < h.N)
+        valid = ok if valid is None else valid & ok
+    if valid is not None:
+        window = jnp.where(valid, window, jnp.asarray(never, window.dtype))
+    (y,) = bind(source, window, **dict(params, padding=tuple(padding)))
+    return list(back(y))
+
+
+RULES = {CONV: conv_rule, SCATTER: scatter_rule, "pad": pool_rule, "slice": pool_rule,
+         **{name: pool_rule for name in POOLS}}
+HOOKS = {CONV: conv_hook, SCATTER: scatter_hook, "pad": pad_hook, "slice": slice_hook,
+         **{name: pool_hook for name in POOLS}}

@@ -168,4 +168,31 @@ def test_pooling_on_a_split_dim(kind, window, rng):
         return jax.lax.reduce_window(x, 0.0, jax.lax.add, dims, strides, pad) / 9.0
     counts = run(f, mesh, x)
     assert counts["all-gather"] == 0, counts
-    assert counts["collective-permute"] == {"3x3 stride 1 same": 2, "2x2 stride 2": 0, "3x3 stride 2 same": 1}[window]
+    halos = {"3x3 stride 1 same": 2, "2x2 stride 2": 0, "3x3 stride 2 same": 1}[window]
+    assert counts["collective-permute"] == halos
+    back = run(grads(f), mesh, x)  # max/min: select_and_scatter_add, the halo exchanged there and back
+    assert back["all-gather"] == 0 and back["collective-permute"] == halos * (1 if kind == "avg" else 2), back
+
+
+SHIFTS = {  # (function of a [B, L, D] array split on L, halo exchanges expected)
+    "shift right": (lambda x: jnp.pad(x, ((0, 0), (1, 0), (0, 0)))[:, :-1], 1),
+    "shift left": (lambda x: jnp.pad(x[:, 1:], ((0, 0), (0, 1), (0, 0))), 1),
+    "pad both sides, sliced back": (lambda x: jnp.pad(x, ((0, 0), (2, 3), (0, 0)))[:, 1:-4], 1),  # = pad (1, -1)
+    "strided slice": (lambda x: x[:, ::2], 0),
+}
+
+
+@pytest.mark.parametrize("name", list(SHIFTS))
+def test_pad_and_slice_on_a_split_sequence_exchange_neighbours(name, rng):
+    """With both sides split on the sequence, a shift moves one row per device by collective-permute: the pad
+    folds into the slice (partitioner/fold.py) and nothing is gathered."""
+    fn, permutes = SHIFTS[name]
+    mesh = get_mesh("8")
+    x = ints(rng, 4, 64, 8)
+
+    def f(x):
+        return gs.shard(fn(gs.shard(x, (None, "x", None))), (None, "x", None))
+    counts = run(f, mesh, x)
+    assert counts["all-gather"] == 0 and counts["collective-permute"] == permutes, counts
+    back = run(grads(f), mesh, x)
+    assert back["all-gather"] == 0 and back["collective-permute"] == permutes, back

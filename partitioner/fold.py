@@ -1,0 +1,146 @@
+"""Fold a pad into the windowed op that reads it (as XLA's algebraic simplifier does).
+
+`jnp.pad(x, ((1, 0),))[:-1]` (an LM's shift right), the transpose of a
+strided sum pooling (pad with interior zeros, then sum windows) and
+explicitly padded convolutions are a pad followed by a windowed op. Split,
+the pad's output has another length than its input, so its shards would
+start elsewhere and the two ops would exchange halos twice; folded, the
+padding becomes the windowed op's own (and interior padding its base
+dilation) and one halo exchange remains. A pad is folded when its result has
+exactly one use and the op can absorb it exactly:
+
+- slice (stride 1): pad(lo - start, hi - (n - limit)), negative padding cuts; likewise a stride-1 slice
+  followed by a pad without interior padding on the cut dims;
+- pad with no interior padding where the first has some, or none in both;
+- reduce_window_{sum,max,min} and the input of a convolution, when the pad
+  value is the op's own (0, or the identity of max/min) and the op's base
+  dilation is 1 wherever the pad has interior padding.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from .program import Const, Eqn, Program, Value
+
+_IDENTITY = {"reduce_window_sum": 0.0, "reduce_window_max": -math.inf, "reduce_window_min": math.inf,
+             "conv_general_dilated": 0.0}
+
+
+def _uses(program: Program) -> dict:
+    count: dict = {}
+
+    def visit(p: Program) -> None:
+        for x in p.outvars:
+            if isinstance(x, Value):
+                count[x] = count.get(x, 0) + 1
+        for e in p.eqns:
+            for x in e.invars:
+                if isinstance(x, Value):
+                    count[x] = count.get(x, 0) + 1
+            for sub in e.subs.values():
+                visit(sub)
+    visit(program)
+    return count
+
+
+def _value(x) -> Optional[float]:
+    if isinstance(x, Const) and np.ndim(x.val) == 0:
+        return float(np.asarray(x.val))
+    return None
+
+
+def _merged(pad: Eqn, user: Eqn) -> Optional[dict]:
+    """The user's params with the pad folded in, or None if it cannot absorb it exactly."""
+    cfg = pad.params["padding_config"]
+    p = user.params
+    if user.name == "slice":
+        if any(s != 1 for s in (p.get("strides") or ())):
+            return None
+        size = pad.outvars[0].shape
+        new = tuple((lo - a, hi - (n - b), i) for (lo, hi, i), a, b, n in
+                    zip(cfg, p["start_indices"], p["limit_indices"], size))
+        return {"padding_config": new}
+    if user.name == "pad":
+        if _value(pad.invars[1]) is None or _value(pad.invars[1]) != _value(user.invars[1]):
+            return None
+        inner = user.params["padding_config"]
+        if any(i2 and (i1 or lo1 or hi1) for (lo1, hi1, i1), (_, _, i2) in zip(cfg, inner)):
+            return None
+        return {"padding_config": tuple((lo1 + lo2, hi1 + hi2, i1 + i2) for (lo1, hi1, i1), (lo2, hi2, i2)
+                                        in zip(cfg, inner))}
+    if user.name not in _IDENTITY or user.invars[0] is not pad.outvars[0]:
+        return None
+    if _value(pad.invars[1]) != _IDENTITY[user.name] or any(lo < 0 or hi < 0 for lo, hi, _ in cfg):
+        return None
+    if user.name == "conv_general_dilated":
+        dn = p["dimension_numbers"]
+        spatial, base_key = list(dn.lhs_spec[2:]), "lhs_dilation"
+        if any(cfg[d] != (0, 0, 0) for d in dn.lhs_spec[:2]):
+            return None
+    else:
+        spatial, base_key = list(range(len(cfg))), "base_dilation"
+    padding, base = list(p["padding"]), list(p[base_key])
+    for k, d in enumerate(spatial):
+        lo, hi, interior = cfg[d]
+        if interior and base[k] != 1:
+            return None
+        plo, phi = padding[k]
+        if interior:
+            base[k] = interior + 1
+        padding[k] = (plo + lo, phi + hi)
+    return {"padding": tuple(padding), base_key: tuple(base)}
+
+
+def _slice_as_pad(e: Eqn) -> Optional[tuple]:
+    """A stride-1 slice's padding config (negative: the rows it cuts)."""
+    if any(s != 1 for s in (e.params.get("strides") or ())):
+        return None
+    return tuple((-a, b - n, 0) for a, b, n in zip(e.params["start_indices"], e.params["limit_indices"],
+                                                    e.invars[0].shape))
+
+
+def _slice_into_pad(sl: Eqn, pad: Eqn) -> Optional[dict]:
+    cut = _slice_as_pad(sl)
+    if cut is None or any(i and (lo or hi) for (lo, hi, _), (_, _, i) in zip(cut, pad.params["padding_config"])):
+        return None
+    return {"padding_config": tuple((lo1 + lo2, hi1 + hi2, i2) for (lo1, hi1, _), (lo2, hi2, i2)
+                                    in zip(cut, pad.params["padding_config"]))}
+
+
+def fold_pads(program: Program) -> Program:
+    """The program with every foldable pad folded into its only user (in place; sub-programs too)."""
+    uses = _uses(program)
+
+    def visit(p: Program) -> None:
+        producer = {e.outvars[0]: e for e in p.eqns if e.name in ("pad", "slice")}
+        dropped = set()
+        for e in p.eqns:
+            for sub in e.subs.values():
+                visit(sub)
+            x = e.invars[0] if e.invars else None
+            pad = producer.get(x) if isinstance(x, Value) else None
+            if pad is None or id(pad) in dropped or uses.get(x) != 1 or not isinstance(pad.invars[0], Value):
+                continue
+            if pad.name == "slice" and e.name != "pad":
+                continue
+            if pad.name == "slice":  # a cut followed by a pad: one pad
+                params = _slice_into_pad(pad, e) if e.name == "pad" else None
+            else:
+                params = _merged(pad, e)
+            if params is None:
+                continue
+            if e.name == "slice":  # the slice becomes the merged pad
+                e.prim, e.params = pad.prim, dict(pad.params, **params)
+                e.invars = [pad.invars[0], pad.invars[1]]
+            else:
+                e.params = dict(e.params, **params)
+                e.invars = [pad.invars[0]] + list(e.invars[1:])
+            dropped.add(id(pad))
+            if e.name in ("pad", "slice"):
+                producer[e.outvars[0]] = e
+        p.eqns[:] = [e for e in p.eqns if id(e) not in dropped]
+    visit(program)
+    return program
