@@ -1,4 +1,11 @@
-"""Fold a pad into the windowed op that reads it (as XLA's algebraic simplifier does).
+"""Program simplifications XLA would make anyway, made before planning so the plan and the report match
+the compiled program: common subexpressions merged, pads folded into the windowed ops that read them.
+
+Common subexpressions: two equations with the same primitive, params and operands compute the same value
+(the gradient of a bias and of a norm's offset fed by one cotangent, say); XLA's CSE merges them and their
+collectives, so they are merged here first.
+
+Fold a pad into the windowed op that reads it (as XLA's algebraic simplifier does).
 
 `jnp.pad(x, ((1, 0),))[:-1]` (an LM's shift right), the transpose of a
 strided sum pooling (pad with interior zeros, then sum windows) and
@@ -143,4 +150,47 @@ def fold_pads(program: Program) -> Program:
                 producer[e.outvars[0]] = e
         p.eqns[:] = [e for e in p.eqns if id(e) not in dropped]
     visit(program)
+    return program
+
+
+_NEVER_MERGED = ("callback", "print", "rng_uniform", "random_seed")  # effects or fresh randomness
+
+
+def _operand_key(x):
+    if isinstance(x, Value):
+        return x
+    if np.ndim(x.val) == 0:
+        return ("literal", str(x.aval.dtype), np.asarray(x.val).item())
+    raise TypeError("array literal")
+
+
+def merge_common(program: Program) -> Program:
+    """The program with repeated computations merged (in place; each sub-program on its own)."""
+    def visit(p: Program, rename: dict, merge: bool) -> None:
+        seen: dict = {}
+        kept = []
+        for e in p.eqns:
+            e.invars = [rename.get(x, x) if isinstance(x, Value) else x for x in e.invars]
+            for sub in e.subs.values():  # a checkpointed region keeps its recomputation: nothing merged in it
+                visit(sub, rename, merge and e.name != "remat2")
+            if not merge or e.subs or any(word in e.name for word in _NEVER_MERGED):
+                kept.append(e)
+                continue
+            try:
+                key = (e.prim, tuple(e.params.items()), tuple(_operand_key(x) for x in e.invars),
+                       tuple(v.aval for v in e.outvars))
+                hash(key)
+            except TypeError:
+                kept.append(e)
+                continue
+            first = seen.get(key)
+            if first is None:
+                seen[key] = e
+                kept.append(e)
+                continue
+            for a, b in zip(e.outvars, first.outvars):
+                rename[a] = b
+        p.eqns[:] = kept
+        p.outvars[:] = [rename.get(x, x) if isinstance(x, Value) else x for x in p.outvars]
+    visit(program, {}, True)
     return program

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, Mapping, Sequence
+from typing import Optional, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,7 @@ class OpContext:
     made: Sequence[Sharding]
     mesh_shape: Mapping[str, int]
     need: Sequence[Sharding] = ()
+    cache: Optional[dict] = None  # the lowering's per-region cache: values already exchanged (XLA CSEs them)
 
     def axes(self, factor: str) -> Axes:
         return tuple(a for a in self.fs.get(factor, ()) if self.mesh_shape[a] > 1)

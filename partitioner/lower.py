@@ -457,7 +457,7 @@ class Lowering:
 
         if rule is None:
             return bind(*local_in, **params)
-        ctx = H.OpContext(eqn, rule, choice.fs, choice.made, self.mesh_shape, choice.need)
+        ctx = H.OpContext(eqn, rule, choice.fs, choice.made, self.mesh_shape, choice.need, self._cache)
         local_in = H.mask_padding(ctx, local_in)
         if eqn.name not in H.HOOKS:
             return bind(*local_in, **params)

@@ -25,7 +25,7 @@ import numpy as np
 
 from .cost import Collective
 from .factors import FactorNames, Rule
-from .program import Eqn
+from .program import Eqn, Value
 from .reshard import linear_axis_index
 
 CONV = "conv_general_dilated"
@@ -249,11 +249,21 @@ def _gathers(shape: list, dim: int, axes: tuple, dtype: str, itemsize: int, mesh
 def collectives(ctx) -> list[Collective]:
     """The halo exchanges (and gathers of base-dilated dims) a windowed op's hook emits; a scatter sends each
     halo back the way it came, with the contributions to the neighbours' rows."""
+    out = _receives(ctx)
+    if ctx.eqn.name == SCATTER:  # the transposed exchange (never shared), in reverse order
+        trip = _receives(dataclasses.replace(ctx, cache=None)) if ctx.cache else out
+        out = out + [dataclasses.replace(c, note=c.note.replace("from", "back to"))
+                     for c in reversed(trip) if c.kind == "collective-permute"]
+    return out
+
+
+def _receives(ctx) -> list[Collective]:
+    """What the hook receives: halo pieces not received already, gathers."""
     i = _input(ctx.eqn)
     x = ctx.eqn.invars[i]
     shape = list(ctx.need[i].local_shape(x.shape, ctx.mesh_shape))
     out = []
-    for _, sp, axes, n, h in _plans(ctx):
+    for _, sp, axes, n, h, key in _keyed_plans(ctx):
         if h is None:
             out += _gathers(shape, sp.lhs, axes, str(x.aval.dtype), x.aval.dtype.itemsize, ctx.mesh_shape,
                             "base-dilated rows")
@@ -264,14 +274,14 @@ def collectives(ctx) -> list[Collective]:
                                 "window rows")
             continue
         for hop, rows in h.pieces():
+            if ctx.cache is not None and key is not None and key + (sp.lhs, axes, hop, rows) in ctx.cache:
+                continue  # received already for an earlier op
             piece = list(shape)
             piece[sp.lhs] = rows
             out.append(Collective("collective-permute", axes, n, math.prod(piece) * x.aval.dtype.itemsize,
                                   tuple(piece), str(x.aval.dtype), f"halo {rows} rows from {abs(hop)} "
                                   f"{'left' if hop < 0 else 'right'}"))
         shape[sp.lhs] = h.rows
-    if ctx.eqn.name == SCATTER:  # the transposed exchange, in reverse order
-        out += [dataclasses.replace(c, note=c.note.replace("from", "back to")) for c in reversed(out)]
     return out
 
 
@@ -294,19 +304,27 @@ def _ppermute(x, axes: tuple, pairs: list, mesh_shape):
     return jax.lax.ppermute(x, order if len(order) > 1 else order[0], pairs)
 
 
-def _exchange(x, dim: int, axes: tuple, h: Halo, index, pad_value, mesh_shape):
-    """x's rows [i*step + first, ... + rows) of the global input, with rows outside it set to pad_value."""
+def _exchange(x, dim: int, axes: tuple, h: Halo, index, pad_value, mesh_shape, cache=None, key=None):
+    """x's rows [i*step + first, ... + rows) of the global input, with rows outside it set to pad_value.
+    Pieces already received for the same value (cache[key + piece]) are reused, as XLA's CSE would."""
     left_rows, right_rows = h._extent()
     parts_left, parts_right = [], []
     for hop, rows in h.pieces():
-        if hop < 0:
+        piece_key = None if cache is None or key is None else key + (dim, axes, hop, rows)
+        if piece_key is not None and piece_key in cache:
+            got = cache[piece_key]
+        elif hop < 0:
             part = jax.lax.slice_in_dim(x, h.S - rows, h.S, axis=dim)
-            perm = [(j, j - hop) for j in range(h.k + hop)]
-            parts_left.insert(0, _ppermute(part, axes, perm, mesh_shape))
+            got = _ppermute(part, axes, [(j, j - hop) for j in range(h.k + hop)], mesh_shape)
         else:
             part = jax.lax.slice_in_dim(x, 0, rows, axis=dim)
-            perm = [(j + hop, j) for j in range(h.k - hop)]
-            parts_right.append(_ppermute(part, axes, perm, mesh_shape))
+            got = _ppermute(part, axes, [(j + hop, j) for j in range(h.k - hop)], mesh_shape)
+        if piece_key is not None:
+            cache[piece_key] = got
+        if hop < 0:
+            parts_left.insert(0, got)
+        else:
+            parts_right.append(got)
     for parts, total, at in ((parts_left, left_rows, 0), (parts_right, right_rows, None)):
         have = sum(p.shape[dim] for p in parts)
         if total > have:  # hops past the last shard: nothing to receive, rows outside the input
@@ -341,15 +359,28 @@ def _windowed(ctx, x, pad_value, padding: list) -> tuple:
     """x with each split spatial dim replaced by the rows its local windows need; the local padding, and
     per gathered (base-dilated) dim the output block this device keeps."""
     keep = []
-    for k, sp, axes, n, h in _plans(ctx):
+    for k, sp, axes, n, h, key in _keyed_plans(ctx):
         index = linear_axis_index(axes, ctx.mesh_shape)
         if h is None:
             x = _gather_rows(x, sp.lhs, axes, sp.size, pad_value)
             keep.append((sp, axes, index, n))
             continue
-        x = _exchange(x, sp.lhs, axes, h, index, pad_value, ctx.mesh_shape)
+        x = _exchange(x, sp.lhs, axes, h, index, pad_value, ctx.mesh_shape, ctx.cache, key)
         padding[k] = (h.lo, h.hi)
     return x, padding, keep
+
+
+def _keyed_plans(ctx) -> list:
+    """_plans with, per split dim, the cache key of the rows exchanged so far (None: not cacheable)."""
+    i = _input(ctx.eqn)
+    v = ctx.eqn.invars[i]
+    prefix: tuple = ("halo", v, ctx.need[i]) if isinstance(v, Value) else None
+    out = []
+    for k, sp, axes, n, h in _plans(ctx):
+        out.append((k, sp, axes, n, h, prefix))
+        if prefix is not None:
+            prefix = prefix + ((sp.lhs, axes, h),)
+    return out
 
 
 def _keep_blocks(ctx, y, keep):
@@ -450,12 +481,14 @@ def scatter_hook(ctx, ins, params, bind):
     padding = [tuple(p) for p in params["padding"]]
     never = _pad_value("max" if params["select_prim"] is jax.lax.ge_p else "min", operand.dtype)  # not selected
 
-    def exchange(x):
-        for k, sp, axes, _, h in plans:
-            x = _exchange(x, sp.lhs, axes, h, linear_axis_index(axes, ctx.mesh_shape), 0, ctx.mesh_shape)
+    def exchange(x, cached: bool):
+        for k, sp, axes, _, h, key in _keyed_plans(ctx):
+            x = _exchange(x, sp.lhs, axes, h, linear_axis_index(axes, ctx.mesh_shape), 0, ctx.mesh_shape,
+                          ctx.cache if cached else None, key)
         return x
 
-    window, back = jax.vjp(exchange, operand)
+    window = exchange(operand, True)  # the operand's halos, shared with the pooling that read them
+    back = jax.linear_transpose(lambda x: exchange(x, False), operand)  # only the return trip is emitted
     valid = None
     for k, sp, axes, _, h in plans:
         padding[k] = (h.lo, h.hi)
