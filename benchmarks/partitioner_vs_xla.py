@@ -40,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import gshard_jax as gs  # noqa: E402
-from gshard_jax.models import lm  # noqa: E402
+from gshard_jax.models import cnn, lm  # noqa: E402
 from gshard_jax.models.moe import expert_einsums  # noqa: E402
 from gshard_jax.partitioner.hlo import collective_stats  # noqa: E402
 
@@ -83,6 +83,32 @@ def attention_loss(x, wq, wk, wv, wo):
     return jnp.mean(attention(x, wq, wk, wv, wo) ** 2)
 
 
+def conv_stack(x, *ws):
+    """3x3 (or 3x3x3) SAME convolutions with ReLU, the first spatial dim split over every device."""
+    spatial = (None, ("data", "model")) + (None,) * (x.ndim - 2)
+    dn = ("NHWC", "HWIO", "NHWC") if x.ndim == 4 else ("NDHWC", "DHWIO", "NDHWC")
+    for w in ws:
+        x = gs.shard(x, spatial)
+        x = jax.nn.relu(jax.lax.conv_general_dilated(x, w, (1,) * (x.ndim - 2), "SAME", dimension_numbers=dn))
+    return gs.shard(x, spatial)
+
+
+def conv_loss(x, *ws):
+    return jnp.mean(conv_stack(x, *ws) ** 2)
+
+
+def shift_right(x):
+    """An LM's shift right of a sequence split over every device."""
+    seq = (None, ("data", "model"), None)
+    return gs.shard(jnp.pad(gs.shard(x, seq), ((0, 0), (1, 0), (0, 0)))[:, :-1], seq)
+
+
+def strided_slice(x):
+    """Every other row of a sequence split over every device (a stride-2 downsampling)."""
+    seq = (None, ("data", "model"), None)
+    return gs.shard(gs.shard(x, seq)[:, ::2], seq)
+
+
 def programs(n):
     rng = np.random.default_rng(0)
     f32 = lambda *s: np.asarray(rng.standard_normal(s) / np.sqrt(s[-1] if len(s) > 1 else 1), np.float32)
@@ -103,6 +129,30 @@ def programs(n):
         step = lambda p, s, b: lm.train_step(p, s, b, cfg, layout)[:3]
         return axes, step, args
 
+    def cnn_step(rules):
+        cfg = cnn.CNNConfig()
+        model = cnn.ResNet(cfg, rules)
+        images, labels = cnn.example_batch(jax.random.key(0), (16, 64, 64, 3), cfg.classes, False)
+        params = model.init(jax.random.key(1), images)
+        step = lambda p, o, x, y: cnn.train_step(p, o, x, y, model, cfg)
+        return {"data": dp, "model": mp}, step, (params, cnn.optimizer(cfg).init(params), images, labels)
+
+    conv2d_args = (f32(4, 256, 64, 16), f32(3, 3, 16, 16), f32(3, 3, 16, 16), f32(3, 3, 16, 16))
+    conv3d_args = (f32(2, 64, 32, 32, 4), f32(3, 3, 3, 4, 4), f32(3, 3, 3, 4, 4))
+    conv_programs = {
+        "conv2d_stack spatial fwd": ({"data": dp, "model": mp}, conv_stack, conv2d_args),
+        "conv2d_stack spatial grad": ({"data": dp, "model": mp}, grad(conv_loss, 4), conv2d_args),
+        "conv3d_stack spatial fwd": ({"data": dp, "model": mp}, conv_stack, conv3d_args),
+        "conv3d_stack spatial grad": ({"data": dp, "model": mp}, grad(conv_loss, 3), conv3d_args),
+        "cnn_train data": cnn_step(cnn.DATA_PARALLEL),
+        "cnn_train spatial": cnn_step(cnn.SPATIAL),
+        # 250 rows on 8 devices, the weight gradients out (an uneven output would leave our per-device
+        # program gathered: shard_map outputs are even)
+        "conv2d_stack uneven grad(w)": ({"data": dp, "model": mp}, jax.grad(conv_loss, argnums=(1, 2, 3)),
+                                        (f32(4, 250, 64, 16),) + conv2d_args[1:]),
+        "shift_right seq": ({"data": dp, "model": mp}, shift_right, (f32(8, 1024, 256),)),
+        "strided_slice seq": ({"data": dp, "model": mp}, strided_slice, (f32(8, 1024, 256),)),
+    }
     lm_programs = {}
     if n % 2 == 0 and n > 1:
         lm_programs = {
@@ -119,6 +169,7 @@ def programs(n):
         "moe_einsum_chain grad": ({"expert": n}, lambda *a: grad(moe_loss, 5)(*a)[2:], moe_args),
         "attention_block fwd": ({"batch": n}, attention, att_args),
         "attention_block grad": ({"batch": n}, grad(attention_loss, 5), att_args),
+        **conv_programs,
         **lm_programs,
     }
 
