@@ -139,6 +139,8 @@ class Lowering:
         """
         planned = [self.plan.sharding(v) for v in eqn.outvars]
         key = _choice_key(eqn, rule, have, planned)
+        if key is not None:  # operands already resharded (for an earlier op) cost nothing to have that way
+            key += (tuple(frozenset(self._resharded.get(x, ())) for x in eqn.invars if isinstance(x, Value)),)
         choice = self._choices.get(key) if key is not None else None
         if choice is None:
             choice = self._choose(eqn, rule, have, planned)
@@ -162,7 +164,7 @@ class Lowering:
             need, made = layout
             cost = 0.0
             for x, h, n in zip(eqn.invars, have, need):
-                if len(x.shape):
+                if len(x.shape) and not (isinstance(x, Value) and n in self._resharded.get(x, ())):
                     cost += self.reshard_time(h, n, x.shape, x.aval.dtype)
             for v, m, p in zip(eqn.outvars, made, planned):
                 cost += self.reshard_time(m, p, v.shape, v.dtype)
@@ -219,6 +221,7 @@ class Lowering:
         """The per-device program: local shards in, local shards out."""
         env: dict[Value, tuple[Any, Sharding]] = {}
         self._cache: dict = {}
+        self._resharded: dict = {}  # value -> shardings it is already available in (mirrors _cache)
         self._prefix, self._trips = "", 1
         values = list(self.program.invars) + [v for v, _ in self.program.consts]
         for v, x, e, name in zip(values, local_args, self.entry, self.in_names):
@@ -279,17 +282,26 @@ class Lowering:
             return jnp.zeros(dst.local_shape(v.shape, self.mesh_shape), v.dtype), dst
         key = (v, dst)
         if key not in self._cache:
-            steps = self.reshard_steps(src, dst, v.shape)
-            log.extend(RS.collectives(steps, v.shape, v.dtype, self.mesh_shape))
-            self._cache[key] = RS.apply(steps, x, self.mesh_shape)
+            # Another value may hold the very same local array (an op that is the identity on this device's
+            # block): its reshard is reused, as XLA would merge the two.
+            same = self._cache.get(("array", id(x), src, dst))
+            if same is not None and same[0] is x:
+                self._cache[key] = same[1]
+            else:
+                steps = self.reshard_steps(src, dst, v.shape)
+                log.extend(RS.collectives(steps, v.shape, v.dtype, self.mesh_shape))
+                self._cache[key] = RS.apply(steps, x, self.mesh_shape)
+                self._cache[("array", id(x), src, dst)] = (x, self._cache[key])
+            self._resharded.setdefault(v, set()).add(dst)
         return self._cache[key], dst
 
     # ------------------------------------------------------------------ control flow
     def _body(self, program: Program, env, inputs: Sequence[tuple[Any, Sharding]], targets: Sequence[Sharding],
               log: list, name: str, trips: int) -> list:
         """Run a body on local inputs (each in the given sharding, resharded to the plan); results in targets."""
-        saved = (self._cache, self._prefix, self._trips)
+        saved = (self._cache, self._resharded, self._prefix, self._trips)
         self._cache, self._prefix, self._trips = dict(self._cache), f"{self._prefix}{name}/", self._trips * trips
+        self._resharded = {v: set(d) for v, d in self._resharded.items()}
         try:
             benv = collections.ChainMap({}, env)
             for v, (x, have) in zip(program.invars, inputs):
@@ -297,7 +309,7 @@ class Lowering:
             self._run_eqns(program.eqns, benv)
             return [self._read(benv, v, t, log) for v, t in zip(program.outvars, targets)]
         finally:
-            self._cache, self._prefix, self._trips = saved
+            self._cache, self._resharded, self._prefix, self._trips = saved
 
     def _checkpoint(self, eqn: Eqn, env) -> None:
         """A checkpointed region: its body (which reads the caller's values) re-emitted as a checkpoint."""
@@ -307,14 +319,14 @@ class Lowering:
         log: list[Collective] = []
 
         def region(*xs):
-            saved = (self._cache, self._prefix)
-            self._cache, self._prefix = {}, f"{self._prefix}checkpoint/"  # recompute reshards inside, too
+            saved = (self._cache, self._resharded, self._prefix)
+            self._cache, self._resharded, self._prefix = {}, {}, f"{self._prefix}checkpoint/"  # recompute inside
             try:
                 benv = collections.ChainMap({v: (x, env[v][1]) for v, x in zip(ins, xs)}, env)
                 self._run_eqns(body.eqns, benv)
                 return [benv[v][0] for v in eqn.outvars]
             finally:
-                self._cache, self._prefix = saved
+                self._cache, self._resharded, self._prefix = saved
 
         outs = checkpoint_region(region, args, eqn.params, [eqn.invars.index(v) for v in ins])
         for v, x in zip(eqn.outvars, outs):

@@ -212,12 +212,6 @@ def _windowed(eqn: Eqn, operand_shape, result_shape, whole: Sequence[bool], extr
     return Rule(eqn.name, ops, (res,), n.sizes, replicated=frozenset(rep))
 
 
-def rev_rule(eqn: Eqn) -> Rule:
-    shape = _shape(eqn.invars[0])
-    whole = [d not in eqn.params["dimensions"] for d in range(len(shape))]
-    return _windowed(eqn, shape, shape, whole, 0)
-
-
 def dynamic_slice_rule(eqn: Eqn) -> Rule:
     shape, out = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
     return _windowed(eqn, shape, out, [a == b for a, b in zip(shape, out)], len(eqn.invars) - 1)
@@ -242,12 +236,6 @@ def _pieces(whole_shape, piece_shapes, d: int):
         rep.add(f)
         pieces.append(tuple(dims[:d]) + ((f,),) + tuple(dims[d + 1:]))
     return tuple(dims), tuple(pieces), n.sizes, frozenset(rep)
-
-
-def concatenate_rule(eqn: Eqn) -> Rule:
-    whole, pieces, sizes, rep = _pieces(_shape(eqn.outvars[0]), [_shape(x) for x in eqn.invars],
-                                        eqn.params["dimension"])
-    return Rule("concatenate", pieces, (whole,), sizes, replicated=rep)
 
 
 def split_rule(eqn: Eqn) -> Rule:
@@ -370,10 +358,8 @@ RULES: dict[str, Callable[[Eqn], Optional[Rule]]] = {
     **{name: cumulative for name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")},
     "sort": along_axis,
     "top_k": top_k,
-    "rev": rev_rule,
     "dynamic_slice": dynamic_slice_rule,
     "dynamic_update_slice": dynamic_update_slice_rule,
-    "concatenate": concatenate_rule,
     "split": split_rule,
     "gather": gather_rule,
     "scatter-add": scatter_rule,

@@ -185,6 +185,8 @@ class Halo:
         left, right = self._extent()
         out = []
         for side, total in ((-1, left), (1, right)):
+            if not self.S:  # an empty piece: nothing to send
+                continue
             hops = -(-total // self.S)
             for h in range(1, hops + 1):
                 if h < self.k:
@@ -249,6 +251,10 @@ def _gathers(shape: list, dim: int, axes: tuple, dtype: str, itemsize: int, mesh
 def collectives(ctx) -> list[Collective]:
     """The halo exchanges (and gathers of base-dilated dims) a windowed op's hook emits; a scatter sends each
     halo back the way it came, with the contributions to the neighbours' rows."""
+    if ctx.eqn.name == "concatenate":
+        return concat_collectives(ctx)
+    if ctx.eqn.name == "rev":
+        return rev_collectives(ctx)
     out = _receives(ctx)
     if ctx.eqn.name == SCATTER:  # the transposed exchange (never shared), in reverse order
         trip = _receives(dataclasses.replace(ctx, cache=None)) if ctx.cache else out
@@ -335,11 +341,13 @@ def _exchange(x, dim: int, axes: tuple, h: Halo, index, pad_value, mesh_shape, c
     ext = jnp.concatenate(parts_left + [x] + parts_right, axis=dim) if parts_left or parts_right else x
     # ext holds global rows [i*S - left_rows, ...); the window starts at i*step + first.
     if h.S == h.step:
-        win = jax.lax.slice_in_dim(ext, left_rows + h.first, left_rows + h.first + h.rows, axis=dim)
+        start = left_rows + h.first
+        full = start == 0 and h.rows == ext.shape[dim]
+        win = ext if full else jax.lax.slice_in_dim(ext, start, start + h.rows, axis=dim)
     else:
         start = left_rows + h.first + index * (h.step - h.S)
         win = jax.lax.dynamic_slice_in_dim(ext, start, h.rows, axis=dim)
-    if not h.masked():
+    if pad_value is None or not h.masked():  # None: rows outside the input only reach result padding
         return win
     row = jax.lax.broadcasted_iota(jnp.int32, win.shape, dim) + index * h.step + h.first
     return jnp.where((row >= 0) & (row < h.N), win, jnp.asarray(pad_value, win.dtype))
@@ -444,14 +452,18 @@ def slice_hook(ctx, ins, params, bind):
     """Windowed dims read their exchanged rows from 0; dims passed through whole may be split (local size)."""
     (x,) = ins
     gshape = ctx.eqn.invars[0].shape
+    strides = params.get("strides") or (1,) * x.ndim
     starts, limits = list(params["start_indices"]), list(params["limit_indices"])
     split = {sp.lhs for _, sp, _, _, _ in _plans(ctx)}
-    x, _, keep = _windowed(ctx, x, 0, [(0, 0)] * x.ndim)
+    # No mask: a slice's windows lie inside the input; rows past it only reach the result's padding.
+    x, _, keep = _windowed(ctx, x, None, [(0, 0)] * x.ndim)
     for d in range(x.ndim):
         if d in split and not any(sp.lhs == d for sp, *_ in keep):
             starts[d], limits[d] = 0, x.shape[d]
         elif x.shape[d] != gshape[d] and not any(sp.lhs == d for sp, *_ in keep):
             limits[d] = x.shape[d]  # a dim passed through whole, split
+    if all(a == 0 for a in starts) and tuple(limits) == x.shape and not any(s != 1 for s in strides):
+        return [x]  # the local block itself (XLA would drop the slice, then merge what reads it)
     (y,) = bind(x, start_indices=tuple(starts), limit_indices=tuple(limits), strides=params.get("strides"))
     return [_keep_blocks(ctx, y, keep) if keep else y]
 
@@ -502,7 +514,122 @@ def scatter_hook(ctx, ins, params, bind):
     return list(back(y))
 
 
+# --------------------------------------------------------------------------- concatenate and rev
+
+def concat_rule(eqn: Eqn) -> Rule:
+    """Other dims shared; along the concatenated dim each piece's rows are tied to the result's rows (not
+    propagated: the plan decides each side), and a split result reads its rows from the pieces' shards."""
+    d = eqn.params["dimension"]
+    out = _shape(eqn.outvars[0])
+    n = FactorNames()
+    dims = [(n.new(s),) for s in out]
+    pieces, ties = [], {}
+    for x in eqn.invars:
+        f = n.new(_shape(x)[d])
+        ties[f] = dims[d][0]
+        pieces.append(tuple(dims[:d]) + ((f,),) + tuple(dims[d + 1:]))
+    return Rule("concatenate", tuple(pieces), (tuple(dims),), n.sizes, ties=ties, ties_propagate=False)
+
+
+def _concat_plans(ctx) -> list:
+    """Per piece: (offset in the result, Halo of the rows it gives this device's block, axes) when split."""
+    d = ctx.eqn.params["dimension"]
+    axes = ctx.axes(ctx.rule.results[0][d][0])
+    if not axes:
+        return []
+    k, w = ctx.group(axes), ctx.local_out()[d]
+    out, offset = [], 0
+    for i, x in enumerate(ctx.eqn.invars):
+        size = x.shape[d]
+        S = ctx.need[i].local_shape(x.shape, ctx.mesh_shape)[d]
+        out.append((offset, Halo(k, S, size, w, -offset, w, 0, 0), axes))
+        offset += size
+    return out
+
+
+def concat_collectives(ctx) -> list[Collective]:
+    out = []
+    d = ctx.eqn.params["dimension"]
+    for i, (_, h, axes) in enumerate(_concat_plans(ctx)):
+        x = ctx.eqn.invars[i]
+        shape = list(ctx.need[i].local_shape(x.shape, ctx.mesh_shape))
+        for hop, rows in h.pieces():
+            shape[d] = rows
+            out.append(Collective("collective-permute", axes, h.k, math.prod(shape) * x.aval.dtype.itemsize,
+                                  tuple(shape), str(x.aval.dtype), f"piece {i}: {rows} rows from {abs(hop)} "
+                                  f"{'left' if hop < 0 else 'right'}"))
+    return out
+
+
+def concat_hook(ctx, ins, params, bind):
+    plans = _concat_plans(ctx)
+    if not plans:
+        return bind(*ins, **params)
+    d = params["dimension"]
+    index = linear_axis_index(plans[0][2], ctx.mesh_shape)
+    y = None
+    for x, (offset, h, axes) in zip(ins, plans):
+        if not h.N:  # an empty piece contributes no rows
+            continue
+        win = _exchange(x, d, axes, h, index, 0, ctx.mesh_shape)
+        if y is None:
+            y = win
+            continue
+        row = jax.lax.broadcasted_iota(jnp.int32, win.shape, d) + index * h.step
+        y = jnp.where(row >= offset, win, y)  # rows from this piece on
+    return bind(*ins, **params) if y is None else [y]
+
+
+def rev_rule(eqn: Eqn) -> Rule:
+    """Every dim passes through; a split reversed dim is fixed up by the hook (blocks swap ends)."""
+    n = FactorNames()
+    dims = tuple((n.new(s),) for s in _shape(eqn.invars[0]))
+    return Rule("rev", (dims,), (dims,), n.sizes)
+
+
+def _rev_dims(ctx) -> list:
+    return [(d, ctx.axes(ctx.rule.operands[0][d][0])) for d in ctx.eqn.params["dimensions"]
+            if ctx.axes(ctx.rule.operands[0][d][0])]
+
+
+def rev_collectives(ctx) -> list[Collective]:
+    x = ctx.eqn.invars[0]
+    shape = list(ctx.need[0].local_shape(x.shape, ctx.mesh_shape))
+    out = []
+    for d, axes in _rev_dims(ctx):
+        n = ctx.group(axes)
+        nbytes = math.prod(shape) * x.aval.dtype.itemsize
+        if x.shape[d] % n == 0:
+            out.append(Collective("collective-permute", axes, n, nbytes, tuple(shape), str(x.aval.dtype),
+                                  "blocks to the mirror device"))
+        else:
+            out += _gathers(list(shape), d, axes, str(x.aval.dtype), x.aval.dtype.itemsize, ctx.mesh_shape,
+                            "uneven reversed rows")
+    return out
+
+
+def rev_hook(ctx, ins, params, bind):
+    """Reverse locally, then block i goes to device k-1-i (an uneven dim is gathered and cut instead)."""
+    (x,) = ins
+    (x,) = bind(x, **params)
+    for d, axes in _rev_dims(ctx):
+        n, size = ctx.group(axes), ctx.eqn.invars[0].shape[d]
+        if size % n == 0:
+            x = _ppermute(x, axes, [(j, n - 1 - j) for j in range(n)], ctx.mesh_shape)
+            continue
+        # x holds reversed padded blocks; gather them in order, restore the global order, cut block i
+        local = x.shape[d]
+        full = jax.lax.rev(_gather_rows(jax.lax.rev(x, (d,)), d, axes, size, 0), (d,))
+        start = n * local - size  # the reversed array's first row sits after the padding
+        index = linear_axis_index(axes, ctx.mesh_shape)
+        x = jax.lax.dynamic_slice_in_dim(jnp.pad(full, [(0, local if e == d else 0) for e in range(x.ndim)]),
+                                         start + index * local, local, axis=d)
+    return [x]
+
+
 RULES = {CONV: conv_rule, SCATTER: scatter_rule, "pad": pool_rule, "slice": pool_rule,
+         "concatenate": concat_rule, "rev": rev_rule,
          **{name: pool_rule for name in POOLS}}
 HOOKS = {CONV: conv_hook, SCATTER: scatter_hook, "pad": pad_hook, "slice": slice_hook,
+         "concatenate": concat_hook, "rev": rev_hook,
          **{name: pool_hook for name in POOLS}}

@@ -196,3 +196,29 @@ def test_pad_and_slice_on_a_split_sequence_exchange_neighbours(name, rng):
     assert counts["all-gather"] == 0 and counts["collective-permute"] == permutes, counts
     back = run(grads(f), mesh, x)
     assert back["all-gather"] == 0 and back["collective-permute"] == permutes, back
+
+
+REORDERS = {  # (function of a [B, L, D] array, its mesh, halo exchanges expected or None: the cost model decides)
+    "rev": (lambda x: x[:, ::-1], "8", 1),  # local reverse, then block i <-> block k-1-i
+    "rev on two axes": (lambda x: x[:, ::-1], "2x4", 1),
+    "rev uneven": (lambda x: x[:, 2:][:, ::-1], "8", None),
+    "concatenate": (lambda x: jnp.concatenate([x, 2 * x], axis=1), "8", None),
+    "roll": (lambda x: jnp.roll(x, 3, axis=1), "8", None),
+}
+
+
+@pytest.mark.parametrize("name", list(REORDERS))
+def test_reversal_concatenation_and_roll_of_a_split_sequence(name, rng):
+    fn, mesh_name, permutes = REORDERS[name]
+    mesh = get_mesh(mesh_name)
+    seq = (None, "x", None) if mesh_name == "8" else (None, ("b", "a"), None)
+    if mesh_name == "2x4":
+        mesh = gs.make_mesh({"a": 2, "b": 4})  # axes listed out of mesh order on the split dim
+    x = ints(rng, 4, 64, 8)
+
+    def f(x):
+        return gs.shard(fn(gs.shard(x, seq)), seq)
+    counts = run(f, mesh, x)
+    run(grads(f), mesh, x)
+    if permutes is not None:
+        assert counts["all-gather"] == 0 and counts["collective-permute"] == permutes, counts
