@@ -30,7 +30,7 @@ import numpy as np
 from .cost import Collective
 from .program import Eqn
 from .reshard import linear_axis_index
-from . import windowed
+from . import reorder, windowed
 from .factors import FactorSharding, Rule
 from .sharding import Axes, Sharding
 
@@ -76,6 +76,8 @@ def collectives(ctx: OpContext) -> list[Collective]:
     name = ctx.eqn.name
     if name in windowed.HOOKS:
         return windowed.collectives(ctx)
+    if name in reorder.COLLECTIVES:
+        return reorder.COLLECTIVES[name](ctx)
     out: list[Collective] = []
     dtype = ctx.eqn.outvars[0].dtype
     dt = str(dtype)
@@ -409,4 +411,5 @@ HOOKS: dict[str, Callable] = {
     "scatter-add": _scatter, "scatter_add": _scatter, "scatter": _scatter,
     "random_bits": _random_bits,
     **windowed.HOOKS,
+    **reorder.HOOKS,
 }

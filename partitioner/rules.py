@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional, Sequence
 
-from . import windowed
+from . import reorder, windowed
 from .factors import FactorNames, Rule
 from .program import Eqn
 
@@ -367,6 +367,7 @@ RULES: dict[str, Callable[[Eqn], Optional[Rule]]] = {
     "scatter": scatter_rule,
     "random_bits": random_bits_rule,
     **windowed.RULES,
+    **reorder.RULES,
 }
 
 

@@ -21,9 +21,9 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .cost import Collective
+from .halo import Halo, exchange, gather_collectives, gather_rows, pad_value
 from .factors import FactorNames, Rule
 from .program import Eqn, Value
 from .reshard import linear_axis_index
@@ -31,6 +31,7 @@ from .reshard import linear_axis_index
 CONV = "conv_general_dilated"
 POOLS = {"reduce_window_sum": "sum", "reduce_window_max": "max", "reduce_window_min": "min"}
 SCATTER = "select_and_scatter_add"  # max pooling's transpose: (source [output rows], operand) -> operand shape
+GATHER = "select_and_gather_add"  # max pooling's JVP: (tangent, operand) -> the tangent at each window's max
 
 
 def _input(eqn: Eqn) -> int:
@@ -160,44 +161,6 @@ def pool_rule(eqn: Eqn) -> Rule:
     return Rule(kind, (tuple(ins),) + extra, (tuple(outs),), n.sizes, ties=ties, ties_propagate=eqn.name in POOLS)
 
 
-# --------------------------------------------------------------------------- halo geometry
-
-@dataclasses.dataclass(frozen=True)
-class Halo:
-    """Shard i needs input rows [i*step + first, i*step + first + rows) of the global input (N rows, stored
-    as k blocks of S); its local op then runs with padding (lo, hi) on those rows."""
-    k: int
-    S: int
-    N: int
-    step: int
-    first: int
-    rows: int
-    lo: int
-    hi: int
-
-    def _extent(self) -> tuple[int, int]:
-        left = [i * self.S - (i * self.step + self.first) for i in (0, self.k - 1)]
-        right = [i * self.step + self.first + self.rows - (i + 1) * self.S for i in (0, self.k - 1)]
-        return max(0, *left), max(0, *right)
-
-    def pieces(self) -> list[tuple[int, int]]:
-        """(hop, rows) of each collective-permute: negative hops bring rows from the left neighbours."""
-        left, right = self._extent()
-        out = []
-        for side, total in ((-1, left), (1, right)):
-            if not self.S:  # an empty piece: nothing to send
-                continue
-            hops = -(-total // self.S)
-            for h in range(1, hops + 1):
-                if h < self.k:
-                    out.append((side * h, self.S if h < hops else total - (hops - 1) * self.S))
-        return out
-
-    def masked(self) -> bool:
-        """Whether some shard's window reaches outside the input's N rows (padding, uneven tail)."""
-        return self.first < 0 or (self.k - 1) * self.step + self.first + self.rows > self.N
-
-
 def halo(sp: Spatial, k: int, S: int, local: int) -> Optional[Halo]:
     """The rows each of k shards needs; `local` is the local output rows (or window rows when contracted).
     None when shards would start at different phases of a base-dilated input."""
@@ -237,24 +200,11 @@ def _plans(ctx) -> list[tuple[int, Spatial, tuple, int, Optional[Halo]]]:
     return [(k, sp, axes, n, halo(sp, n, lshape[sp.lhs], _local(ctx, sp))) for k, sp, axes, n in _split(ctx, ctx.eqn)]
 
 
-def _gathers(shape: list, dim: int, axes: tuple, dtype: str, itemsize: int, mesh_shape, note: str) -> list:
-    """The per-axis all-gathers of _gather_rows (minor axis first); grows shape[dim] in place."""
-    out = []
-    for a in reversed(axes):
-        n = mesh_shape[a]
-        before = tuple(shape)
-        shape[dim] *= n
-        out.append(Collective("all-gather", (a,), n, math.prod(shape) * itemsize, before, dtype, note))
-    return out
-
-
 def collectives(ctx) -> list[Collective]:
     """The halo exchanges (and gathers of base-dilated dims) a windowed op's hook emits; a scatter sends each
     halo back the way it came, with the contributions to the neighbours' rows."""
-    if ctx.eqn.name == "concatenate":
-        return concat_collectives(ctx)
-    if ctx.eqn.name == "rev":
-        return rev_collectives(ctx)
+    if ctx.eqn.name == GATHER:  # the tangent's and the operand's halos
+        return _receives(ctx, 0) + _receives(ctx, 1)
     out = _receives(ctx)
     if ctx.eqn.name == SCATTER:  # the transposed exchange (never shared), in reverse order
         trip = _receives(dataclasses.replace(ctx, cache=None)) if ctx.cache else out
@@ -263,20 +213,20 @@ def collectives(ctx) -> list[Collective]:
     return out
 
 
-def _receives(ctx) -> list[Collective]:
+def _receives(ctx, operand: Optional[int] = None) -> list[Collective]:
     """What the hook receives: halo pieces not received already, gathers."""
-    i = _input(ctx.eqn)
+    i = _input(ctx.eqn) if operand is None else operand
     x = ctx.eqn.invars[i]
     shape = list(ctx.need[i].local_shape(x.shape, ctx.mesh_shape))
     out = []
-    for _, sp, axes, n, h, key in _keyed_plans(ctx):
+    for _, sp, axes, n, h, key in _keyed_plans(ctx, i):
         if h is None:
-            out += _gathers(shape, sp.lhs, axes, str(x.aval.dtype), x.aval.dtype.itemsize, ctx.mesh_shape,
+            out += gather_collectives(shape, sp.lhs, axes, str(x.aval.dtype), x.aval.dtype.itemsize, ctx.mesh_shape,
                             "base-dilated rows")
             if sp.contracted:
                 w = ctx.eqn.invars[1]
                 wshape = list(ctx.need[1].local_shape(w.shape, ctx.mesh_shape))
-                out += _gathers(wshape, sp.rhs, axes, str(w.aval.dtype), w.aval.dtype.itemsize, ctx.mesh_shape,
+                out += gather_collectives(wshape, sp.rhs, axes, str(w.aval.dtype), w.aval.dtype.itemsize, ctx.mesh_shape,
                                 "window rows")
             continue
         for hop, rows in h.pieces():
@@ -293,76 +243,6 @@ def _receives(ctx) -> list[Collective]:
 
 # --------------------------------------------------------------------------- hooks
 
-def _ppermute(x, axes: tuple, pairs: list, mesh_shape):
-    """ppermute with pairs of row-major indices over `axes` (major first). JAX numbers the devices of a tuple
-    of axes in mesh order, so the pairs are renumbered when `axes` lists them in another order."""
-    order = tuple(a for a in mesh_shape if a in axes)
-    if order != tuple(axes):
-        def renumber(j: int) -> int:
-            coords = {}
-            for a in reversed(axes):
-                j, coords[a] = divmod(j, mesh_shape[a])
-            out = 0
-            for a in order:
-                out = out * mesh_shape[a] + coords[a]
-            return out
-        pairs = [(renumber(s), renumber(t)) for s, t in pairs]
-    return jax.lax.ppermute(x, order if len(order) > 1 else order[0], pairs)
-
-
-def _exchange(x, dim: int, axes: tuple, h: Halo, index, pad_value, mesh_shape, cache=None, key=None):
-    """x's rows [i*step + first, ... + rows) of the global input, with rows outside it set to pad_value.
-    Pieces already received for the same value (cache[key + piece]) are reused, as XLA's CSE would."""
-    left_rows, right_rows = h._extent()
-    parts_left, parts_right = [], []
-    for hop, rows in h.pieces():
-        piece_key = None if cache is None or key is None else key + (dim, axes, hop, rows)
-        if piece_key is not None and piece_key in cache:
-            got = cache[piece_key]
-        elif hop < 0:
-            part = jax.lax.slice_in_dim(x, h.S - rows, h.S, axis=dim)
-            got = _ppermute(part, axes, [(j, j - hop) for j in range(h.k + hop)], mesh_shape)
-        else:
-            part = jax.lax.slice_in_dim(x, 0, rows, axis=dim)
-            got = _ppermute(part, axes, [(j + hop, j) for j in range(h.k - hop)], mesh_shape)
-        if piece_key is not None:
-            cache[piece_key] = got
-        if hop < 0:
-            parts_left.insert(0, got)
-        else:
-            parts_right.append(got)
-    for parts, total, at in ((parts_left, left_rows, 0), (parts_right, right_rows, None)):
-        have = sum(p.shape[dim] for p in parts)
-        if total > have:  # hops past the last shard: nothing to receive, rows outside the input
-            zshape = list(x.shape)
-            zshape[dim] = total - have
-            z = jnp.zeros(zshape, x.dtype)
-            parts.insert(0, z) if at == 0 else parts.append(z)
-    ext = jnp.concatenate(parts_left + [x] + parts_right, axis=dim) if parts_left or parts_right else x
-    # ext holds global rows [i*S - left_rows, ...); the window starts at i*step + first.
-    if h.S == h.step:
-        start = left_rows + h.first
-        full = start == 0 and h.rows == ext.shape[dim]
-        win = ext if full else jax.lax.slice_in_dim(ext, start, start + h.rows, axis=dim)
-    else:
-        start = left_rows + h.first + index * (h.step - h.S)
-        win = jax.lax.dynamic_slice_in_dim(ext, start, h.rows, axis=dim)
-    if pad_value is None or not h.masked():  # None: rows outside the input only reach result padding
-        return win
-    row = jax.lax.broadcasted_iota(jnp.int32, win.shape, dim) + index * h.step + h.first
-    return jnp.where((row >= 0) & (row < h.N), win, jnp.asarray(pad_value, win.dtype))
-
-
-def _gather_rows(x, dim: int, axes: tuple, size: int, pad_value):
-    """The whole dim (every block gathered, one axis at a time from the minor one, so blocks land in
-    row-major order whatever the mesh order), rows past `size` set to pad_value."""
-    full = x
-    for a in reversed(axes):
-        full = jax.lax.all_gather(full, a, axis=dim, tiled=True)
-    row = jax.lax.broadcasted_iota(jnp.int32, full.shape, dim)
-    return jnp.where(row < size, full, jnp.asarray(pad_value, full.dtype))
-
-
 def _windowed(ctx, x, pad_value, padding: list) -> tuple:
     """x with each split spatial dim replaced by the rows its local windows need; the local padding, and
     per gathered (base-dilated) dim the output block this device keeps."""
@@ -370,17 +250,17 @@ def _windowed(ctx, x, pad_value, padding: list) -> tuple:
     for k, sp, axes, n, h, key in _keyed_plans(ctx):
         index = linear_axis_index(axes, ctx.mesh_shape)
         if h is None:
-            x = _gather_rows(x, sp.lhs, axes, sp.size, pad_value)
+            x = gather_rows(x, sp.lhs, axes, sp.size, pad_value)
             keep.append((sp, axes, index, n))
             continue
-        x = _exchange(x, sp.lhs, axes, h, index, pad_value, ctx.mesh_shape, ctx.cache, key)
+        x = exchange(x, sp.lhs, axes, h, index, pad_value, ctx.mesh_shape, ctx.cache, key)
         padding[k] = (h.lo, h.hi)
     return x, padding, keep
 
 
-def _keyed_plans(ctx) -> list:
+def _keyed_plans(ctx, operand: Optional[int] = None) -> list:
     """_plans with, per split dim, the cache key of the rows exchanged so far (None: not cacheable)."""
-    i = _input(ctx.eqn)
+    i = _input(ctx.eqn) if operand is None else operand
     v = ctx.eqn.invars[i]
     prefix: tuple = ("halo", v, ctx.need[i]) if isinstance(v, Value) else None
     out = []
@@ -412,7 +292,7 @@ def conv_hook(ctx, ins, params, bind):
     lhs, padding, keep = _windowed(ctx, lhs, 0, padding)
     for sp, axes, _, _ in keep:  # a gathered kernel-gradient window: its rows are gathered too
         if sp.contracted:
-            rhs = _gather_rows(rhs, sp.rhs, axes, sp.window, 0)
+            rhs = gather_rows(rhs, sp.rhs, axes, sp.window, 0)
     p = dict(params, padding=tuple(padding))
     for key in ("feature_group_count", "batch_group_count"):
         if p[key] > 1:
@@ -422,19 +302,10 @@ def conv_hook(ctx, ins, params, bind):
     return [_keep_blocks(ctx, y, keep) if keep else y]
 
 
-def _pad_value(kind: str, dtype):
-    if kind == "sum":
-        return 0
-    info = jnp.finfo(dtype) if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype)
-    if kind == "max":
-        return -np.inf if jnp.issubdtype(dtype, jnp.floating) else info.min
-    return np.inf if jnp.issubdtype(dtype, jnp.floating) else info.max
-
-
 def pool_hook(ctx, ins, params, bind):
     (x,) = ins
     padding = [tuple(p) for p in params["padding"]]
-    x, padding, keep = _windowed(ctx, x, _pad_value(POOLS[ctx.eqn.name], x.dtype), padding)
+    x, padding, keep = _windowed(ctx, x, pad_value(POOLS[ctx.eqn.name], x.dtype), padding)
     (y,) = bind(x, **dict(params, padding=tuple(padding)))
     return [_keep_blocks(ctx, y, keep) if keep else y]
 
@@ -468,6 +339,33 @@ def slice_hook(ctx, ins, params, bind):
     return [_keep_blocks(ctx, y, keep) if keep else y]
 
 
+def gather_rule(eqn: Eqn) -> Rule:
+    """select_and_gather_add: tangent and operand share every factor; windowed dims tie them to the output
+    (a base-dilated one is kept whole instead)."""
+    base = pool_rule(eqn)
+    dilated = {f for sp, (f,) in zip(spatial_dims(eqn), base.operands[0]) if sp.base > 1}
+    ties = {o: i for o, i in base.ties.items() if i not in dilated}
+    whole = dilated | {o for o, i in base.ties.items() if i in dilated}
+    return Rule("select_and_gather", (base.operands[0], base.operands[0]), base.results, base.sizes,
+                replicated=frozenset(whole), ties=ties)
+
+
+def gather_hook(ctx, ins, params, bind):
+    """Both inputs get the same halo rows; rows outside the operand are never selected."""
+    tangent, operand = ins
+    never = pad_value("max" if params["select_prim"] is jax.lax.ge_p else "min", operand.dtype)
+    padding = [tuple(p) for p in params["padding"]]
+    for k, sp, axes, _, h, key in _keyed_plans(ctx, 0):
+        padding[k] = (h.lo, h.hi)  # never None: base-dilated dims are kept whole by the rule
+    windows = []
+    for i, (x, pad) in enumerate(((tangent, 0), (operand, never))):
+        for k, sp, axes, _, h, key in _keyed_plans(ctx, i):
+            x = exchange(x, sp.lhs, axes, h, linear_axis_index(axes, ctx.mesh_shape), pad, ctx.mesh_shape,
+                          ctx.cache, key)
+        windows.append(x)
+    return bind(*windows, **dict(params, padding=tuple(padding)))
+
+
 def scatter_rule(eqn: Eqn) -> Rule:
     """select_and_scatter_add: the operand's and the result's rows are one factor, tied to the source's rows
     in windowed dims."""
@@ -491,16 +389,16 @@ def scatter_hook(ctx, ins, params, bind):
     source, operand = ins
     plans = _plans(ctx)
     padding = [tuple(p) for p in params["padding"]]
-    never = _pad_value("max" if params["select_prim"] is jax.lax.ge_p else "min", operand.dtype)  # not selected
+    never = pad_value("max" if params["select_prim"] is jax.lax.ge_p else "min", operand.dtype)  # not selected
 
-    def exchange(x, cached: bool):
+    def received(x, cached: bool):
         for k, sp, axes, _, h, key in _keyed_plans(ctx):
-            x = _exchange(x, sp.lhs, axes, h, linear_axis_index(axes, ctx.mesh_shape), 0, ctx.mesh_shape,
+            x = exchange(x, sp.lhs, axes, h, linear_axis_index(axes, ctx.mesh_shape), 0, ctx.mesh_shape,
                           ctx.cache if cached else None, key)
         return x
 
-    window = exchange(operand, True)  # the operand's halos, shared with the pooling that read them
-    back = jax.linear_transpose(lambda x: exchange(x, False), operand)  # only the return trip is emitted
+    window = received(operand, True)  # the operand's halos, shared with the pooling that read them
+    back = jax.linear_transpose(lambda x: received(x, False), operand)  # only the return trip is emitted
     valid = None
     for k, sp, axes, _, h in plans:
         padding[k] = (h.lo, h.hi)
@@ -514,122 +412,7 @@ def scatter_hook(ctx, ins, params, bind):
     return list(back(y))
 
 
-# --------------------------------------------------------------------------- concatenate and rev
-
-def concat_rule(eqn: Eqn) -> Rule:
-    """Other dims shared; along the concatenated dim each piece's rows are tied to the result's rows (not
-    propagated: the plan decides each side), and a split result reads its rows from the pieces' shards."""
-    d = eqn.params["dimension"]
-    out = _shape(eqn.outvars[0])
-    n = FactorNames()
-    dims = [(n.new(s),) for s in out]
-    pieces, ties = [], {}
-    for x in eqn.invars:
-        f = n.new(_shape(x)[d])
-        ties[f] = dims[d][0]
-        pieces.append(tuple(dims[:d]) + ((f,),) + tuple(dims[d + 1:]))
-    return Rule("concatenate", tuple(pieces), (tuple(dims),), n.sizes, ties=ties, ties_propagate=False)
-
-
-def _concat_plans(ctx) -> list:
-    """Per piece: (offset in the result, Halo of the rows it gives this device's block, axes) when split."""
-    d = ctx.eqn.params["dimension"]
-    axes = ctx.axes(ctx.rule.results[0][d][0])
-    if not axes:
-        return []
-    k, w = ctx.group(axes), ctx.local_out()[d]
-    out, offset = [], 0
-    for i, x in enumerate(ctx.eqn.invars):
-        size = x.shape[d]
-        S = ctx.need[i].local_shape(x.shape, ctx.mesh_shape)[d]
-        out.append((offset, Halo(k, S, size, w, -offset, w, 0, 0), axes))
-        offset += size
-    return out
-
-
-def concat_collectives(ctx) -> list[Collective]:
-    out = []
-    d = ctx.eqn.params["dimension"]
-    for i, (_, h, axes) in enumerate(_concat_plans(ctx)):
-        x = ctx.eqn.invars[i]
-        shape = list(ctx.need[i].local_shape(x.shape, ctx.mesh_shape))
-        for hop, rows in h.pieces():
-            shape[d] = rows
-            out.append(Collective("collective-permute", axes, h.k, math.prod(shape) * x.aval.dtype.itemsize,
-                                  tuple(shape), str(x.aval.dtype), f"piece {i}: {rows} rows from {abs(hop)} "
-                                  f"{'left' if hop < 0 else 'right'}"))
-    return out
-
-
-def concat_hook(ctx, ins, params, bind):
-    plans = _concat_plans(ctx)
-    if not plans:
-        return bind(*ins, **params)
-    d = params["dimension"]
-    index = linear_axis_index(plans[0][2], ctx.mesh_shape)
-    y = None
-    for x, (offset, h, axes) in zip(ins, plans):
-        if not h.N:  # an empty piece contributes no rows
-            continue
-        win = _exchange(x, d, axes, h, index, 0, ctx.mesh_shape)
-        if y is None:
-            y = win
-            continue
-        row = jax.lax.broadcasted_iota(jnp.int32, win.shape, d) + index * h.step
-        y = jnp.where(row >= offset, win, y)  # rows from this piece on
-    return bind(*ins, **params) if y is None else [y]
-
-
-def rev_rule(eqn: Eqn) -> Rule:
-    """Every dim passes through; a split reversed dim is fixed up by the hook (blocks swap ends)."""
-    n = FactorNames()
-    dims = tuple((n.new(s),) for s in _shape(eqn.invars[0]))
-    return Rule("rev", (dims,), (dims,), n.sizes)
-
-
-def _rev_dims(ctx) -> list:
-    return [(d, ctx.axes(ctx.rule.operands[0][d][0])) for d in ctx.eqn.params["dimensions"]
-            if ctx.axes(ctx.rule.operands[0][d][0])]
-
-
-def rev_collectives(ctx) -> list[Collective]:
-    x = ctx.eqn.invars[0]
-    shape = list(ctx.need[0].local_shape(x.shape, ctx.mesh_shape))
-    out = []
-    for d, axes in _rev_dims(ctx):
-        n = ctx.group(axes)
-        nbytes = math.prod(shape) * x.aval.dtype.itemsize
-        if x.shape[d] % n == 0:
-            out.append(Collective("collective-permute", axes, n, nbytes, tuple(shape), str(x.aval.dtype),
-                                  "blocks to the mirror device"))
-        else:
-            out += _gathers(list(shape), d, axes, str(x.aval.dtype), x.aval.dtype.itemsize, ctx.mesh_shape,
-                            "uneven reversed rows")
-    return out
-
-
-def rev_hook(ctx, ins, params, bind):
-    """Reverse locally, then block i goes to device k-1-i (an uneven dim is gathered and cut instead)."""
-    (x,) = ins
-    (x,) = bind(x, **params)
-    for d, axes in _rev_dims(ctx):
-        n, size = ctx.group(axes), ctx.eqn.invars[0].shape[d]
-        if size % n == 0:
-            x = _ppermute(x, axes, [(j, n - 1 - j) for j in range(n)], ctx.mesh_shape)
-            continue
-        # x holds reversed padded blocks; gather them in order, restore the global order, cut block i
-        local = x.shape[d]
-        full = jax.lax.rev(_gather_rows(jax.lax.rev(x, (d,)), d, axes, size, 0), (d,))
-        start = n * local - size  # the reversed array's first row sits after the padding
-        index = linear_axis_index(axes, ctx.mesh_shape)
-        x = jax.lax.dynamic_slice_in_dim(jnp.pad(full, [(0, local if e == d else 0) for e in range(x.ndim)]),
-                                         start + index * local, local, axis=d)
-    return [x]
-
-
-RULES = {CONV: conv_rule, SCATTER: scatter_rule, "pad": pool_rule, "slice": pool_rule,
-         "concatenate": concat_rule, "rev": rev_rule,
+RULES = {CONV: conv_rule, SCATTER: scatter_rule, GATHER: gather_rule, "pad": pool_rule, "slice": pool_rule,
          **{name: pool_rule for name in POOLS}}
-HOOKS = {CONV: conv_hook, SCATTER: scatter_hook, "pad": pad_hook, "slice": slice_hook,
-         "concatenate": concat_hook, "rev": rev_hook,
+HOOKS = {CONV: conv_hook, SCATTER: scatter_hook, GATHER: gather_hook, "pad": pad_hook, "slice": slice_hook,
          **{name: pool_hook for name in POOLS}}

@@ -222,3 +222,19 @@ def test_reversal_concatenation_and_roll_of_a_split_sequence(name, rng):
     run(grads(f), mesh, x)
     if permutes is not None:
         assert counts["all-gather"] == 0 and counts["collective-permute"] == permutes, counts
+
+
+@pytest.mark.parametrize("window", ["3x3 stride 1 same", "3x3 stride 2 same"])
+def test_max_pooling_jvp_exchanges_tangent_halos(window, rng):
+    """Forward-mode max pooling (select_and_gather_add): the tangent gets the same halo rows as the operand,
+    whose exchange is shared with the pooling itself."""
+    mesh = get_mesh("8")
+    x, t = ints(rng, 2, 32, 8, 3), ints(rng, 2, 32, 8, 3)
+    strides = (1, 1, 1, 1) if "stride 1" in window else (1, 2, 2, 1)
+
+    def f(x):
+        return jax.lax.reduce_window(gs.shard(x, (None, "x", None, None)), -jnp.inf, jax.lax.max, (1, 3, 3, 1),
+                                     strides, "SAME")
+    counts = run(lambda x, t: jax.jvp(f, (x,), (t,)), mesh, x, t)
+    halos = 2 if "stride 1" in window else 1
+    assert counts["all-gather"] == 0 and counts["collective-permute"] == 2 * halos, counts

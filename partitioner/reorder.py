@@ -1,0 +1,141 @@
+"""Reordering a split dim without gathering it: concatenate and rev.
+
+concatenate ties each piece's rows to the result's (not propagated: the plan
+decides each side); each device reads its result block's rows from the
+pieces' shards by halo exchange and picks per row the piece they come from.
+rev reverses the local block and sends it to the mirror device (one
+collective-permute; an uneven dim is gathered and cut). The cost model
+weighs both against gathering.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from .cost import Collective
+from .factors import FactorNames, Rule
+from .halo import Halo, exchange, gather_collectives, gather_rows, ppermute
+from .program import Eqn
+from .reshard import linear_axis_index
+
+
+def _shape(x) -> tuple[int, ...]:
+    return tuple(x.aval.shape)
+
+
+def concat_rule(eqn: Eqn) -> Rule:
+    """Other dims shared; along the concatenated dim each piece's rows are tied to the result's rows (not
+    propagated: the plan decides each side), and a split result reads its rows from the pieces' shards."""
+    d = eqn.params["dimension"]
+    out = _shape(eqn.outvars[0])
+    n = FactorNames()
+    dims = [(n.new(s),) for s in out]
+    pieces, ties = [], {}
+    for x in eqn.invars:
+        f = n.new(_shape(x)[d])
+        ties[f] = dims[d][0]
+        pieces.append(tuple(dims[:d]) + ((f,),) + tuple(dims[d + 1:]))
+    return Rule("concatenate", tuple(pieces), (tuple(dims),), n.sizes, ties=ties, ties_propagate=False)
+
+
+def _concat_plans(ctx) -> list:
+    """Per piece: (offset in the result, Halo of the rows it gives this device's block, axes) when split."""
+    d = ctx.eqn.params["dimension"]
+    axes = ctx.axes(ctx.rule.results[0][d][0])
+    if not axes:
+        return []
+    k, w = ctx.group(axes), ctx.local_out()[d]
+    out, offset = [], 0
+    for i, x in enumerate(ctx.eqn.invars):
+        size = x.shape[d]
+        S = ctx.need[i].local_shape(x.shape, ctx.mesh_shape)[d]
+        out.append((offset, Halo(k, S, size, w, -offset, w, 0, 0), axes))
+        offset += size
+    return out
+
+
+def concat_collectives(ctx) -> list[Collective]:
+    out = []
+    d = ctx.eqn.params["dimension"]
+    for i, (_, h, axes) in enumerate(_concat_plans(ctx)):
+        x = ctx.eqn.invars[i]
+        shape = list(ctx.need[i].local_shape(x.shape, ctx.mesh_shape))
+        for hop, rows in h.pieces():
+            shape[d] = rows
+            out.append(Collective("collective-permute", axes, h.k, math.prod(shape) * x.aval.dtype.itemsize,
+                                  tuple(shape), str(x.aval.dtype), f"piece {i}: {rows} rows from {abs(hop)} "
+                                  f"{'left' if hop < 0 else 'right'}"))
+    return out
+
+
+def concat_hook(ctx, ins, params, bind):
+    plans = _concat_plans(ctx)
+    if not plans:
+        return bind(*ins, **params)
+    d = params["dimension"]
+    index = linear_axis_index(plans[0][2], ctx.mesh_shape)
+    y = None
+    for x, (offset, h, axes) in zip(ins, plans):
+        if not h.N:  # an empty piece contributes no rows
+            continue
+        win = exchange(x, d, axes, h, index, 0, ctx.mesh_shape)
+        if y is None:
+            y = win
+            continue
+        row = jax.lax.broadcasted_iota(jnp.int32, win.shape, d) + index * h.step
+        y = jnp.where(row >= offset, win, y)  # rows from this piece on
+    return bind(*ins, **params) if y is None else [y]
+
+
+def rev_rule(eqn: Eqn) -> Rule:
+    """Every dim passes through; a split reversed dim is fixed up by the hook (blocks swap ends)."""
+    n = FactorNames()
+    dims = tuple((n.new(s),) for s in _shape(eqn.invars[0]))
+    return Rule("rev", (dims,), (dims,), n.sizes)
+
+
+def _rev_dims(ctx) -> list:
+    return [(d, ctx.axes(ctx.rule.operands[0][d][0])) for d in ctx.eqn.params["dimensions"]
+            if ctx.axes(ctx.rule.operands[0][d][0])]
+
+
+def rev_collectives(ctx) -> list[Collective]:
+    x = ctx.eqn.invars[0]
+    shape = list(ctx.need[0].local_shape(x.shape, ctx.mesh_shape))
+    out = []
+    for d, axes in _rev_dims(ctx):
+        n = ctx.group(axes)
+        nbytes = math.prod(shape) * x.aval.dtype.itemsize
+        if x.shape[d] % n == 0:
+            out.append(Collective("collective-permute", axes, n, nbytes, tuple(shape), str(x.aval.dtype),
+                                  "blocks to the mirror device"))
+        else:
+            out += gather_collectives(list(shape), d, axes, str(x.aval.dtype), x.aval.dtype.itemsize, ctx.mesh_shape,
+                            "uneven reversed rows")
+    return out
+
+
+def rev_hook(ctx, ins, params, bind):
+    """Reverse locally, then block i goes to device k-1-i (an uneven dim is gathered and cut instead)."""
+    (x,) = ins
+    (x,) = bind(x, **params)
+    for d, axes in _rev_dims(ctx):
+        n, size = ctx.group(axes), ctx.eqn.invars[0].shape[d]
+        if size % n == 0:
+            x = ppermute(x, axes, [(j, n - 1 - j) for j in range(n)], ctx.mesh_shape)
+            continue
+        # x holds reversed padded blocks; gather them in order, restore the global order, cut block i
+        local = x.shape[d]
+        full = jax.lax.rev(gather_rows(jax.lax.rev(x, (d,)), d, axes, size, 0), (d,))
+        start = n * local - size  # the reversed array's first row sits after the padding
+        index = linear_axis_index(axes, ctx.mesh_shape)
+        x = jax.lax.dynamic_slice_in_dim(jnp.pad(full, [(0, local if e == d else 0) for e in range(x.ndim)]),
+                                         start + index * local, local, axis=d)
+    return [x]
+
+
+RULES = {"concatenate": concat_rule, "rev": rev_rule}
+HOOKS = {"concatenate": concat_hook, "rev": rev_hook}
+COLLECTIVES = {"concatenate": concat_collectives, "rev": rev_collectives}
