@@ -164,6 +164,27 @@ def _operand_key(x):
     raise TypeError("array literal")
 
 
+def static_slices(program: Program) -> Program:
+    """dynamic_slice with constant start indices becomes the slice it is (starts clamped as dynamic_slice
+    clamps them), so a split dim takes the windowed path instead of being gathered."""
+    from jax import lax
+
+    def visit(p: Program) -> None:
+        for e in p.eqns:
+            for sub in e.subs.values():
+                visit(sub)
+            if e.name != "dynamic_slice" or not all(isinstance(x, Const) and np.ndim(x.val) == 0
+                                                    for x in e.invars[1:]):
+                continue
+            shape, sizes = e.invars[0].shape, e.params["slice_sizes"]
+            starts = [min(max(int(np.asarray(x.val)), 0), n - s) for x, n, s in zip(e.invars[1:], shape, sizes)]
+            e.prim, e.invars = lax.slice_p, [e.invars[0]]
+            e.params = {"start_indices": tuple(starts), "limit_indices": tuple(a + s for a, s in zip(starts, sizes)),
+                        "strides": None}
+    visit(program)
+    return program
+
+
 def merge_common(program: Program) -> Program:
     """The program with repeated computations merged (in place; each sub-program on its own)."""
     def visit(p: Program, rename: dict, merge: bool) -> None:

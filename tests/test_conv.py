@@ -238,3 +238,18 @@ def test_max_pooling_jvp_exchanges_tangent_halos(window, rng):
     counts = run(lambda x, t: jax.jvp(f, (x,), (t,)), mesh, x, t)
     halos = 2 if "stride 1" in window else 1
     assert counts["all-gather"] == 0 and counts["collective-permute"] == 2 * halos, counts
+
+
+def test_dynamic_slice_with_constant_starts_is_a_slice(rng):
+    """dynamic_slice at constant offsets (clamped as dynamic_slice clamps) takes the slice's halo path."""
+    mesh = get_mesh("8")
+    x = ints(rng, 4, 64, 8)
+    seq = (None, "x", None)
+
+    def f(x):
+        a = jax.lax.dynamic_slice_in_dim(gs.shard(x, seq), 3, 56, axis=1)
+        b = jax.lax.dynamic_slice_in_dim(gs.shard(x, seq), 60, 56, axis=1)  # clamped to start 8
+        return gs.shard(a, seq), gs.shard(b, seq)
+    counts = run(f, mesh, x)  # 7-row result blocks from 8-row shards: a needs 1 hop each way, b one to the right
+    assert counts["all-gather"] == 0 and counts["collective-permute"] == 3, counts
+    run(grads(lambda x: f(x)[0] + f(x)[1]), mesh, x)
