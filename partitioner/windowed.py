@@ -32,6 +32,7 @@ CONV = "conv_general_dilated"
 POOLS = {"reduce_window_sum": "sum", "reduce_window_max": "max", "reduce_window_min": "min"}
 SCATTER = "select_and_scatter_add"  # max pooling's transpose: (source [output rows], operand) -> operand shape
 GATHER = "select_and_gather_add"  # max pooling's JVP: (tangent, operand) -> the tangent at each window's max
+GENERIC = "reduce_window"  # lax.reduce_window with any computation: (operands..., init values...) -> results...
 
 
 def _input(eqn: Eqn) -> int:
@@ -161,6 +162,14 @@ def pool_rule(eqn: Eqn) -> Rule:
     return Rule(kind, (tuple(ins),) + extra, (tuple(outs),), n.sizes, ties=ties, ties_propagate=eqn.name in POOLS)
 
 
+def generic_pool_rule(eqn: Eqn) -> Rule:
+    """reduce_window with its own computation (variadic): every operand and result as pool_rule's; the init
+    values are scalars."""
+    base = pool_rule(eqn)
+    k = len(eqn.outvars)
+    return Rule("pool(generic)", (base.operands[0],) * k + ((),) * k, base.results * k, base.sizes, ties=base.ties)
+
+
 def halo(sp: Spatial, k: int, S: int, local: int) -> Optional[Halo]:
     """The rows each of k shards needs; `local` is the local output rows (or window rows when contracted).
     None when shards would start at different phases of a base-dilated input."""
@@ -205,6 +214,8 @@ def collectives(ctx) -> list[Collective]:
     halo back the way it came, with the contributions to the neighbours' rows."""
     if ctx.eqn.name == GATHER:  # the tangent's and the operand's halos
         return _receives(ctx, 0) + _receives(ctx, 1)
+    if ctx.eqn.name == GENERIC:  # every operand's halos
+        return [c for i in range(len(ctx.eqn.outvars)) for c in _receives(ctx, i)]
     out = _receives(ctx)
     if ctx.eqn.name == SCATTER:  # the transposed exchange (never shared), in reverse order
         trip = _receives(dataclasses.replace(ctx, cache=None)) if ctx.cache else out
@@ -243,11 +254,11 @@ def _receives(ctx, operand: Optional[int] = None) -> list[Collective]:
 
 # --------------------------------------------------------------------------- hooks
 
-def _windowed(ctx, x, pad_value, padding: list) -> tuple:
+def _windowed(ctx, x, pad_value, padding: list, operand: Optional[int] = None) -> tuple:
     """x with each split spatial dim replaced by the rows its local windows need; the local padding, and
     per gathered (base-dilated) dim the output block this device keeps."""
     keep = []
-    for k, sp, axes, n, h, key in _keyed_plans(ctx):
+    for k, sp, axes, n, h, key in _keyed_plans(ctx, operand):
         index = linear_axis_index(axes, ctx.mesh_shape)
         if h is None:
             x = gather_rows(x, sp.lhs, axes, sp.size, pad_value)
@@ -308,6 +319,17 @@ def pool_hook(ctx, ins, params, bind):
     x, padding, keep = _windowed(ctx, x, pad_value(POOLS[ctx.eqn.name], x.dtype), padding)
     (y,) = bind(x, **dict(params, padding=tuple(padding)))
     return [_keep_blocks(ctx, y, keep) if keep else y]
+
+
+def generic_pool_hook(ctx, ins, params, bind):
+    """Each operand's halo rows padded with its init value (what reduce_window pads with)."""
+    k = len(ins) // 2
+    windows, padding, keep = [], None, []
+    for i in range(k):
+        x, padding, keep = _windowed(ctx, ins[i], ins[k + i], [tuple(p) for p in params["padding"]], i)
+        windows.append(x)
+    ys = bind(*windows, *ins[k:], **dict(params, padding=tuple(padding)))
+    return [_keep_blocks(ctx, y, keep) if keep else y for y in ys]
 
 
 def pad_hook(ctx, ins, params, bind):
@@ -412,7 +434,7 @@ def scatter_hook(ctx, ins, params, bind):
     return list(back(y))
 
 
-RULES = {CONV: conv_rule, SCATTER: scatter_rule, GATHER: gather_rule, "pad": pool_rule, "slice": pool_rule,
+RULES = {CONV: conv_rule, SCATTER: scatter_rule, GATHER: gather_rule, GENERIC: generic_pool_rule, "pad": pool_rule, "slice": pool_rule,
          **{name: pool_rule for name in POOLS}}
-HOOKS = {CONV: conv_hook, SCATTER: scatter_hook, GATHER: gather_hook, "pad": pad_hook, "slice": slice_hook,
+HOOKS = {CONV: conv_hook, SCATTER: scatter_hook, GATHER: gather_hook, GENERIC: generic_pool_hook, "pad": pad_hook, "slice": slice_hook,
          **{name: pool_hook for name in POOLS}}

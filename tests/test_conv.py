@@ -253,3 +253,48 @@ def test_dynamic_slice_with_constant_starts_is_a_slice(rng):
     counts = run(f, mesh, x)  # 7-row result blocks from 8-row shards: a needs 1 hop each way, b one to the right
     assert counts["all-gather"] == 0 and counts["collective-permute"] == 3, counts
     run(grads(lambda x: f(x)[0] + f(x)[1]), mesh, x)
+
+
+@pytest.mark.parametrize("strides", [(1, 1, 1), (1, 2, 1)])
+def test_generic_reduce_window_pads_halos_with_its_init_value(strides, rng):
+    """lax.reduce_window with its own computation (a product): halo rows outside the input are the init value."""
+    mesh = get_mesh("8")
+    x = rng.integers(1, 3, (2, 32, 8)).astype(np.float32)
+    seq = (None, "x", None)
+
+    def f(x):
+        y = jax.lax.reduce_window(gs.shard(x, seq), 1.0, lambda a, b: a * b, (1, 3, 1), strides, "SAME")
+        return gs.shard(y, seq)
+    counts = run(f, mesh, x)
+    assert counts["all-gather"] == 0 and counts["collective-permute"] == (2 if strides[1] == 1 else 1), counts
+
+
+def test_causal_conv1d_on_two_axes(rng):
+    mesh = get_mesh("2x4")
+    x, w = ints(rng, 2, 64, 4), ints(rng, 5, 4, 6)
+
+    def f(x, w):
+        return jax.lax.conv_general_dilated(gs.shard(x, (None, ("data", "model"), None)), w, (1,), ((4, 0),),
+                                            dimension_numbers=("NWC", "WIO", "NWC"))
+    counts = run(f, mesh, x, w)
+    assert counts["collective-permute"] == 1 and counts["all-gather"] == 0, counts
+    run(grads(f), mesh, x, w)
+
+
+@pytest.mark.parametrize("kind", ["max", "avg"])
+def test_pooling_with_height_and_width_split(kind, rng):
+    """{2,4}: H on data, W on model; 16 MB, so two exchanges per dim beat gathering."""
+    mesh = get_mesh("2x4")
+    x = ints(rng, 8, 512, 256, 4)
+
+    def f(x):
+        x = gs.shard(x, (None, "data", "model", None))
+        if kind == "max":
+            y = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 1, 1, 1), "SAME")
+        else:
+            y = jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 3, 3, 1), (1, 1, 1, 1), "SAME") / 9.0
+        return gs.shard(y, (None, "data", "model", None))
+    counts = run(f, mesh, x)
+    assert counts["all-gather"] == 0 and counts["collective-permute"] == 4, counts
+    back = run(grads(f), mesh, x)
+    assert back["all-gather"] == 0, back
