@@ -1,4 +1,4 @@
-"""Reordering a split dim without gathering it: concatenate and rev.
+"""Reordering a split dim without gathering it: concatenate, rev, and dynamic_update_slice at constant offsets.
 
 concatenate ties each piece's rows to the result's (not propagated: the plan
 decides each side); each device reads its result block's rows from the
@@ -10,14 +10,16 @@ weighs both against gathering.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .cost import Collective
 from .factors import FactorNames, Rule
 from .halo import Halo, exchange, gather_collectives, gather_rows, ppermute
-from .program import Eqn
+from .program import Const, Eqn
 from .reshard import linear_axis_index
 
 
@@ -136,6 +138,64 @@ def rev_hook(ctx, ins, params, bind):
     return [x]
 
 
+def _static_starts(eqn: Eqn) -> Optional[list]:
+    """The (clamped, as dynamic_update_slice clamps) constant start indices, or None if one is traced."""
+    if not all(isinstance(x, Const) and np.ndim(x.val) == 0 for x in eqn.invars[2:]):
+        return None
+    return [min(max(int(np.asarray(x.val)), 0), n - u) for x, n, u in
+            zip(eqn.invars[2:], _shape(eqn.invars[0]), _shape(eqn.invars[1]))]
+
+
+def update_rule(eqn: Eqn, fallback) -> Rule:
+    """dynamic_update_slice at constant offsets: the operand's dims pass through to the result (a split one
+    stays split); the update's shorter dims are kept whole, each device writing the rows that land in its
+    block. At traced offsets, `fallback` (every updated dim of the operand kept whole too)."""
+    if _static_starts(eqn) is None:
+        return fallback(eqn)
+    n = FactorNames()
+    dims = [(n.new(s),) for s in _shape(eqn.invars[0])]
+    upd, whole = [], set()
+    for d, u in enumerate(_shape(eqn.invars[1])):
+        if u == _shape(eqn.invars[0])[d]:
+            upd.append(dims[d])
+        else:
+            f = n.new(u)
+            whole.add(f)
+            upd.append((f,))
+    idx = tuple(() for _ in eqn.invars[2:])
+    return Rule("update", (tuple(dims), tuple(upd)) + idx, (tuple(dims),), n.sizes, replicated=frozenset(whole))
+
+
+def update_hook(ctx, ins, params, bind):
+    """On a split dim, each device cuts the update rows that land in its block from the (whole) update,
+    writes them at row 0 of its block, and keeps its own rows where the update does not reach."""
+    starts = _static_starts(ctx.eqn)
+    shape, ushape = ctx.eqn.invars[0].shape, ctx.eqn.invars[1].shape
+    split = {d: ctx.axes(f) for d, (f,) in enumerate(ctx.rule.results[0])
+             if ctx.axes(f) and ushape[d] != shape[d]} if starts is not None else {}
+    if not split:
+        return bind(*ins, **params)
+    operand, update = ins[0], ins[1]
+    offset = {}
+    for d, axes in split.items():
+        rows = operand.shape[d]
+        offset[d] = linear_axis_index(axes, ctx.mesh_shape) * rows
+        padded = jnp.pad(update, [(rows, rows) if e == d else (0, 0) for e in range(update.ndim)])
+        # update rows [block start - start, + rows), read from the update padded by `rows` on both ends
+        at = jnp.clip(offset[d] - starts[d] + rows, 0, padded.shape[d] - rows)
+        update = jax.lax.dynamic_slice_in_dim(padded, at, rows, axis=d)
+    local_starts = [jnp.int32(0) if d in split else jnp.int32(s) for d, s in enumerate(starts)]
+    placed = bind(operand, update, *local_starts, **params)[0]
+    written = None
+    for d, (n, u) in enumerate(zip(shape, ushape)):
+        if u == n:
+            continue
+        row = jax.lax.broadcasted_iota(jnp.int32, operand.shape, d) + offset.get(d, 0)
+        inside = (row >= starts[d]) & (row < starts[d] + u)
+        written = inside if written is None else written & inside
+    return [jnp.where(written, placed, operand)]
+
+
 RULES = {"concatenate": concat_rule, "rev": rev_rule}
-HOOKS = {"concatenate": concat_hook, "rev": rev_hook}
+HOOKS = {"concatenate": concat_hook, "rev": rev_hook, "dynamic_update_slice": update_hook}
 COLLECTIVES = {"concatenate": concat_collectives, "rev": rev_collectives}

@@ -359,7 +359,7 @@ RULES: dict[str, Callable[[Eqn], Optional[Rule]]] = {
     "sort": along_axis,
     "top_k": top_k,
     "dynamic_slice": dynamic_slice_rule,
-    "dynamic_update_slice": dynamic_update_slice_rule,
+    "dynamic_update_slice": lambda eqn: reorder.update_rule(eqn, dynamic_update_slice_rule),
     "split": split_rule,
     "gather": gather_rule,
     "scatter-add": scatter_rule,

@@ -298,3 +298,18 @@ def test_pooling_with_height_and_width_split(kind, rng):
     assert counts["all-gather"] == 0 and counts["collective-permute"] == 4, counts
     back = run(grads(f), mesh, x)
     assert back["all-gather"] == 0, back
+
+
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
+def test_dynamic_update_slice_at_constant_offsets_on_a_split_dim(mesh_name, rng):
+    """Each device writes the update rows that land in its block: nothing moves when the update is whole."""
+    mesh = get_mesh("8") if mesh_name == "8" else gs.make_mesh({"a": 2, "b": 4})
+    seq = (None, "x", None) if mesh_name == "8" else (None, ("b", "a"), None)
+    x, u = ints(rng, 4, 64, 8), ints(rng, 4, 20, 3)
+
+    def f(x, u):
+        a = jax.lax.dynamic_update_slice(gs.shard(x, seq), u, (0, 5, 2))
+        return gs.shard(jax.lax.dynamic_update_slice(a, 2 * u, (0, 60, 7)), seq)  # clamped to (0, 44, 5)
+    counts = run(f, mesh, x, u)
+    assert sum(counts.values()) == 0, counts
+    run(grads(f), mesh, x, u)
