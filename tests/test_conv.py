@@ -57,20 +57,24 @@ H_SPLIT = {"8": (None, "x", None, None), "2x4": (None, "data", "model", None)}  
 CASES = [(case, m) for case in ("3x3 same", "7x7 stride 2 pad 3", "dilated", "wider than a shard",
                                  "uneven 30 rows", "valid", "transposed") for m in ("8", "2x4")
          if (case, m) not in (("wider than a shard", "2x4"), ("uneven 30 rows", "2x4"))]
+# On {2,4} with H split over both axes (data major): small activations, 8 shards, halos always cheaper.
+CASES += [("wider than a shard", "2x4 one dim"), ("uneven 30 rows", "2x4 one dim")]
+H_SPLIT["2x4 one dim"] = (None, ("data", "model"), None, None)
 
 
 @pytest.mark.parametrize("case,mesh_name", CASES)
 def test_spatially_split_conv(case, mesh_name, rng):
-    mesh, spec = get_mesh(mesh_name), H_SPLIT[mesh_name]
+    mesh, spec = get_mesh(mesh_name.split()[0]), H_SPLIT[mesh_name]
     # On {2,4}, activations of 16 MB (in and out): with less than about 1 MB per device, gathering the 2-way split (one
     # collective) is what the cost model rightly prefers to its two halo exchanges.
-    b, c = (4, 16) if mesh_name == "8" else (8, 4)
+    b, c = (4, 16) if mesh_name != "2x4" else (8, 4)
     if case == "wider than a shard":  # 25 rows of window on 8-row shards: two hops each way; 4 MB, so
         b = 16  # that four exchanges cost less than gathering
-    hw = {"uneven 30 rows": (30, 16), "wider than a shard": (64, 64)}.get(case, (64, 16) if mesh_name == "8" else (512, 256))
+    hw = {"uneven 30 rows": (30, 16), "wider than a shard": (64, 64)}.get(case, (64, 16) if mesh_name != "2x4" else (512, 256))
     x = ints(rng, b, *hw, c)
     kernel = {"7x7 stride 2 pad 3": (7, 7), "wider than a shard": (25, 1)}.get(case, (3, 3))
-    cout = 16 if (mesh_name, case) in (("2x4", "7x7 stride 2 pad 3"), ("8", "wider than a shard")) else 4  # output (input
+    cout = 16 if (mesh_name, case) in (("2x4", "7x7 stride 2 pad 3"), ("8", "wider than a shard"),
+                                       ("2x4 one dim", "wider than a shard")) else 4  # output (the input
     w = ints(rng, *kernel, c, cout)  # gradient's input) as large as x
     f = {"3x3 same": conv2d(spec), "7x7 stride 2 pad 3": conv2d(spec, 2, ((3, 3), (3, 3))),
          "dilated": conv2d(spec, rhs_dilation=2), "wider than a shard": conv2d(spec),
@@ -83,7 +87,7 @@ def test_spatially_split_conv(case, mesh_name, rng):
     assert back["all-reduce"] + back["reduce-scatter"] >= 1  # the kernel gradient is a partial sum
     if case == "3x3 same" and mesh_name == "8":
         assert fwd == {**fwd, "collective-permute": 2, "all-gather": 0, "all-reduce": 0, "all-to-all": 0}
-    if case == "wider than a shard" and mesh_name == "8":
+    if case == "wider than a shard" and mesh_name != "2x4":
         assert fwd["collective-permute"] == 4
 
 
@@ -111,28 +115,34 @@ def test_base_dilation_out_of_phase_gathers(rng):
     run(grads(f), mesh, x, w)
 
 
-def test_3d_conv_split_on_depth(rng):
-    mesh = get_mesh("2x4")
-    x, w = ints(rng, 8, 64, 64, 32, 2), ints(rng, 3, 3, 3, 2, 2)  # 16 MB in and out: see above
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
+def test_3d_conv_split_on_depth(mesh_name, rng):
+    mesh = get_mesh(mesh_name)
+    if mesh_name == "8":  # depth on 8 devices
+        x, w, spec = ints(rng, 2, 32, 8, 8, 2), ints(rng, 3, 3, 3, 2, 2), (None, "x", None, None, None)
+    else:  # batch on data, depth on model; 16 MB in and out: see above
+        x, w, spec = ints(rng, 8, 64, 64, 32, 2), ints(rng, 3, 3, 3, 2, 2), ("data", "model", None, None, None)
 
     def f(x, w):
-        return jax.lax.conv_general_dilated(gs.shard(x, ("data", "model", None, None, None)), w, (1, 1, 1),
+        return jax.lax.conv_general_dilated(gs.shard(x, spec), w, (1, 1, 1),
                                             "SAME", dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))
     counts = run(f, mesh, x, w)
     assert counts["collective-permute"] == 2 and counts["all-gather"] == 0
     run(grads(f), mesh, x, w)
 
 
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
 @pytest.mark.parametrize("split", ["batch", "out features", "in features", "groups", "depthwise"])
-def test_feature_and_group_splits(split, rng):
-    mesh = get_mesh("2x4")
-    c = 8
-    groups = {"groups": 2, "depthwise": c}.get(split, 1)
-    x, w = ints(rng, 4, 8, 8, c), ints(rng, 3, 3, c // groups, 8)
-    xs = {"batch": ("data", None, None, None), "in features": (None, None, None, "model"),
-          "groups": (None, None, None, "data"), "depthwise": (None, None, None, "model")}.get(split)
-    ws = {"out features": (None, None, None, "model"), "in features": (None, None, "model", None),
-          "groups": (None, None, None, "data"), "depthwise": (None, None, None, "model")}.get(split)
+def test_feature_and_group_splits(split, mesh_name, rng):
+    mesh = get_mesh(mesh_name)
+    one, two = ("x", "x") if mesh_name == "8" else ("data", "model")  # the axis of the split (2 or 4; 8)
+    c = 16 if mesh_name == "8" else 8
+    groups = {"groups": 8 if mesh_name == "8" else 2, "depthwise": c}.get(split, 1)
+    x, w = ints(rng, 8, 8, 8, c), ints(rng, 3, 3, c // groups, 16)
+    xs = {"batch": (one, None, None, None), "in features": (None, None, None, two),
+          "groups": (None, None, None, one), "depthwise": (None, None, None, two)}.get(split)
+    ws = {"out features": (None, None, None, two), "in features": (None, None, two, None),
+          "groups": (None, None, None, one), "depthwise": (None, None, None, two)}.get(split)
 
     def f(x, w):
         x = gs.shard(x, xs) if xs else x
@@ -150,17 +160,19 @@ def test_feature_and_group_splits(split, rng):
         assert back["all-reduce"] + back["reduce-scatter"] >= 1  # the kernel gradient sums over the batch
 
 
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
 @pytest.mark.parametrize("kind", ["max", "min", "avg"])
 @pytest.mark.parametrize("window", ["3x3 stride 1 same", "2x2 stride 2", "3x3 stride 2 same"])
-def test_pooling_on_a_split_dim(kind, window, rng):
-    mesh = get_mesh("8")
+def test_pooling_on_a_split_dim(kind, window, mesh_name, rng):
+    mesh = get_mesh(mesh_name)
+    rows = (None, "x", None, None) if mesh_name == "8" else (None, ("data", "model"), None, None)
     x = ints(rng, 2, 32, 8, 3)
     dims, strides, pad = {"3x3 stride 1 same": ((1, 3, 3, 1), (1, 1, 1, 1), "SAME"),
                           "2x2 stride 2": ((1, 2, 2, 1), (1, 2, 2, 1), "VALID"),
                           "3x3 stride 2 same": ((1, 3, 3, 1), (1, 2, 2, 1), "SAME")}[window]
 
     def f(x):
-        x = gs.shard(x, (None, "x", None, None))
+        x = gs.shard(x, rows)
         if kind == "max":
             return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, dims, strides, pad)
         if kind == "min":
