@@ -29,6 +29,7 @@ import math
 from typing import Optional
 
 import numpy as np
+from jax import lax
 
 from .program import Const, Eqn, Program, Value
 
@@ -167,8 +168,6 @@ def _operand_key(x):
 def static_slices(program: Program) -> Program:
     """dynamic_slice with constant start indices becomes the slice it is (starts clamped as dynamic_slice
     clamps them), so a split dim takes the windowed path instead of being gathered."""
-    from jax import lax
-
     def visit(p: Program) -> None:
         for e in p.eqns:
             for sub in e.subs.values():
