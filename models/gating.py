@@ -1,102 +1,199 @@
-"""GShard top-2 gating (paper Algorithm 1; REFERENCE section A), with the knobs implementations differ on.
+"""MoE gating: which experts each token goes to, with what weight, and in which buffer slot.
 
-Tokens come in local groups (`G` groups of `S` tokens); each expert takes at
-most `capacity` tokens per group. Every top-1 assignment has priority over
-every top-2 assignment; the second expert is kept for all tokens ("all"),
-with probability proportional to its gate ("random", GShard's default: kept
-when `2 * g2 > max(threshold, u)` for uniform u, so threshold 0 is the
-paper's rule and a positive one drops weak second choices outright), or by
-sampling it from the remaining gates ("sampling"). Gates are renormalised
-over the two choices before or after capacity drops, or not at all. The
-router runs in float32.
+Tokens come in local groups (`G` groups of `S` tokens, REFERENCE section A);
+each expert takes at most `C` tokens per group. One mechanism covers GShard
+top-2, Switch top-1 and OLMoE top-8: every token picks `k` experts
+(:func:`choose`), then slots are handed out choice by choice, so every first
+choice has priority over every second choice, and so on (:func:`with_capacity`).
+Choices after the first are kept for all tokens ("all"), with probability
+proportional to their gate ("random", GShard's rule: kept when
+``k * g > max(threshold, u)`` for uniform u, so threshold 0 is the paper's
+rule and a positive one drops weak choices outright), or sampled from the
+remaining gates ("sampling"). Gates are renormalised over the k choices before
+or after capacity drops, or not at all. Expert-choice routing (each expert
+takes its top-C tokens) and forced uniform routing (every expert gets the same
+tokens, for benchmarks that isolate imbalance) produce the same outputs. All
+routing math runs in float32.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
-class Top2Config:
-    capacity_factor: float = 2.0  # capacity = ceil(2 * S * capacity_factor / E), at least min_capacity
+class GatingConfig:
+    k: int = 2  # experts per token: 1 = Switch, 2 = GShard, 8 = OLMoE (for expert_choice: mean experts per token)
+    capacity_factor: float = 2.0  # training capacity: C = ceil(k * S * capacity_factor / E), at least min_capacity
+    eval_capacity_factor: Optional[float] = None  # capacity factor when not training (None: capacity_factor)
     min_capacity: int = 4  # floor on the per-group expert capacity
-    second_policy: str = "random"  # "all" | "random" | "sampling"
-    second_threshold: float = 0.0  # "random": keep the 2nd expert only if 2 * g2 > max(threshold, u)
-    normalize: str = "before_drop"  # renormalise g1, g2 over the two choices: "before_drop" | "after_drop" | "none"
+    second_policy: str = "random"  # choices after the first: "all" | "random" | "sampling"
+    second_threshold: float = 0.0  # "random": keep a later choice only if k * g > max(threshold, u)
+    normalize: str = "before_drop"  # renormalise gates over the k choices: "before_drop" | "after_drop" | "none"
+    balance: str = "top1"  # aux loss density from the first choice (GShard, Switch) or "all" choices (OLMoE)
+    routing: str = "token_choice"  # "token_choice" | "expert_choice" | "forced_uniform"
 
 
-def capacity(tokens_per_group: int, experts: int, cfg: Top2Config) -> int:
-    """Per-group expert capacity C = ceil(2 S cf / E), at least min_capacity (and at most S)."""
-    c = -(-int(2 * tokens_per_group * cfg.capacity_factor) // experts)
+POLICIES = ("all", "random", "sampling")
+NORMALIZE = ("before_drop", "after_drop", "none")
+BALANCE = ("top1", "all")
+ROUTINGS = ("token_choice", "expert_choice", "forced_uniform")
+
+
+def check(cfg: GatingConfig) -> None:
+    """A ValueError naming the first bad field of `cfg`."""
+    for field, value, allowed in (("second_policy", cfg.second_policy, POLICIES),
+                                  ("normalize", cfg.normalize, NORMALIZE), ("balance", cfg.balance, BALANCE),
+                                  ("routing", cfg.routing, ROUTINGS)):
+        if value not in allowed:
+            raise ValueError(f"GatingConfig.{field}={value!r}; expected one of {allowed}")
+    if not isinstance(cfg.k, int) or cfg.k < 1:
+        raise ValueError(f"GatingConfig.k={cfg.k!r}; expected a positive int (experts per token)")
+    for field in ("capacity_factor", "eval_capacity_factor"):
+        v = getattr(cfg, field)
+        if v is not None and not v > 0:
+            raise ValueError(f"GatingConfig.{field}={v!r}; expected a positive number")
+
+
+def capacity(tokens_per_group: int, experts: int, cfg: GatingConfig, train: bool = True) -> int:
+    """Per-group expert capacity C = ceil(k S cf / E), at least min_capacity and at most S."""
+    cf = cfg.capacity_factor if train or cfg.eval_capacity_factor is None else cfg.eval_capacity_factor
+    c = -(-int(round(cfg.k * tokens_per_group * cf * 1e6)) // (experts * 1_000_000))
     return int(min(max(c, cfg.min_capacity), tokens_per_group))
 
 
-def top2_gating(logits_GSE: jax.Array, cfg: Top2Config, rng: Optional[jax.Array] = None) -> tuple:
-    """(combine_GSEC, dispatch_GSEC, aux_loss, stats) for router logits [G, S, E].
+def z_loss(logits_GSE: jax.Array) -> jax.Array:
+    """Router z-loss (ST-MoE): mean squared log-partition, pushing router logits to stay small."""
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_GSE.astype(jnp.float32), axis=-1)))
 
-    aux_loss is GShard's mean_e(c_e / S * m_e) scaled by E^2, so perfectly uniform routing gives 1.0.
-    stats: fraction of tokens dropped per choice, expert usage (fraction of kept assignments per expert),
-    and router confidence (mean top-1 gate).
-    """
-    if cfg.second_policy not in ("all", "random", "sampling"):
-        raise ValueError(f"second_policy={cfg.second_policy!r}; expected 'all', 'random' or 'sampling'")
-    if cfg.normalize not in ("before_drop", "after_drop", "none"):
-        raise ValueError(f"normalize={cfg.normalize!r}; expected 'before_drop', 'after_drop' or 'none'")
-    if cfg.second_policy != "all" and rng is None:
-        raise ValueError(f"second_policy={cfg.second_policy!r} draws random numbers: pass rng")
+
+class Choice(NamedTuple):
+    """Each token's k experts, in priority order."""
+    experts_GSK: jax.Array  # int32 expert ids
+    gates_GSK: jax.Array  # float32 weights (0 where a choice was dropped by the second-choice policy)
+    valid_GSK: jax.Array  # bool: the choice survived the second-choice policy
+    probs_GSE: jax.Array  # float32 router softmax
+
+
+class Routing(NamedTuple):
+    combine_GSEC: jax.Array  # float32 weight of token s's slot c at expert e (0 if none)
+    dispatch_GSEC: jax.Array  # bool: token s occupies slot c of expert e
+    aux_loss: jax.Array  # load-balancing loss, E^2-scaled so uniform routing gives 1.0
+    stats: dict  # dropped (overall), dropped_per_choice [k], expert_usage [E], router_confidence
+
+
+def _aux_loss(probs_GSE: jax.Array, experts_GSK: jax.Array, cfg: GatingConfig) -> jax.Array:
+    E = probs_GSE.shape[-1]
+    chosen = experts_GSK[..., :1] if cfg.balance == "top1" else experts_GSK
+    density_GE = jnp.mean(jnp.sum(jax.nn.one_hot(chosen, E, dtype=jnp.float32), axis=-2), axis=1) / chosen.shape[-1]
+    return jnp.mean(density_GE * jnp.mean(probs_GSE, axis=1)) * E * E
+
+
+def choose(logits_GSE: jax.Array, cfg: GatingConfig, rng: Optional[jax.Array] = None) -> Choice:
+    """Top-k experts per token under the second-choice policy, gates normalised if cfg says before_drop."""
+    check(cfg)
     G, S, E = logits_GSE.shape
-    C = capacity(S, E, cfg)
-    gates_GSE = jax.nn.softmax(logits_GSE.astype(jnp.float32), axis=-1)
-
-    e1_GS = jnp.argmax(gates_GSE, axis=-1)
-    mask1_GSE = jax.nn.one_hot(e1_GS, E, dtype=jnp.float32)
-    g1_GS = jnp.sum(gates_GSE * mask1_GSE, axis=-1)
-    rest_GSE = gates_GSE * (1.0 - mask1_GSE)
-    if cfg.second_policy == "sampling":
-        e2_GS = jax.random.categorical(rng, jnp.log(jnp.maximum(rest_GSE, 1e-30)), axis=-1)
+    k = cfg.k
+    if k > E:
+        raise ValueError(f"GatingConfig.k={k} but the router has only {E} experts; expected k <= {E}")
+    probs_GSE = jax.nn.softmax(logits_GSE.astype(jnp.float32), axis=-1)
+    random_later = k > 1 and cfg.second_policy != "all" and cfg.routing == "token_choice"
+    if random_later and rng is None:
+        raise ValueError(f"second_policy={cfg.second_policy!r} draws random numbers: pass rng "
+                         f"(or use second_policy='all')")
+    if cfg.routing == "forced_uniform":
+        # Token s's j-th choice is expert (s k + j) mod E: every expert receives the same number of tokens.
+        experts_GSK = jnp.broadcast_to((jnp.arange(S)[:, None] * k + jnp.arange(k)) % E, (G, S, k)).astype(jnp.int32)
+        gates_GSK = jnp.take_along_axis(probs_GSE, experts_GSK, axis=-1)
+    elif cfg.second_policy == "sampling" and k > 1:
+        first = jnp.argmax(probs_GSE, axis=-1)
+        gumbel = jax.random.gumbel(rng, probs_GSE.shape)
+        score = jnp.where(jax.nn.one_hot(first, E, dtype=bool), -jnp.inf, jnp.log(jnp.maximum(probs_GSE, 1e-30)) + gumbel)
+        rest = jax.lax.top_k(score, k - 1)[1]
+        experts_GSK = jnp.concatenate([first[..., None], rest], axis=-1).astype(jnp.int32)
+        gates_GSK = jnp.take_along_axis(probs_GSE, experts_GSK, axis=-1)
     else:
-        e2_GS = jnp.argmax(rest_GSE, axis=-1)
-    mask2_GSE = jax.nn.one_hot(e2_GS, E, dtype=jnp.float32)
-    g2_GS = jnp.sum(gates_GSE * mask2_GSE, axis=-1)
+        gates_GSK, experts_GSK = jax.lax.top_k(probs_GSE, k)
+        experts_GSK = experts_GSK.astype(jnp.int32)
+    if cfg.normalize == "before_drop" and k > 1:
+        gates_GSK = gates_GSK / jnp.sum(gates_GSK, axis=-1, keepdims=True)
+    valid_GSK = jnp.ones((G, S, k), bool)
+    if random_later and cfg.second_policy == "random":
+        u = jax.random.uniform(rng, (G, S, k - 1))
+        keep = k * gates_GSK[..., 1:] > jnp.maximum(cfg.second_threshold, u)
+        valid_GSK = jnp.concatenate([valid_GSK[..., :1], keep], axis=-1)
+    return Choice(experts_GSK, jnp.where(valid_GSK, gates_GSK, 0.0), valid_GSK, probs_GSE)
 
-    # Aux loss from the top-1 assignment (before any drop), scaled so uniform routing gives 1.0.
-    density_GE = jnp.mean(mask1_GSE, axis=1)
-    proxy_GE = jnp.mean(gates_GSE, axis=1)
-    aux_loss = jnp.mean(density_GE * proxy_GE) * E * E
 
-    if cfg.normalize == "before_drop":
-        total = g1_GS + g2_GS
-        g1_GS, g2_GS = g1_GS / total, g2_GS / total
-    if cfg.second_policy == "random":
-        u_GS = jax.random.uniform(rng, g2_GS.shape)
-        mask2_GSE = mask2_GSE * (2.0 * g2_GS > jnp.maximum(cfg.second_threshold, u_GS))[..., None]
+def with_capacity(choice: Choice, C: int, cfg: GatingConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(combine_GSEC, kept_GSK, slots_GSK): slots handed out choice by choice, so earlier choices win."""
+    E = choice.probs_GSE.shape[-1]
+    k = choice.experts_GSK.shape[-1]
+    taken_GE = jnp.zeros(choice.probs_GSE.shape[:1] + (E,), jnp.float32)
+    kept, slots = [], []
+    for j in range(k):
+        mask_GSE = jax.nn.one_hot(choice.experts_GSK[..., j], E, dtype=jnp.float32) * choice.valid_GSK[..., j, None]
+        pos_GSE = jnp.cumsum(mask_GSE, axis=1) - mask_GSE + taken_GE[:, None, :]
+        keep_GSE = mask_GSE * (pos_GSE < C)
+        taken_GE = taken_GE + jnp.sum(keep_GSE, axis=1)
+        kept.append(jnp.sum(keep_GSE, axis=-1) > 0)
+        slots.append(jnp.sum(pos_GSE * mask_GSE, axis=-1).astype(jnp.int32))
+    kept_GSK, slots_GSK = jnp.stack(kept, -1), jnp.stack(slots, -1)
+    gates_GSK = jnp.where(kept_GSK, choice.gates_GSK, 0.0)
+    if cfg.normalize == "after_drop" and k > 1:
+        total = jnp.sum(gates_GSK, axis=-1, keepdims=True)
+        gates_GSK = gates_GSK / jnp.where(total > 0, total, 1.0)
+    one_hot_GSKE = jax.nn.one_hot(choice.experts_GSK, E, dtype=jnp.float32) * kept_GSK[..., None]
+    slot_GSKC = jax.nn.one_hot(slots_GSK, C, dtype=jnp.float32)
+    combine_GSEC = jnp.einsum("GSK,GSKE,GSKC->GSEC", gates_GSK, one_hot_GSKE, slot_GSKC)
+    return combine_GSEC, kept_GSK, slots_GSK
 
-    # Positions in each expert's buffer: exclusive cumsum over S; top-2 positions start after all top-1s.
-    pos1_GSE = jnp.cumsum(mask1_GSE, axis=1) - mask1_GSE
-    keep1_GSE = mask1_GSE * (pos1_GSE < C)
-    count1_GE = jnp.sum(keep1_GSE, axis=1)
-    pos2_GSE = jnp.cumsum(mask2_GSE, axis=1) - mask2_GSE + count1_GE[:, None, :]
-    keep2_GSE = mask2_GSE * (pos2_GSE < C)
 
-    kept1_GS, kept2_GS = jnp.sum(keep1_GSE, axis=-1), jnp.sum(keep2_GSE, axis=-1)
-    g1_GS, g2_GS = g1_GS * kept1_GS, g2_GS * kept2_GS
-    if cfg.normalize == "after_drop":
-        total = jnp.where(g1_GS + g2_GS > 0, g1_GS + g2_GS, 1.0)
-        g1_GS, g2_GS = g1_GS / total, g2_GS / total
+def _stats(probs_GSE: jax.Array, combine_GSEC: jax.Array, valid_GSK: jax.Array, kept_GSK: jax.Array) -> dict:
+    routed_GSE = jnp.sum(combine_GSEC > 0, axis=-1).astype(jnp.float32)
+    used_E = jnp.sum(routed_GSE, axis=(0, 1))
+    wanted_K = jnp.maximum(jnp.sum(valid_GSK, axis=(0, 1)), 1)
+    return {"dropped": 1.0 - jnp.sum(kept_GSK) / jnp.maximum(jnp.sum(valid_GSK), 1),
+            "dropped_per_choice": 1.0 - jnp.sum(kept_GSK, axis=(0, 1)) / wanted_K,
+            "expert_usage": used_E / jnp.maximum(jnp.sum(used_E), 1.0),
+            "router_confidence": jnp.mean(jnp.max(probs_GSE, axis=-1))}
 
-    slot1_GSC = jax.nn.one_hot(jnp.sum(pos1_GSE * keep1_GSE, axis=-1).astype(jnp.int32), C)
-    slot2_GSC = jax.nn.one_hot(jnp.sum(pos2_GSE * keep2_GSE, axis=-1).astype(jnp.int32), C)
-    combine_GSEC = (g1_GS[..., None, None] * keep1_GSE[..., None] * slot1_GSC[:, :, None, :]
-                    + g2_GS[..., None, None] * keep2_GSE[..., None] * slot2_GSC[:, :, None, :])
-    dispatch_GSEC = combine_GSEC > 0
-    kept_GE = jnp.sum(keep1_GSE + keep2_GSE, axis=1)
-    stats = {
-        "dropped_top1": 1.0 - jnp.mean(kept1_GS),
-        "dropped_top2": 1.0 - jnp.sum(keep2_GSE) / jnp.maximum(jnp.sum(mask2_GSE), 1.0),
-        "expert_usage": jnp.sum(kept_GE, axis=0) / jnp.maximum(jnp.sum(kept_GE), 1.0),
-        "router_confidence": jnp.mean(jnp.max(gates_GSE, axis=-1)),
-    }
-    return combine_GSEC, dispatch_GSEC, aux_loss, stats
+
+def expert_choice(probs_GSE: jax.Array, C: int) -> tuple[jax.Array, jax.Array]:
+    """(combine_GSEC, picked_GSE): each expert takes its C highest-scoring tokens of the group."""
+    S = probs_GSE.shape[1]
+    gates_GEC, tokens_GEC = jax.lax.top_k(jnp.swapaxes(probs_GSE, 1, 2), C)
+    picked_GECS = jax.nn.one_hot(tokens_GEC, S, dtype=jnp.float32)
+    combine_GSEC = jnp.einsum("GEC,GECS->GSEC", gates_GEC, picked_GECS)
+    return combine_GSEC, jnp.sum(picked_GECS, axis=2).swapaxes(1, 2) > 0
+
+
+def route(logits_GSE: jax.Array, cfg: GatingConfig, rng: Optional[jax.Array] = None,
+          train: bool = True) -> Routing:
+    """Dispatch mask, combine weights, aux loss and drop statistics for router logits [G, S, E]."""
+    check(cfg)
+    G, S, E = logits_GSE.shape
+    C = capacity(S, E, cfg, train)
+    if cfg.routing == "expert_choice":
+        probs_GSE = jax.nn.softmax(logits_GSE.astype(jnp.float32), axis=-1)
+        combine_GSEC, picked_GSE = expert_choice(probs_GSE, C)
+        chosen_GS = jnp.sum(picked_GSE, axis=-1)
+        stats = {"dropped": jnp.mean(chosen_GS == 0),  # tokens no expert took
+                 "dropped_per_choice": jnp.mean(chosen_GS == 0)[None],
+                 "expert_usage": jnp.full((E,), 1.0 / E),
+                 "router_confidence": jnp.mean(jnp.max(probs_GSE, axis=-1))}
+        return Routing(combine_GSEC, combine_GSEC > 0, jnp.zeros((), jnp.float32), stats)
+    choice = choose(logits_GSE, cfg, rng)
+    combine_GSEC, kept_GSK, _ = with_capacity(choice, C, cfg)
+    aux = _aux_loss(choice.probs_GSE, choice.experts_GSK, cfg)
+    return Routing(combine_GSEC, combine_GSEC > 0, aux, _stats(choice.probs_GSE, combine_GSEC,
+                                                                choice.valid_GSK, kept_GSK))
+
+
+def top2_gating(logits_GSE: jax.Array, cfg: GatingConfig = GatingConfig(),
+                rng: Optional[jax.Array] = None) -> Routing:
+    """GShard's top-2 gating (paper Algorithm 1): :func:`route` with k = 2."""
+    return route(logits_GSE, dataclasses.replace(cfg, k=2), rng)
