@@ -67,6 +67,12 @@ def active(mesh: Mesh, backend: str):
         _ACTIVE.reset(token)
 
 
+def current_mesh() -> "Mesh | None":
+    """The mesh being partitioned over (either backend), or None outside gs.partition."""
+    ctx = _ACTIVE.get()
+    return None if ctx is None else ctx[0]
+
+
 def _annotate(x, resolve, what: str):
     ctx = _ACTIVE.get()
     if ctx is None:

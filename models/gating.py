@@ -65,9 +65,16 @@ def capacity(tokens_per_group: int, experts: int, cfg: GatingConfig, train: bool
     return int(min(max(c, cfg.min_capacity), tokens_per_group))
 
 
-def z_loss(logits_GSE: jax.Array) -> jax.Array:
-    """Router z-loss (ST-MoE): mean squared log-partition, pushing router logits to stay small."""
-    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_GSE.astype(jnp.float32), axis=-1)))
+def masked_mean(x: jax.Array, mask: Optional[jax.Array], axis=None) -> jax.Array:
+    if mask is None:
+        return jnp.mean(x, axis=axis)
+    m = jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim)), x.shape).astype(x.dtype)
+    return jnp.sum(x * m, axis=axis) / jnp.maximum(jnp.sum(m, axis=axis), 1.0)
+
+
+def z_loss(logits_GSE: jax.Array, mask_GS: Optional[jax.Array] = None) -> jax.Array:
+    """Router z-loss (ST-MoE): mean squared log-partition over real tokens, keeping router logits small."""
+    return masked_mean(jnp.square(jax.nn.logsumexp(logits_GSE.astype(jnp.float32), axis=-1)), mask_GS)
 
 
 class Choice(NamedTuple):
@@ -85,15 +92,21 @@ class Routing(NamedTuple):
     stats: dict  # dropped (overall), dropped_per_choice [k], expert_usage [E], router_confidence
 
 
-def _aux_loss(probs_GSE: jax.Array, experts_GSK: jax.Array, cfg: GatingConfig) -> jax.Array:
+def balance_loss(probs_GSE: jax.Array, experts_GSK: jax.Array, cfg: GatingConfig,
+              mask_GS: Optional[jax.Array]) -> jax.Array:
     E = probs_GSE.shape[-1]
     chosen = experts_GSK[..., :1] if cfg.balance == "top1" else experts_GSK
-    density_GE = jnp.mean(jnp.sum(jax.nn.one_hot(chosen, E, dtype=jnp.float32), axis=-2), axis=1) / chosen.shape[-1]
-    return jnp.mean(density_GE * jnp.mean(probs_GSE, axis=1)) * E * E
+    assigned_GSE = jnp.sum(jax.nn.one_hot(chosen, E, dtype=jnp.float32), axis=-2) / chosen.shape[-1]
+    density_GE = masked_mean(assigned_GSE, mask_GS, axis=1)
+    return jnp.mean(density_GE * masked_mean(probs_GSE, mask_GS, axis=1)) * E * E
 
 
-def choose(logits_GSE: jax.Array, cfg: GatingConfig, rng: Optional[jax.Array] = None) -> Choice:
-    """Top-k experts per token under the second-choice policy, gates normalised if cfg says before_drop."""
+def choose(logits_GSE: jax.Array, cfg: GatingConfig, rng: Optional[jax.Array] = None,
+           mask_GS: Optional[jax.Array] = None) -> Choice:
+    """Top-k experts per token under the second-choice policy, gates normalised if cfg says before_drop.
+
+    mask_GS marks real tokens; padding tokens get no valid choice.
+    """
     check(cfg)
     G, S, E = logits_GSE.shape
     k = cfg.k
@@ -125,6 +138,8 @@ def choose(logits_GSE: jax.Array, cfg: GatingConfig, rng: Optional[jax.Array] = 
         u = jax.random.uniform(rng, (G, S, k - 1))
         keep = k * gates_GSK[..., 1:] > jnp.maximum(cfg.second_threshold, u)
         valid_GSK = jnp.concatenate([valid_GSK[..., :1], keep], axis=-1)
+    if mask_GS is not None:
+        valid_GSK = valid_GSK & mask_GS[..., None]
     return Choice(experts_GSK, jnp.where(valid_GSK, gates_GSK, 0.0), valid_GSK, probs_GSE)
 
 
@@ -152,14 +167,15 @@ def with_capacity(choice: Choice, C: int, cfg: GatingConfig) -> tuple[jax.Array,
     return combine_GSEC, kept_GSK, slots_GSK
 
 
-def _stats(probs_GSE: jax.Array, combine_GSEC: jax.Array, valid_GSK: jax.Array, kept_GSK: jax.Array) -> dict:
+def _stats(probs_GSE: jax.Array, combine_GSEC: jax.Array, valid_GSK: jax.Array, kept_GSK: jax.Array,
+           mask_GS: Optional[jax.Array]) -> dict:
     routed_GSE = jnp.sum(combine_GSEC > 0, axis=-1).astype(jnp.float32)
     used_E = jnp.sum(routed_GSE, axis=(0, 1))
     wanted_K = jnp.maximum(jnp.sum(valid_GSK, axis=(0, 1)), 1)
     return {"dropped": 1.0 - jnp.sum(kept_GSK) / jnp.maximum(jnp.sum(valid_GSK), 1),
             "dropped_per_choice": 1.0 - jnp.sum(kept_GSK, axis=(0, 1)) / wanted_K,
             "expert_usage": used_E / jnp.maximum(jnp.sum(used_E), 1.0),
-            "router_confidence": jnp.mean(jnp.max(probs_GSE, axis=-1))}
+            "router_confidence": masked_mean(jnp.max(probs_GSE, axis=-1), mask_GS)}
 
 
 def expert_choice(probs_GSE: jax.Array, C: int) -> tuple[jax.Array, jax.Array]:
@@ -172,25 +188,30 @@ def expert_choice(probs_GSE: jax.Array, C: int) -> tuple[jax.Array, jax.Array]:
 
 
 def route(logits_GSE: jax.Array, cfg: GatingConfig, rng: Optional[jax.Array] = None,
-          train: bool = True) -> Routing:
-    """Dispatch mask, combine weights, aux loss and drop statistics for router logits [G, S, E]."""
+          train: bool = True, mask_GS: Optional[jax.Array] = None) -> Routing:
+    """Dispatch mask, combine weights, aux loss and drop statistics for router logits [G, S, E].
+
+    mask_GS marks real tokens (groups padded to a fixed size): padding takes no slot and no part in
+    the losses or statistics.
+    """
     check(cfg)
     G, S, E = logits_GSE.shape
     C = capacity(S, E, cfg, train)
     if cfg.routing == "expert_choice":
         probs_GSE = jax.nn.softmax(logits_GSE.astype(jnp.float32), axis=-1)
-        combine_GSEC, picked_GSE = expert_choice(probs_GSE, C)
-        chosen_GS = jnp.sum(picked_GSE, axis=-1)
-        stats = {"dropped": jnp.mean(chosen_GS == 0),  # tokens no expert took
-                 "dropped_per_choice": jnp.mean(chosen_GS == 0)[None],
+        scores_GSE = probs_GSE if mask_GS is None else jnp.where(mask_GS[..., None], probs_GSE, -1.0)
+        combine_GSEC, picked_GSE = expert_choice(scores_GSE, C)
+        combine_GSEC = jnp.maximum(combine_GSEC, 0.0)
+        unrouted = masked_mean((jnp.sum(picked_GSE, axis=-1) == 0).astype(jnp.float32), mask_GS)  # no expert took it
+        stats = {"dropped": unrouted, "dropped_per_choice": unrouted[None],
                  "expert_usage": jnp.full((E,), 1.0 / E),
-                 "router_confidence": jnp.mean(jnp.max(probs_GSE, axis=-1))}
+                 "router_confidence": masked_mean(jnp.max(probs_GSE, axis=-1), mask_GS)}
         return Routing(combine_GSEC, combine_GSEC > 0, jnp.zeros((), jnp.float32), stats)
-    choice = choose(logits_GSE, cfg, rng)
+    choice = choose(logits_GSE, cfg, rng, mask_GS)
     combine_GSEC, kept_GSK, _ = with_capacity(choice, C, cfg)
-    aux = _aux_loss(choice.probs_GSE, choice.experts_GSK, cfg)
+    aux = balance_loss(choice.probs_GSE, choice.experts_GSK, cfg, mask_GS)
     return Routing(combine_GSEC, combine_GSEC > 0, aux, _stats(choice.probs_GSE, combine_GSEC,
-                                                                choice.valid_GSK, kept_GSK))
+                                                                choice.valid_GSK, kept_GSK, mask_GS))
 
 
 def top2_gating(logits_GSE: jax.Array, cfg: GatingConfig = GatingConfig(),

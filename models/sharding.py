@@ -4,7 +4,8 @@ Model code names the dims of every weight and activation with logical names
 (``batch``, ``length``, ``embed``, ``heads``, ``kv``, ``mlp``, ``expert``,
 ``vocab``, ...) and calls :func:`constrain`; a config's rules table maps each
 logical name to a mesh axis, a tuple of axes, or None (not split). The same
-model then runs data-, expert- and model-parallel by changing only the table.
+model then runs data-, expert- and model-parallel by changing only the table,
+and one table serves every mesh: axes the mesh lacks are dropped from it.
 Mapping is Flax's ``nn.logical_to_mesh_axes`` (a mesh axis already used by an
 earlier dim is skipped for later ones); the annotation is ``gs.shard``, so it
 is a no-op outside ``gs.partition`` and XLA's sharding constraint under
@@ -27,14 +28,31 @@ MeshAxes = Union[None, str, tuple[str, ...]]
 Rules = Sequence[tuple[str, MeshAxes]]
 
 
-def mesh_spec(names: Sequence[Optional[str]], rules: Rules) -> tuple[MeshAxes, ...]:
-    """Per dim, the mesh axes that the logical `names` map to under `rules`."""
+def for_mesh(rules: Rules, mesh_axes: Optional[Sequence[str]]) -> tuple[tuple[str, MeshAxes], ...]:
+    """`rules` with the mesh axes `mesh_axes` lacks removed, so one table serves every mesh shape."""
+    if mesh_axes is None:
+        return tuple(rules)
+    out = []
+    for name, axes in rules:
+        kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a in mesh_axes)
+        out.append((name, kept[0] if len(kept) == 1 else (kept or None)))
+    return tuple(out)
+
+
+def mesh_spec(names: Sequence[Optional[str]], rules: Rules,
+              mesh_axes: Optional[Sequence[str]] = None) -> tuple[MeshAxes, ...]:
+    """Per dim, the mesh axes that the logical `names` map to under `rules` (on a mesh with `mesh_axes`)."""
     known = {name for name, _ in rules}
     unknown = [n for n in names if n is not None and n not in known]
     if unknown:
         raise ValueError(f"logical axis names {unknown} have no entry in the rules table {list(rules)}; "
                          f"add a rule (name, mesh axis or None) for each")
-    return tuple(nn.logical_to_mesh_axes(tuple(names), tuple(rules)))
+    return tuple(nn.logical_to_mesh_axes(tuple(names), for_mesh(rules, mesh_axes)))
+
+
+def axes_of(entry: MeshAxes) -> tuple[str, ...]:
+    """A spec entry as a tuple of mesh axis names."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def constrain(x: jax.Array, names: Sequence[Optional[str]], rules: Rules) -> jax.Array:
@@ -42,4 +60,7 @@ def constrain(x: jax.Array, names: Sequence[Optional[str]], rules: Rules) -> jax
     if len(names) != x.ndim:
         raise ValueError(f"constrain: {len(names)} logical names {tuple(names)} for an array of shape "
                          f"{tuple(x.shape)}; expected one name (or None) per dim")
-    return gs.shard(x, mesh_spec(names, rules))
+    mesh = gs.annotations.current_mesh()
+    if mesh is None:
+        return x
+    return gs.shard(x, mesh_spec(names, rules, mesh.axis_names))

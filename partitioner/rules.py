@@ -245,6 +245,26 @@ def split_rule(eqn: Eqn) -> Rule:
     return Rule("split", (whole,), pieces, sizes, replicated=rep)
 
 
+def stack_rule(eqn: Eqn) -> Rule:
+    """jnp.stack: the pieces' dims pass through; the new axis (one entry per piece) stays whole."""
+    shape = _shape(eqn.outvars[0])
+    axis = eqn.params["axis"] % len(shape)
+    n = FactorNames()
+    dims = [(n.new(s),) for s in shape]
+    piece = tuple(dims[:axis] + dims[axis + 1:])
+    return Rule("stack", (piece,) * len(eqn.invars), (tuple(dims),), n.sizes, replicated=frozenset(dims[axis]))
+
+
+def unstack_rule(eqn: Eqn) -> Rule:
+    """The inverse of stack: the unstacked axis stays whole, the other dims pass through to every piece."""
+    shape = _shape(eqn.invars[0])
+    axis = eqn.params["axis"] % len(shape)
+    n = FactorNames()
+    dims = [(n.new(s),) for s in shape]
+    piece = tuple(dims[:axis] + dims[axis + 1:])
+    return Rule("unstack", (tuple(dims),), (piece,) * len(eqn.outvars), n.sizes, replicated=frozenset(dims[axis]))
+
+
 def gather_rule(eqn: Eqn) -> Rule:
     """Index-parallel batch dims, pass-through operand dims, and trivially sliced indexed dims.
 
@@ -361,6 +381,8 @@ RULES: dict[str, Callable[[Eqn], Optional[Rule]]] = {
     "dynamic_slice": dynamic_slice_rule,
     "dynamic_update_slice": lambda eqn: reorder.update_rule(eqn, dynamic_update_slice_rule),
     "split": split_rule,
+    "stack": stack_rule,
+    "unstack": unstack_rule,
     "gather": gather_rule,
     "scatter-add": scatter_rule,
     "scatter_add": scatter_rule,

@@ -96,6 +96,23 @@ def test_call_like_primitives(mesh, rng):
     check(fn, [randn(rng, 8, 4), randn(rng, 4, 8)], mesh, seed=3)
 
 
+STACKS = [
+    lambda x, y: jnp.stack([x, y, x * y], axis=-1),
+    lambda x, y: jnp.stack([x, y], axis=0).sum(0),
+    lambda x, y: jnp.stack(jnp.unstack(x + y, axis=1), axis=0),
+    lambda x, y: sum(jnp.unstack(x * y, axis=0)),
+]
+
+
+@pytest.mark.parametrize("i", range(len(STACKS)))
+def test_stack_and_unstack_have_rules(mesh, rng, i):
+    """jnp.stack / jnp.unstack are the stack / unstack primitives in JAX 0.10: the new axis stays whole,
+    the other dims keep their splits, and nothing falls back."""
+    args = [randn(rng, 8, 4), randn(rng, 8, 4)]
+    check(STACKS[i], args, mesh, seed=i)
+    assert gs.explain(STACKS[i], mesh, *args).fallbacks == []
+
+
 def test_fallback_is_correct_and_reported(rng):
     mesh = get_mesh("8")
 
