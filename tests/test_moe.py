@@ -1,0 +1,154 @@
+"""The MoE layer (models/moe.py, models/dropless.py): dropless equals capacity routing, and both partition
+faithfully with the collectives GShard predicts."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gshard_jax as gs
+from gshard_jax.models.gating import GatingConfig
+from gshard_jax.models.moe import MoeConfig, MoeFFN
+from helpers import assert_close, assert_report_matches_hlo, hlo_stats
+
+RULES = (("batch", ("data", "expert")), ("expert", "expert"), ("group", ("data", "expert")), ("group", "data"),
+         ("embed", None), ("mlp", "model"))
+AMPLE = GatingConfig(k=2, capacity_factor=8.0, min_capacity=1, second_policy="all")
+
+
+def layer(rng_seed=1, shape=(4, 16, 24), **kw):
+    cfg = MoeConfig(num_experts=8, d_ff=32, gating=kw.pop("gating", AMPLE), **kw)
+    m = MoeFFN(cfg, RULES)
+    x = jax.random.normal(jax.random.key(0), shape)
+    return m, m.init(jax.random.key(rng_seed), x), x
+
+
+def loss(m):
+    def f(params, x):
+        y, losses, _ = m.apply(params, x)
+        return jnp.sum(y ** 2) + 0.01 * losses["aux_loss"] + 0.001 * losses["z_loss"]
+    return f
+
+
+@pytest.mark.parametrize("activation", ["relu", "swiglu"])
+@pytest.mark.parametrize("k,normalize", [(1, "none"), (2, "before_drop"), (8, "after_drop")])
+def test_dropless_equals_capacity_routing_with_ample_capacity(activation, k, normalize):
+    g = GatingConfig(k=k, capacity_factor=8.0, min_capacity=1, second_policy="all", normalize=normalize)
+    m, params, x = layer(gating=g, activation=activation)
+    md = MoeFFN(dataclasses.replace(m.cfg, dispatch="dropless"), RULES)
+    y, losses, stats = m.apply(params, x)
+    yd, losses_d, stats_d = md.apply(params, x)
+    assert float(stats["dropped"]) == 0.0 and float(stats_d["dropped"]) == 0.0
+    assert_close(yd, y, rtol=1e-5, atol=1e-5)
+    assert_close(losses_d, losses)
+    assert_close(jax.grad(loss(md))(params, x), jax.grad(loss(m))(params, x), rtol=1e-4, atol=1e-5)
+
+
+def test_groups_padded_to_fit_leave_the_result_unchanged():
+    """32 tokens in groups of 5 (7 groups, 3 padding tokens): padding takes no slot and no loss share."""
+    m, params, x = layer(shape=(2, 16, 24), group_size=5)
+    y, losses, _ = m.apply(params, x)
+    ref, ref_losses, _ = MoeFFN(dataclasses.replace(m.cfg, group_size=None, dispatch="dropless"), RULES).apply(params, x)
+    assert_close(y, ref)
+    np.testing.assert_allclose(losses["z_loss"], ref_losses["z_loss"], rtol=1e-5)
+
+
+def test_capacity_drops_send_tokens_through_as_zero():
+    g = GatingConfig(k=1, capacity_factor=0.25, min_capacity=1, normalize="none")
+    m, params, x = layer(gating=g)
+    y, _, stats = m.apply(params, x)
+    assert float(stats["dropped"]) > 0.3
+    zero_rows = np.asarray(jnp.all(y == 0, axis=-1)).mean()
+    np.testing.assert_allclose(zero_rows, float(stats["dropped"]), atol=1e-6)
+
+
+@pytest.mark.parametrize("routing", ["expert_choice", "forced_uniform"])
+def test_other_routings_run_in_the_layer(routing):
+    g = GatingConfig(k=2, capacity_factor=1.0, min_capacity=1, second_policy="all", routing=routing)
+    m, params, x = layer(gating=g)
+    y, _, stats = m.apply(params, x)
+    assert y.shape == x.shape and bool(jnp.all(jnp.isfinite(y)))
+    np.testing.assert_allclose(stats["expert_usage"], np.full(8, 1 / 8), rtol=1e-6)
+
+
+def test_jitter_and_random_routing_draw_from_the_gating_rng_only_in_training():
+    g = GatingConfig(k=2, capacity_factor=8.0, min_capacity=1, second_policy="random")
+    m, params, x = layer(gating=g, router_jitter=0.1)
+    a = m.apply(params, x, train=True, rngs={"gating": jax.random.key(1)})[0]
+    b = m.apply(params, x, train=True, rngs={"gating": jax.random.key(2)})[0]
+    assert float(jnp.max(jnp.abs(a - b))) > 0
+    e1, e2 = m.apply(params, x)[0], m.apply(params, x)[0]
+    np.testing.assert_array_equal(e1, e2)
+    with pytest.raises(Exception, match="gating"):
+        m.apply(params, x, train=True)
+
+
+def test_bad_layer_configs_are_named():
+    with pytest.raises(ValueError, match="MoeConfig.activation"):
+        layer(activation="gelu")
+    with pytest.raises(ValueError, match="MoeConfig.exchange"):
+        layer(dispatch="dropless", exchange="gossip")
+    with pytest.raises(ValueError, match="expert_choice"):
+        layer(dispatch="dropless", gating=dataclasses.replace(AMPLE, routing="expert_choice"))
+
+
+# --------------------------------------------------------------------------- partitioned
+
+MESHES = {"e8": {"expert": 8}, "d2e4": {"data": 2, "expert": 4}, "d2e2m2": {"data": 2, "expert": 2, "model": 2}}
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_einsum_layer_partitions_with_exactly_two_all_to_alls(mesh_name):
+    """GShard's prediction: G split in, E split between, one all-to-all each way in the forward pass;
+    forward and grad equal the unpartitioned layer and explain() equals the compiled HLO."""
+    mesh = gs.make_mesh(MESHES[mesh_name])
+    g = GatingConfig(k=2, capacity_factor=2.0, min_capacity=1, second_policy="all")
+    m, params, x = layer(shape=(8, 16, 24), gating=g)
+    fwd = lambda p, x: m.apply(p, x)[0]
+    pf = gs.partition(fwd, mesh)
+    assert_close(pf(params, x), fwd(params, x))
+    stats = hlo_stats(pf, params, x)
+    assert stats["all-to-all"]["count"] == 2
+    expert_axis = "expert"
+    report = gs.explain(fwd, mesh, params, x)
+    assert report.fallbacks == []
+    assert [c.axes for r in report.rows for c in r.collectives if c.kind == "all-to-all"] == [(expert_axis,)] * 2
+    assert_report_matches_hlo(report, stats)
+    vg = jax.value_and_grad(loss(m))
+    pg = gs.partition(vg, mesh)
+    assert_close(pg(params, x), vg(params, x), rtol=1e-4, atol=1e-4)
+    assert_report_matches_hlo(gs.explain(vg, mesh, params, x), hlo_stats(pg, params, x))
+
+
+@pytest.mark.parametrize("exchange", ["all_to_all", "all_gather"])
+@pytest.mark.parametrize("mesh_name", ["e8", "d2e2m2"])
+def test_dropless_layer_partitions_under_expert_parallelism(exchange, mesh_name):
+    mesh = gs.make_mesh(MESHES[mesh_name])
+    m, params, x = layer(shape=(8, 16, 24), dispatch="dropless", exchange=exchange,
+                         gating=dataclasses.replace(AMPLE, capacity_factor=1.0))
+    vg = jax.value_and_grad(loss(m))
+    pg = gs.partition(vg, mesh)
+    assert_close(pg(params, x), vg(params, x), rtol=1e-4, atol=1e-4)
+    stats = hlo_stats(pg, params, x)
+    kind = "all-to-all" if exchange == "all_to_all" else "all-gather"
+    assert stats[kind]["count"] > 0
+    report = gs.explain(vg, mesh, params, x)
+    assert report.fallbacks == []
+    assert_report_matches_hlo(report, stats)
+    # Same numbers under XLA's partitioner.
+    assert_close(gs.partition(vg, mesh, backend="xla")(params, x), vg(params, x), rtol=1e-4, atol=1e-4)
+
+
+def test_dropless_peer_bound_counts_what_it_drops():
+    """A per-peer buffer smaller than the load drops assignments and says how many; no bound drops none."""
+    mesh = gs.make_mesh(MESHES["e8"])
+    skewed = GatingConfig(k=1, capacity_factor=1.0, min_capacity=1, normalize="none")
+    m, params, x = layer(shape=(8, 16, 24), dispatch="dropless", gating=skewed, peer_bound=0.5)
+    params = jax.tree_util.tree_map(lambda a: a, params)
+    params["params"]["router"]["kernel"] = params["params"]["router"]["kernel"].at[:, 0].add(5.0)
+    f = lambda p, x: m.apply(p, x)[2]["dropped"]
+    dropped = float(gs.partition(f, mesh)(params, x))
+    assert dropped > 0.3
+    unbounded = MoeFFN(dataclasses.replace(m.cfg, peer_bound=None), RULES)
+    assert float(gs.partition(lambda p, x: unbounded.apply(p, x)[2]["dropped"], mesh)(params, x)) == 0.0
