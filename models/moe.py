@@ -123,7 +123,7 @@ class MoeFFN(nn.Module):
         x_TM = x_BLM.reshape(T, M)
         if G * S != T:
             x_TM = jnp.pad(x_TM, ((0, G * S - T), (0, 0)))
-        mask_GS = (jnp.arange(G * S) < T).reshape(G, S)
+        mask_GS = (jnp.arange(G * S) < T).reshape(G, S) if G * S != T else None  # None: no padding
         x_GSM = constrain(x_TM.reshape(G, S, M).astype(self.dtype), ("group", None, "embed"), self.rules)
         logits_GSE = Router(cfg.num_experts, cfg.router_jitter, cfg.router_logit_cap, name="router")(x_GSM, train)
         logits_GSE = constrain(logits_GSE, ("group", None, None), self.rules)

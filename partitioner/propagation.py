@@ -62,13 +62,16 @@ class Constraint:
         return self.where.source if isinstance(self.where, Eqn) else str(self.where)
 
 
-def _link(a, b, name: str, where: object, stacked: int = 0) -> Constraint:
-    """a and b share every dim; with stacked=1, a has an extra leading dim (the scan dim) kept whole."""
+def _link(a, b, name: str, where: object, stacked: int = 0, stacked_b: bool = False) -> Constraint:
+    """a and b share every dim, and values flow from a to b; with stacked=1, a (b if stacked_b) has an
+    extra leading dim (the scan dim) kept whole."""
     names = F.FactorNames()
-    dims = tuple((names.new(s),) for s in b.shape)
-    lead = tuple((names.new(a.shape[0]),) for _ in range(stacked))
+    big, small = (b, a) if stacked_b else (a, b)
+    dims = tuple((names.new(s),) for s in small.shape)
+    lead = tuple((names.new(big.shape[0]),) for _ in range(stacked))
     rep = frozenset(f for (f,) in lead)
-    return Constraint(F.Rule("link", (lead + dims,), (dims,), names.sizes, replicated=rep), [a], [b], name, where)
+    ops = (dims, lead + dims) if stacked_b else (lead + dims, dims)
+    return Constraint(F.Rule("link", (ops[0],), (ops[1],), names.sizes, replicated=rep), [a], [b], name, where)
 
 
 def control_flow_links(e: Eqn) -> tuple[list[Constraint], list[Constraint]]:
@@ -86,7 +89,8 @@ def control_flow_links(e: Eqn) -> tuple[list[Constraint], list[Constraint]]:
             out.append(_link(cout, cin, tag + " carry", e))
             out.append(_link(cout, e.outvars[k], tag, e))
         for y_body, y_out in zip(body.outvars[nk:], e.outvars[nk:]):
-            out.append(_link(y_out, y_body, tag, e, stacked=1))
+            if isinstance(y_body, Value):
+                out.append(_link(y_body, y_out, tag, e, stacked=1, stacked_b=True))
     elif e.name == "while":
         cond, body = e.subs["cond"], e.subs["body"]
         cn, bn = e.params["cond_nconsts"], e.params["body_nconsts"]
@@ -195,13 +199,26 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                             f"{c.name} at {c.source or '?'} needs dim {d} whole ({c.rule.kind}), so the split "
                             f"over {'*'.join(whole[f])} stops there")
 
-    # Per constraint, indexed by direction (0 backward, 1 forward): the tensors it reads, fixed values first
-    # (`fixed` does not change while propagating), and the tensors it may change (values that are not fixed).
+    # Values linked through control flow to a fixed value (e.g. a scan's residual of an annotated weight, as
+    # the backward body sees it) carry its authority: they are read first, like fixed values.
+    pinned = set(fixed)
+    links = [c for c in cons if c.rule.kind == "link"]
+    grew = True
+    while grew:
+        grew = False
+        for c in links:
+            a, b = c.ins[0], c.outs[0]
+            if (a in pinned) != (b in pinned):
+                pinned.update((a, b))
+                grew = True
+
+    # Per constraint, indexed by direction (0 backward, 1 forward): the tensors it reads, pinned values first,
+    # and the tensors it may change (values that are not fixed; `fixed` does not change while propagating).
     for c in cons:
         n_in = len(c.ins)
         ins = [t for t in c.tensors[:n_in] if isinstance(t[0], Value)]
         outs = [t for t in c.tensors[n_in:] if isinstance(t[0], Value)]
-        c.reads = tuple([t for t in ts if t[0] in fixed] + [t for t in ts if t[0] not in fixed]
+        c.reads = tuple([t for t in ts if t[0] in pinned] + [t for t in ts if t[0] not in pinned]
                         for ts in (outs + ins, ins + outs))
         c.writes = tuple([t for t in ts if t[0] not in fixed] for ts in (ins, outs))
         c.late = c.name in LATE_BACKWARD

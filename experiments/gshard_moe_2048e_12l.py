@@ -1,0 +1,8 @@
+"""GShard MoE(2048E, 12L) (REFERENCE section A, Table 1): 2048 experts per MoE layer, 12 layers."""
+from gshard_jax.configs import gshard
+
+
+def get_config():
+    cfg = gshard(num_experts=2048, num_layers=12)
+    cfg.mesh.update(dict(data=1, expert=-1))  # experts over every device, as in the paper (E = cores)
+    return cfg

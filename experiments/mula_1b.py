@@ -1,0 +1,6 @@
+"""Mula-1B (REFERENCE section B): the dense member, 16 layers, hidden 2048, FFN 8192."""
+from gshard_jax.configs import mula
+
+
+def get_config():
+    return mula(num_layers=16, d_model=2048, num_heads=16, d_ff=8192)

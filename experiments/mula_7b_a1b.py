@@ -1,0 +1,8 @@
+"""Mula-7B-A1B (REFERENCE section B): 16 layers, hidden 2048, 64 SwiGLU experts of 1024, 8 chosen per token."""
+from gshard_jax.configs import mula
+
+
+def get_config():
+    cfg = mula(num_layers=16, d_model=2048, num_heads=16, d_ff=1024, num_experts=64)
+    cfg.mesh.update(dict(data=-1, expert=8))  # expert parallelism over 8 devices, data parallel beyond
+    return cfg

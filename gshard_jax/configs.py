@@ -1,0 +1,177 @@
+"""Experiment configs (ml-collections): the shared skeleton, the model families, and config -> model.
+
+An experiment file in ``experiments/`` defines ``get_config()`` returning a
+ConfigDict with ``model``, ``train``, ``mesh`` and ``debug`` sections; the
+builders here fill in the parts families share, so each file states only what
+makes it that experiment. ConfigDict fields are typed, so "off" values are 0
+(not None): ``model.moe.num_experts = 0`` is a dense model, ``group_size = 0``
+one group per sequence, ``peer_bound = 0`` no bound, ``router_logit_cap = 0``
+no cap, ``eval_capacity_factor = 0`` the training factor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from .models.gating import GatingConfig
+from .models.moe import MoeConfig
+from .models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
+
+ConfigDict = ml_collections.ConfigDict
+
+
+def train_defaults() -> ConfigDict:
+    """The training section (Mula's recipe, REFERENCE section B, at a small scale by default)."""
+    return ConfigDict(dict(
+        num_steps=1000,  # optimiser steps
+        batch_size=16,  # sequences per step (global)
+        seq_len=128,  # tokens per sequence
+        learning_rate=4e-4,  # peak, after linear warmup
+        min_learning_rate=4e-5,  # cosine decay floor
+        warmup_steps=100,  # linear warmup; gradient clipping starts after it
+        b1=0.9, b2=0.99, eps=1e-8,  # AdamW moments
+        weight_decay=0.1,  # on all params
+        clip_norm=1.0,  # global gradient norm clip (after warmup)
+        checkpoint_every=200,  # full checkpoint (params + optimiser), two newest kept
+        model_checkpoint_every=1000,  # params-only checkpoint, kept for good
+        log_every=10,  # metrics.jsonl / progress cadence
+        eval_every=100,  # held-out loss cadence
+        eval_batches=4,  # batches per held-out evaluation
+        seed=0,  # params, data order and routing randomness
+        nan_policy="halt",  # non-finite loss or grad norm: "halt" or "skip" the step
+    ))
+
+
+def skeleton(model: ConfigDict, mesh: dict, **train: Any) -> ConfigDict:
+    """A full experiment config around a model section."""
+    cfg = ConfigDict()
+    cfg.model = model
+    cfg.train = train_defaults()
+    cfg.train.update(train)
+    cfg.mesh = ConfigDict(dict(data=1, expert=1, model=1))  # mesh axis sizes (one may be -1: the rest)
+    cfg.mesh.update(mesh)
+    cfg.debug = ConfigDict(dict(nan_at_step=-1))  # inject a NaN loss at this step (-1: never)
+    return cfg
+
+
+def moe_section(num_experts: int = 0, d_ff: int = 0, activation: str = "relu", k: int = 2, **kw: Any) -> ConfigDict:
+    """model.moe: the MoE FFN and its gating (num_experts = 0: dense model)."""
+    sec = ConfigDict(dict(
+        num_experts=num_experts, d_ff=d_ff, activation=activation, k=k,
+        capacity_factor=2.0, eval_capacity_factor=0.0, min_capacity=4, second_policy="random",
+        second_threshold=0.0, normalize="before_drop", balance="top1", routing="token_choice",
+        group_size=0, num_groups=0, dispatch="einsum", exchange="all_to_all", peer_bound=0.0,
+        router_jitter=0.0, router_logit_cap=0.0))
+    sec.update(kw)
+    return sec
+
+
+def model_section(kind: str, moe: ConfigDict, **kw: Any) -> ConfigDict:
+    """model: architecture ("decoder_lm" or "encoder_decoder") and sizes; see TransformerConfig's fields."""
+    base = {f.name: f.default for f in dataclasses.fields(TransformerConfig) if f.name not in ("moe", "rules")}
+    sec = ConfigDict(dict(kind=kind, **base))
+    sec.update(kw)
+    sec.moe = moe
+    return sec
+
+
+def gshard(num_experts: int, num_layers: int, **kw: Any) -> ConfigDict:
+    """GShard's M4 MoE Transformer (REFERENCE section A): M 1024, H 8192, 16 heads, L/2 encoder and decoder
+    layers, every other FFN top-2 MoE; num_experts = 0 gives the dense T(L)."""
+    moe = moe_section(num_experts, 8192, "relu", 2, capacity_factor=2.0, group_size=1024)
+    model = model_section("encoder_decoder", moe, vocab_size=32000, d_model=1024, num_heads=16, head_dim=64,
+                          d_ff=8192, ffn_activation="relu", num_layers=num_layers // 2,
+                          num_decoder_layers=num_layers // 2, moe_every=2, norm="layernorm", rope=False,
+                          tie_embeddings=True, scan=True, remat="full", dtype="bfloat16", **kw)
+    return skeleton(model, dict(data=1, expert=-1), batch_size=4096, seq_len=1024)
+
+
+def mula(num_layers: int, d_model: int, num_heads: int, d_ff: int, num_experts: int = 0, **kw: Any) -> ConfigDict:
+    """Mula (REFERENCE section B): OLMoE architecture (RMSNorm, RoPE, SwiGLU, untied embeddings, vocabulary
+    50304), every layer MoE with 8 of num_experts; num_experts = 0: the dense Mula-1B."""
+    moe = moe_section(num_experts, d_ff if num_experts else 0, "swiglu", 8, second_policy="all", normalize="none",
+                      balance="all", dispatch="dropless")
+    model = model_section("decoder_lm", moe, vocab_size=50304, d_model=d_model, num_heads=num_heads, head_dim=128,
+                          d_ff=d_ff, ffn_activation="swiglu", num_layers=num_layers, moe_every=1, norm="rmsnorm",
+                          rope=True, tie_embeddings=False, scan=True, remat="dots", dtype="bfloat16", **kw)
+    return skeleton(model, dict(data=-1, expert=1), batch_size=1024, seq_len=2048, warmup_steps=2500)
+
+
+# --------------------------------------------------------------------------- config -> model
+
+def _or_none(v, off=0):
+    return None if v == off else v
+
+
+def transformer_config(model: ConfigDict) -> TransformerConfig:
+    """The TransformerConfig a config's model section describes."""
+    m = model.to_dict() if isinstance(model, ConfigDict) else dict(model)
+    moe = m.pop("moe")
+    m.pop("kind")
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(m) - known)
+    if unknown:
+        raise ValueError(f"model config has unknown fields {unknown}; TransformerConfig has {sorted(known)}")
+    moe_cfg = None
+    if moe["num_experts"]:
+        g = GatingConfig(k=moe["k"], capacity_factor=moe["capacity_factor"],
+                         eval_capacity_factor=_or_none(moe["eval_capacity_factor"]),
+                         min_capacity=moe["min_capacity"], second_policy=moe["second_policy"],
+                         second_threshold=moe["second_threshold"], normalize=moe["normalize"],
+                         balance=moe["balance"], routing=moe["routing"])
+        moe_cfg = MoeConfig(num_experts=moe["num_experts"], d_ff=moe["d_ff"], activation=moe["activation"], gating=g,
+                            group_size=_or_none(moe["group_size"]), num_groups=_or_none(moe["num_groups"]),
+                            dispatch=moe["dispatch"], exchange=moe["exchange"], peer_bound=_or_none(moe["peer_bound"]),
+                            router_jitter=moe["router_jitter"], router_logit_cap=_or_none(moe["router_logit_cap"]))
+    return TransformerConfig(moe=moe_cfg, **m)
+
+
+def build_model(model: ConfigDict, train: bool = False):
+    """The Flax module a config's model section describes."""
+    kinds = {"decoder_lm": DecoderLM, "encoder_decoder": EncoderDecoder}
+    if model.kind not in kinds:
+        raise ValueError(f"model.kind={model.kind!r}; expected one of {tuple(kinds)}")
+    return kinds[model.kind](transformer_config(model), train=train)
+
+
+def example_inputs(model: ConfigDict, batch: int = 1, length: int = 8) -> tuple:
+    """Token arrays with the right structure for init (shapes only matter)."""
+    tokens = jnp.zeros((batch, length), jnp.int32)
+    return (tokens, tokens) if model.kind == "encoder_decoder" else (tokens,)
+
+
+EXPERT_WEIGHTS = ("wi", "wi_gate", "wi_up", "wo")
+
+
+def count_params(model: ConfigDict) -> dict:
+    """Total parameters and parameters active per token, from shapes alone (jax.eval_shape: nothing allocated)."""
+    module = build_model(model)
+    shapes = jax.eval_shape(module.init, jax.random.key(0), *example_inputs(model))
+    total = active = 0
+    cfg = module.cfg
+    for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+        keys = [getattr(k, "key", str(k)) for k in path]
+        n = int(leaf.size)
+        total += n
+        if cfg.moe is not None and "moe" in keys and keys[-1] in EXPERT_WEIGHTS:
+            n = n * cfg.moe.gating.k // cfg.moe.num_experts
+        active += n
+    return {"total_params": total, "active_params": active}
+
+
+def load(path: str) -> ConfigDict:
+    """get_config() of the experiment file at `path`."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path!r} does not exist; experiments live in experiments/*.py")
+    spec = importlib.util.spec_from_file_location(f"gshard_jax_experiment_{os.path.basename(path)[:-3]}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if not hasattr(mod, "get_config"):
+        raise ValueError(f"{path} defines no get_config(); an experiment file returns its ConfigDict from it")
+    return mod.get_config()

@@ -1,0 +1,136 @@
+"""Transformer building blocks (Flax linen), every weight and activation named with logical axes.
+
+Names: ``batch`` (B), ``length`` (L), ``embed`` (D), ``heads`` (H), ``kv``
+(head dim K), ``mlp`` (F), ``vocab`` (V). Weights are our own params so they can
+be annotated where they are used; norms are Flax's own ``nn.RMSNorm`` and
+``nn.LayerNorm``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .sharding import Rules, constrain
+
+
+def _init(fan_in_axes: tuple[int, ...]):
+    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=fan_in_axes,
+                                            out_axis=-1)
+
+
+def weight(module: nn.Module, name: str, shape: tuple[int, ...], logical: tuple, rules: Rules, dtype,
+           fan_in_axes: tuple[int, ...] = (0,)) -> jax.Array:
+    """A float32 param, cast to the compute dtype and annotated with its logical axes."""
+    w = module.param(name, _init(fan_in_axes), shape, jnp.float32)
+    return constrain(w.astype(dtype), logical, rules)
+
+
+def norm(kind: str, name: str, dtype) -> nn.Module:
+    """Flax's RMSNorm (OLMo, Mula) or LayerNorm (GShard's Transformer)."""
+    if kind == "rmsnorm":
+        return nn.RMSNorm(epsilon=1e-6, dtype=dtype, param_dtype=jnp.float32, name=name)
+    if kind == "layernorm":
+        return nn.LayerNorm(epsilon=1e-6, dtype=dtype, param_dtype=jnp.float32, name=name)
+    raise ValueError(f"norm={kind!r}; expected 'rmsnorm' or 'layernorm'")
+
+
+def rope(x_BLHK: jax.Array, positions_BL: jax.Array, theta: float = 10000.0) -> jax.Array:
+    """Rotary position embedding (rotate-half form) in float32."""
+    K = x_BLHK.shape[-1]
+    freq = theta ** (-jnp.arange(0, K // 2, dtype=jnp.float32) * 2 / K)
+    angle_BLk = positions_BL[..., None].astype(jnp.float32) * freq
+    sin, cos = jnp.sin(angle_BLk)[:, :, None, :], jnp.cos(angle_BLk)[:, :, None, :]
+    x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLHK.dtype)
+
+
+def sinusoid(length: int, d: int) -> jax.Array:
+    """Fixed sinusoidal positions [L, D] (the original Transformer's, used when RoPE is off)."""
+    pos = jnp.arange(length, dtype=jnp.float32)[:, None]
+    inv = 10000.0 ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    return jnp.concatenate([jnp.sin(pos * inv), jnp.cos(pos * inv)], axis=-1)[:, :d]
+
+
+class Embed(nn.Module):
+    """Token embedding [V, D]; `attend` gives logits against it (tied softmax)."""
+    vocab: int
+    d_model: int
+    rules: Rules
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        self.table = self.param("embedding", nn.initializers.normal(1.0), (self.vocab, self.d_model), jnp.float32)
+
+    def __call__(self, tokens_BL: jax.Array) -> jax.Array:
+        table_VD = constrain(self.table.astype(self.dtype), ("vocab", "embed"), self.rules)
+        return constrain(jnp.take(table_VD, tokens_BL, axis=0), ("batch", "length", "embed"), self.rules)
+
+    def attend(self, x_BLD: jax.Array) -> jax.Array:
+        table_VD = constrain(self.table.astype(self.dtype), ("vocab", "embed"), self.rules)
+        return jnp.einsum("BLD,VD->BLV", x_BLD, table_VD)
+
+
+class Attention(nn.Module):
+    """Multi-head self- or cross-attention; causal masking and RoPE optional."""
+    num_heads: int
+    head_dim: int
+    rules: Rules
+    causal: bool = False
+    use_rope: bool = False
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BLD: jax.Array, kv_BTD: Optional[jax.Array] = None,
+                 kv_mask_BT: Optional[jax.Array] = None) -> jax.Array:
+        r, H, K = self.rules, self.num_heads, self.head_dim
+        D = x_BLD.shape[-1]
+        src_BTD = x_BLD if kv_BTD is None else kv_BTD
+
+        def proj(name, inp):
+            w = weight(self, name, (D, H, K), ("embed", "heads", "kv"), r, self.dtype)
+            return constrain(jnp.einsum("BLD,DHK->BLHK", inp, w), ("batch", "length", "heads", "kv"), r)
+
+        q_BLHK, k_BTHK, v_BTHK = proj("wq", x_BLD), proj("wk", src_BTD), proj("wv", src_BTD)
+        if self.use_rope:
+            q_BLHK = rope(q_BLHK, jnp.broadcast_to(jnp.arange(x_BLD.shape[1]), x_BLD.shape[:2]))
+            k_BTHK = rope(k_BTHK, jnp.broadcast_to(jnp.arange(src_BTD.shape[1]), src_BTD.shape[:2]))
+        logits_BHLT = jnp.einsum("BLHK,BTHK->BHLT", q_BLHK, k_BTHK).astype(jnp.float32) * K ** -0.5
+        logits_BHLT = constrain(logits_BHLT, ("batch", "heads", "length", None), r)
+        L, T = x_BLD.shape[1], src_BTD.shape[1]
+        allowed = jnp.ones((1, 1, L, T), bool)
+        if self.causal:
+            allowed = allowed & (jnp.arange(L)[:, None] >= jnp.arange(T)[None, :])
+        if kv_mask_BT is not None:
+            allowed = allowed & kv_mask_BT[:, None, None, :]
+        probs = jax.nn.softmax(jnp.where(allowed, logits_BHLT, -1e30), axis=-1).astype(self.dtype)
+        out_BLHK = constrain(jnp.einsum("BHLT,BTHK->BLHK", probs, v_BTHK), ("batch", "length", "heads", "kv"), r)
+        wo = weight(self, "wo", (H, K, D), ("heads", "kv", "embed"), r, self.dtype, fan_in_axes=(0, 1))
+        return constrain(jnp.einsum("BLHK,HKD->BLD", out_BLHK, wo), ("batch", "length", "embed"), r)
+
+
+class Mlp(nn.Module):
+    """Dense FFN: ReLU/GELU (wi, wo) or SwiGLU (wi_gate, wi_up, wo)."""
+    d_ff: int
+    rules: Rules
+    activation: str = "relu"
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        r, D, F = self.rules, x_BLD.shape[-1], self.d_ff
+        names = ("batch", "length", "mlp")
+        if self.activation == "swiglu":
+            gate = jnp.einsum("BLD,DF->BLF", x_BLD, weight(self, "wi_gate", (D, F), ("embed", "mlp"), r, self.dtype))
+            up = jnp.einsum("BLD,DF->BLF", x_BLD, weight(self, "wi_up", (D, F), ("embed", "mlp"), r, self.dtype))
+            h_BLF = jax.nn.silu(constrain(gate, names, r)) * constrain(up, names, r)
+        elif self.activation in ("relu", "gelu"):
+            act = jax.nn.relu if self.activation == "relu" else jax.nn.gelu
+            h_BLF = act(constrain(jnp.einsum("BLD,DF->BLF", x_BLD,
+                                             weight(self, "wi", (D, F), ("embed", "mlp"), r, self.dtype)), names, r))
+        else:
+            raise ValueError(f"ffn activation={self.activation!r}; expected 'relu', 'gelu' or 'swiglu'")
+        wo = weight(self, "wo", (F, D), ("mlp", "embed"), r, self.dtype)
+        return constrain(jnp.einsum("BLF,FD->BLD", h_BLF, wo), ("batch", "length", "embed"), r)

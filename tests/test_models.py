@@ -1,0 +1,104 @@
+"""The Flax MoE Transformers (models/transformer.py) from the tiny experiment configs: forward and backward,
+partitioned by our partitioner on meshes {1}, {8}, {2,4}, {2,2,2}, equal the unpartitioned model, with no
+fallback and explain() equal to the compiled HLO."""
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import gshard_jax as gs
+from gshard_jax import configs
+from gshard_jax.models.transformer import DecoderLM, EncoderDecoder, loss_fn
+from helpers import assert_close, assert_report_matches_hlo, hlo_stats
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MESHES = {"1": {"data": 1}, "8": {"expert": 8}, "2x4": {"data": 2, "expert": 4},
+          "2x2x2": {"data": 2, "expert": 2, "model": 2}}
+
+
+def experiment(name):
+    return configs.load(os.path.join(ROOT, "experiments", f"{name}.py"))
+
+
+def model_and_batch(name, **overrides):
+    cfg = experiment(name)
+    cfg.model.update(overrides)
+    model = configs.build_model(cfg.model)
+    tokens = jax.random.randint(jax.random.key(0), (8, 17), 1, cfg.model.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    if isinstance(model, EncoderDecoder):
+        batch["source"] = jax.random.randint(jax.random.key(1), (8, 12), 0, cfg.model.vocab_size)
+        params = model.init(jax.random.key(2), batch["source"], batch["inputs"])
+    else:
+        params = model.init(jax.random.key(2), batch["inputs"])
+    return model, params, batch
+
+
+def mesh_of(name):
+    return gs.make_mesh(MESHES[name], devices=jax.devices()[:1] if name == "1" else None)
+
+
+def check_partitioned(model, params, batch, mesh):
+    step = jax.value_and_grad(lambda p, b: loss_fn(model, p, b)[0])
+    want = step(params, batch)
+    part = gs.partition(step, mesh)
+    assert_close(part(params, batch), want, rtol=2e-4, atol=2e-5)
+    report = gs.explain(step, mesh, params, batch)
+    assert report.fallbacks == []
+    stats = hlo_stats(part, params, batch)
+    assert_report_matches_hlo(report, stats)
+    return stats
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("name", ["tiny_moe_lm", "tiny_moe_encdec"])
+def test_tiny_models_partition_faithfully_on_every_mesh(name, mesh_name):
+    model, params, batch = model_and_batch(name)
+    stats = check_partitioned(model, params, batch, mesh_of(mesh_name))
+    if "expert" in MESHES[mesh_name] and MESHES[mesh_name]["expert"] > 1:
+        moe_layers = model.cfg.num_layers // model.cfg.period + (
+            model.cfg.num_decoder_layers // model.cfg.period if isinstance(model, EncoderDecoder) else 0)
+        assert stats["all-to-all"]["count"] == 4 * moe_layers  # two each way, forward and backward
+
+
+@pytest.mark.parametrize("name", ["tiny_moe_lm", "tiny_moe_encdec"])
+def test_scanned_checkpointed_layers_partition_like_the_loop(name):
+    """nn.scan over layer periods with a remat policy: same numbers, and the scanned body (compiled once per
+    layer stack) holds its MoE layer's forward pair of all-to-alls, the recomputed pair and the backward pair."""
+    model, params, batch = model_and_batch(name, scan=True, remat="dots")
+    stats = check_partitioned(model, params, batch, mesh_of("2x4"))
+    stacks = 2 if isinstance(model, EncoderDecoder) else 1
+    assert stats["all-to-all"]["count"] == 6 * stacks
+    assert stats["all-gather"]["count"] == 0
+
+
+def test_dropless_lm_partitions_under_expert_parallelism():
+    model, params, batch = model_and_batch("tiny_moe_lm")
+    moe = dataclasses.replace(model.cfg.moe, dispatch="dropless")
+    model = DecoderLM(dataclasses.replace(model.cfg, moe=moe))
+    check_partitioned(model, params, batch, mesh_of("2x2x2"))
+
+
+def test_moe_losses_are_collected_across_layers():
+    model, params, batch = model_and_batch("tiny_moe_lm")
+    loss, m = loss_fn(model, params, batch)
+    # Every layer is MoE in tiny_moe_lm: the summed aux loss is at least one per layer (1.0 = uniform).
+    assert float(m["aux_loss"]) >= 0.99 * model.cfg.num_layers
+    c = model.cfg
+    want = m["cross_entropy"] + c.aux_loss_weight * m["aux_loss"] + c.z_loss_weight * m["z_loss"]
+    assert abs(float(loss) - float(want)) < 1e-5
+    dense = configs.build_model(experiment("tiny_dense_lm").model)
+    dparams = dense.init(jax.random.key(2), batch["inputs"])
+    _, dm = loss_fn(dense, dparams, batch)
+    assert float(dm["aux_loss"]) == 0.0 and float(dm["z_loss"]) == 0.0
+
+
+def test_bfloat16_compute_keeps_float32_params():
+    model, params, batch = model_and_batch("tiny_moe_lm", dtype="bfloat16")
+    assert all(p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(params))
+    loss, _ = loss_fn(model, params, batch)
+    assert jnp.isfinite(loss)
+    grads = jax.grad(lambda p: loss_fn(model, p, batch)[0])(params)
+    assert all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(grads))
