@@ -41,7 +41,10 @@ import numpy as np  # noqa: E402
 
 import gshard_jax as gs  # noqa: E402
 from gshard_jax.models import cnn, lm  # noqa: E402
-from gshard_jax.models.moe import expert_einsums  # noqa: E402
+from gshard_jax import configs  # noqa: E402
+from gshard_jax.models.gating import GatingConfig  # noqa: E402
+from gshard_jax.models.moe import MoeConfig, MoeFFN, expert_einsums  # noqa: E402
+from gshard_jax.models.transformer import DEFAULT_RULES, loss_fn  # noqa: E402
 from gshard_jax.partitioner.hlo import collective_stats  # noqa: E402
 
 
@@ -153,9 +156,40 @@ def programs(n):
         "shift_right seq": ({"data": dp, "model": mp}, shift_right, (f32(8, 1024, 256),)),
         "strided_slice seq": ({"data": dp, "model": mp}, strided_slice, (f32(8, 1024, 256),)),
     }
+    def moe_layer(grad_too):
+        """The MoeFFN module (GShard top-2, capacity factor 2), G split over data*expert, E over expert."""
+        cfg = MoeConfig(num_experts=n, d_ff=1024, gating=GatingConfig(k=2, second_policy="all"))
+        layer = MoeFFN(cfg, DEFAULT_RULES)
+        x = jnp.asarray(f32(16, 256, 256))
+        params = layer.init(jax.random.key(0), x)
+        fwd = lambda p, x: layer.apply(p, x)[0]
+        fn = jax.value_and_grad(lambda p, x: jnp.mean(fwd(p, x) ** 2)) if grad_too else fwd
+        return {"data": dp, "expert": mp}, fn, (params, x)
+
+    def moe_lm_step():
+        """tiny_moe_lm's model and an optax AdamW step, on its {data 2, expert 4} mesh."""
+        import os
+        import optax
+        exp = configs.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                        "experiments", "tiny_moe_lm.py"))
+        model = configs.build_model(exp.model)
+        tokens = jax.random.randint(jax.random.key(0), (16, 129), 0, exp.model.vocab_size)
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        params = model.init(jax.random.key(1), batch["inputs"])
+        opt = optax.adamw(1e-3, weight_decay=0.1)
+
+        def step(p, s, b):
+            (loss, _), g = jax.value_and_grad(lambda p: loss_fn(model, p, b), has_aux=True)(p)
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s, loss
+        return {"data": dp, "expert": mp}, step, (params, opt.init(params), batch)
+
     lm_programs = {}
     if n % 2 == 0 and n > 1:
-        lm_programs = {
+        lm_programs["moe_layer fwd"] = moe_layer(False)
+        lm_programs["moe_layer grad"] = moe_layer(True)
+        lm_programs["tiny_moe_lm train"] = moe_lm_step()
+        lm_programs |= {
             "lm_train data": lm_step({"data": n}, lm.Layout("data", None)),
             "lm_train data+model": lm_step({"data": dp, "model": mp}, lm.Layout("data", "model")),
             "lm_train_scan12 data": lm_step({"data": n}, lm.Layout("data", None), scan=True, layers=12),

@@ -1,0 +1,89 @@
+"""Dropless (sort + ragged_dot) against capacity (GShard one-hot einsums) MoE routing: forward+backward
+throughput of the MoeFFN layer at equal tokens, on one device and on all devices (expert parallel).
+
+    python benchmarks/moe_dropless.py [--devices 8] [--steps 10] [--tokens 8192]
+
+Each row: tokens/s (median step) for the capacity path at --capacity-factor and for dropless with each
+exchange that the backend runs, and the ratio dropless / capacity (> 1: dropless faster). Both paths are
+partitioned by our partitioner in the same process and timed alternately.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (ignored on accelerators)")
+p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+p.add_argument("--tokens", type=int, default=8192, help="tokens per step (batch x length)")
+p.add_argument("--capacity-factor", type=float, default=1.25)
+ARGS = p.parse_args()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", ARGS.devices)
+
+import jax.numpy as jnp  # noqa: E402
+
+import gshard_jax as gs  # noqa: E402
+from gshard_jax.models.gating import GatingConfig  # noqa: E402
+from gshard_jax.models.moe import MoeConfig, MoeFFN  # noqa: E402
+from gshard_jax.models.transformer import DEFAULT_RULES  # noqa: E402
+
+# (name, experts, k, d_model, expert d_ff, activation): a GShard-like top-2 layer and an OLMoE-like top-8 one.
+SHAPES = [("top2 E8", 8, 2, 256, 1024, "relu"), ("top8 E64", 64, 8, 256, 256, "swiglu")]
+
+
+def step_fn(cfg):
+    layer = MoeFFN(cfg, DEFAULT_RULES)
+    loss = lambda prm, x: jnp.mean(layer.apply(prm, x, train=False)[0] ** 2)
+    return layer, jax.value_and_grad(loss)
+
+
+def main():
+    n = len(jax.devices())
+    seq = 256
+    batch = ARGS.tokens // seq
+    print(f"# backend={jax.default_backend()} devices={n} tokens/step={batch * seq} steps={ARGS.steps} "
+          f"capacity_factor={ARGS.capacity_factor}")
+    print(f"{'layer':<10} {'mesh':<14} {'variant':<22} {'tokens/s':>10} {'vs capacity':>12} {'dropped':>8}")
+    exchanges = ["all_to_all", "all_gather"] + (["ragged"] if jax.default_backend() != "cpu" else [])
+    for name, E, k, M, F, act in SHAPES:
+        x = jax.random.normal(jax.random.key(0), (batch, seq, M))
+        for mesh_axes in ({"expert": 1}, {"expert": n}):
+            devices = jax.devices()[:1] if mesh_axes["expert"] == 1 else None
+            mesh = gs.make_mesh(mesh_axes, devices=devices)
+            g = GatingConfig(k=k, capacity_factor=ARGS.capacity_factor, second_policy="all",
+                             normalize="before_drop")
+            variants = [("capacity", MoeConfig(E, F, act, g, dispatch="einsum"))]
+            for ex in (exchanges if mesh_axes["expert"] > 1 else ["local"]):
+                variants.append((f"dropless {ex}", MoeConfig(E, F, act, g, dispatch="dropless",
+                                                             exchange=ex if ex != "local" else "all_to_all")))
+            compiled = []
+            for label, cfg in variants:
+                layer, fn = step_fn(cfg)
+                params = layer.init(jax.random.key(1), x)
+                part = gs.partition(fn, mesh)
+                c = part.lower(params, x).compile()
+                jax.block_until_ready(c(params, x))
+                dropped = float(gs.partition(lambda prm, x: layer.apply(prm, x)[2]["dropped"], mesh)(params, x))
+                compiled.append((label, c, params, dropped))
+            times = {label: [] for label, *_ in compiled}
+            for i in range(ARGS.steps):
+                order = compiled if i % 2 == 0 else compiled[::-1]
+                for label, c, params, _ in order:
+                    t = time.perf_counter()
+                    jax.block_until_ready(c(params, x))
+                    times[label].append(time.perf_counter() - t)
+            base = statistics.median(times["capacity"])
+            for label, _, _, dropped in compiled:
+                med = statistics.median(times[label])
+                print(f"{name:<10} {str(mesh_axes):<14} {label:<22} {batch * seq / med:>10,.0f} "
+                      f"{base / med:>11.2f}x {dropped:>8.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
