@@ -66,7 +66,8 @@ def moe_section(num_experts: int = 0, d_ff: int = 0, activation: str = "relu", k
         num_experts=num_experts, d_ff=d_ff, activation=activation, k=k,
         capacity_factor=2.0, eval_capacity_factor=0.0, min_capacity=4, second_policy="random",
         second_threshold=0.0, normalize="before_drop", balance="top1", routing="token_choice",
-        group_size=0, num_groups=0, dispatch="einsum", exchange="all_to_all", peer_bound=0.0,
+        group_size=0, num_groups=0, dispatch="einsum", exchange="all_to_all", grouped_matmul="auto",
+        peer_bound=0.0,
         router_jitter=0.0, router_logit_cap=0.0))
     sec.update(kw)
     return sec
@@ -127,7 +128,8 @@ def transformer_config(model: ConfigDict) -> TransformerConfig:
                          balance=moe["balance"], routing=moe["routing"])
         moe_cfg = MoeConfig(num_experts=moe["num_experts"], d_ff=moe["d_ff"], activation=moe["activation"], gating=g,
                             group_size=_or_none(moe["group_size"]), num_groups=_or_none(moe["num_groups"]),
-                            dispatch=moe["dispatch"], exchange=moe["exchange"], peer_bound=_or_none(moe["peer_bound"]),
+                            dispatch=moe["dispatch"], exchange=moe["exchange"],
+                            grouped_matmul=moe["grouped_matmul"], peer_bound=_or_none(moe["peer_bound"]),
                             router_jitter=moe["router_jitter"], router_logit_cap=_or_none(moe["router_logit_cap"]))
     return TransformerConfig(moe=moe_cfg, **m)
 

@@ -1,4 +1,4 @@
-"""Dropless expert computation: sort assignments by expert, grouped matmul (``jax.lax.ragged_dot``), unsort.
+"""Dropless expert computation: sort assignments by expert, grouped matmul (``models.grouped``), unsort.
 
 No capacity, so no token is dropped and no compute is spent on empty slots.
 Under expert parallelism the experts live on different devices, so this runs
@@ -20,6 +20,7 @@ Expert hidden units split over a model axis are summed with one psum.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Optional, Sequence
 
@@ -29,22 +30,24 @@ from jax.sharding import PartitionSpec as P
 
 import gshard_jax as gs
 
+from .grouped import grouped_matmul
+
 EXCHANGES = ("all_to_all", "all_gather", "ragged")
 
 
-def expert_ffn(x_RM: jax.Array, ids_R: jax.Array, weights: dict, activation: Callable,
-               num_groups: int) -> jax.Array:
+def expert_ffn(x_RM: jax.Array, ids_R: jax.Array, weights: dict, num_groups: int, *, activation: Callable,
+               matmul: str = "auto") -> jax.Array:
     """Each row through the FFN of expert ids_R (ids outside [0, num_groups) give 0), in the rows' order."""
     ids_R = jnp.where((ids_R >= 0) & (ids_R < num_groups), ids_R, num_groups)  # others sort last, as no group
     order_R = jnp.argsort(ids_R, stable=True)
     sizes_E = jnp.bincount(ids_R, length=num_groups).astype(jnp.int32)  # ids out of range are not counted
     xs_RM = jnp.take(x_RM, order_R, axis=0)
     if "wi_gate" in weights:
-        h_RF = activation(jax.lax.ragged_dot(xs_RM, weights["wi_gate"], sizes_E)) \
-            * jax.lax.ragged_dot(xs_RM, weights["wi_up"], sizes_E)
+        h_RF = activation(grouped_matmul(xs_RM, weights["wi_gate"], sizes_E, matmul)) \
+            * grouped_matmul(xs_RM, weights["wi_up"], sizes_E, matmul)
     else:
-        h_RF = activation(jax.lax.ragged_dot(xs_RM, weights["wi"], sizes_E))
-    ys_RM = jax.lax.ragged_dot(h_RF.astype(x_RM.dtype), weights["wo"], sizes_E)  # rows past the groups: 0
+        h_RF = activation(grouped_matmul(xs_RM, weights["wi"], sizes_E, matmul))
+    ys_RM = grouped_matmul(h_RF.astype(x_RM.dtype), weights["wo"], sizes_E, matmul)  # rows past the groups: 0
     return jnp.zeros_like(ys_RM).at[order_R].set(ys_RM)
 
 
@@ -54,14 +57,14 @@ def _combine(y_RM: jax.Array, gates_TK: jax.Array, T: int, dtype) -> jax.Array:
     return jnp.sum(y_RM.reshape(T, K, -1) * gates_TK[..., None].astype(y_RM.dtype), axis=1).astype(dtype)
 
 
-def _local(x_TM, experts_TK, gates_TK, weights, activation, num_experts):
+def _local(x_TM, experts_TK, gates_TK, weights, ffn, num_experts):
     T, K = experts_TK.shape
     x_RM = jnp.repeat(x_TM, K, axis=0)
-    y_RM = expert_ffn(x_RM, experts_TK.reshape(-1), weights, activation, num_experts)
+    y_RM = ffn(x_RM, experts_TK.reshape(-1), weights, num_experts)
     return _combine(y_RM, gates_TK, T, x_TM.dtype), jnp.zeros((), jnp.float32)
 
 
-def _all_gather(x_TM, experts_TK, gates_TK, weights, activation, num_experts, axes, peers):
+def _all_gather(x_TM, experts_TK, gates_TK, weights, ffn, num_experts, axes, peers):
     """Gather the expert group's tokens, run this device's experts on them, reduce-scatter the results."""
     E_l = num_experts // peers
     first = jax.lax.axis_index(axes) * E_l
@@ -69,7 +72,7 @@ def _all_gather(x_TM, experts_TK, gates_TK, weights, activation, num_experts, ax
     eg_TK = jax.lax.all_gather(experts_TK, axes, tiled=True)
     gg_TK = jax.lax.all_gather(gates_TK, axes, tiled=True)
     T, K = eg_TK.shape
-    y_RM = expert_ffn(jnp.repeat(xg_TM, K, axis=0), (eg_TK - first).reshape(-1), weights, activation, E_l)
+    y_RM = ffn(jnp.repeat(xg_TM, K, axis=0), (eg_TK - first).reshape(-1), weights, E_l)
     y_TM = _combine(y_RM, gg_TK, T, jnp.float32)
     return jax.lax.psum_scatter(y_TM, axes, tiled=True).astype(x_TM.dtype), jnp.zeros((), jnp.float32)
 
@@ -82,7 +85,7 @@ def _pack(experts_R, peers, E_l, bound):
     return peer_R, slot_R, slot_R < bound
 
 
-def _all_to_all(x_TM, experts_TK, gates_TK, weights, activation, num_experts, axes, peers, bound):
+def _all_to_all(x_TM, experts_TK, gates_TK, weights, ffn, num_experts, axes, peers, bound):
     """Dense all-to-all of per-peer buffers [peers, bound] (rows and expert ids), experts, and back."""
     E_l = num_experts // peers
     T, K = experts_TK.shape
@@ -95,14 +98,14 @@ def _all_to_all(x_TM, experts_TK, gates_TK, weights, activation, num_experts, ax
     send_ids_B = jnp.full((peers * bound,), E_l, jnp.int32).at[where_R].set(experts_R % E_l, mode="drop")
     recv_BM = jax.lax.all_to_all(send_BM, axes, 0, 0, tiled=True)
     recv_ids_B = jax.lax.all_to_all(send_ids_B, axes, 0, 0, tiled=True)
-    out_BM = expert_ffn(recv_BM, recv_ids_B, weights, activation, E_l)
+    out_BM = ffn(recv_BM, recv_ids_B, weights, E_l)
     back_BM = jax.lax.all_to_all(out_BM, axes, 0, 0, tiled=True)
     y_RM = jnp.take(back_BM, where_R, axis=0, mode="fill", fill_value=0)
     dropped = jnp.sum(~fits_R).astype(jnp.float32)
     return _combine(y_RM, gates_TK, T, x_TM.dtype), dropped
 
 
-def _ragged(x_TM, experts_TK, gates_TK, weights, activation, num_experts, axes, peers, bound):
+def _ragged(x_TM, experts_TK, gates_TK, weights, ffn, num_experts, axes, peers, bound):
     """ragged_all_to_all: only the assigned rows travel (sorted by peer), into receive buffers of `bound`
     rows per peer."""
     E_l = num_experts // peers
@@ -128,7 +131,7 @@ def _ragged(x_TM, experts_TK, gates_TK, weights, activation, num_experts, axes, 
     recv_ids = jax.lax.ragged_all_to_all(ids_R, jnp.zeros((peers * bound,), jnp.int32), input_offsets,
                                          send_sizes, output_offsets, recv_sizes, axis_name=axes)
     recv_ids = jnp.where(at_B < recv_sizes[src_B], recv_ids, E_l)
-    out_BM = expert_ffn(recv_BM, recv_ids, weights, activation, E_l)
+    out_BM = ffn(recv_BM, recv_ids, weights, E_l)
     # Return trip: each peer sends back the rows it received from me, to where they came from.
     back_offsets = jax.lax.all_to_all(input_offsets, axes, 0, 0, tiled=True)
     back_RM = jax.lax.ragged_all_to_all(out_BM, jnp.zeros_like(x_RM), (jnp.arange(peers) * bound).astype(jnp.int32),
@@ -141,7 +144,7 @@ def _ragged(x_TM, experts_TK, gates_TK, weights, activation, num_experts, axes, 
 def dropless(x_TM: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, weights: dict,
              activation: Callable, *, num_experts: int, token_axes: Sequence[str] = (),
              expert_axes: Sequence[str] = (), model_axes: Sequence[str] = (), exchange: str = "all_to_all",
-             peer_bound: Optional[float] = None) -> tuple[jax.Array, jax.Array]:
+             peer_bound: Optional[float] = None, matmul: str = "auto") -> tuple[jax.Array, jax.Array]:
     """(y_TM, dropped fraction) for tokens x_TM routed to experts_TK with weights gates_TK.
 
     Outside a partition (or with no mesh axes) everything runs on one device. Inside, it is a manual
@@ -150,10 +153,11 @@ def dropless(x_TM: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, weight
     """
     if exchange not in EXCHANGES:
         raise ValueError(f"dropless exchange={exchange!r}; expected one of {EXCHANGES}")
+    ffn = functools.partial(expert_ffn, activation=activation, matmul=matmul)
     mesh = gs.annotations.current_mesh()
     T, K = experts_TK.shape
     if mesh is None or not (token_axes or expert_axes or model_axes):
-        y, _ = _local(x_TM, experts_TK, gates_TK, weights, activation, num_experts)
+        y, _ = _local(x_TM, experts_TK, gates_TK, weights, ffn, num_experts)
         return y, jnp.zeros((), jnp.float32)
     token_axes, expert_axes, model_axes = tuple(token_axes), tuple(expert_axes), tuple(model_axes)
     missing = [a for a in expert_axes if a not in token_axes]
@@ -170,13 +174,13 @@ def dropless(x_TM: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, weight
 
     def body(x, e, g, w):
         if peers == 1:
-            y, dropped = _local(x, e, g, w, activation, num_experts)
+            y, dropped = _local(x, e, g, w, ffn, num_experts)
         elif exchange == "all_gather":
-            y, dropped = _all_gather(x, e, g, w, activation, num_experts, expert_axes, peers)
+            y, dropped = _all_gather(x, e, g, w, ffn, num_experts, expert_axes, peers)
         elif exchange == "ragged":
-            y, dropped = _ragged(x, e, g, w, activation, num_experts, expert_axes, peers, bound)
+            y, dropped = _ragged(x, e, g, w, ffn, num_experts, expert_axes, peers, bound)
         else:
-            y, dropped = _all_to_all(x, e, g, w, activation, num_experts, expert_axes, peers, bound)
+            y, dropped = _all_to_all(x, e, g, w, ffn, num_experts, expert_axes, peers, bound)
         if model_axes:
             y = jax.lax.psum(y, model_axes)
         return y, jax.lax.psum(dropped, token_axes) / (T * K)

@@ -26,6 +26,7 @@ import gshard_jax as gs
 
 from . import dropless as D
 from . import gating
+from .grouped import IMPLS
 from .sharding import Rules, axes_of, constrain, mesh_spec
 
 
@@ -37,8 +38,9 @@ class MoeConfig:
     gating: gating.GatingConfig = gating.GatingConfig()  # k, capacity factors, policies, routing kind
     group_size: Optional[int] = None  # tokens per local group S (None: num_groups, or one group per sequence)
     num_groups: Optional[int] = None  # local groups G (used when group_size is None)
-    dispatch: str = "einsum"  # "einsum" (GSEC one-hot, with capacity) or "dropless" (sort + ragged_dot)
+    dispatch: str = "einsum"  # "einsum" (GSEC one-hot, with capacity) or "dropless" (sort + grouped matmul)
     exchange: str = "all_to_all"  # dropless under expert parallelism: "all_to_all" | "all_gather" | "ragged"
+    grouped_matmul: str = "auto"  # dropless: "ragged_dot" (GPU/TPU kernel), "blocked" (scan), "auto": by backend
     peer_bound: Optional[float] = None  # dropless all_to_all/ragged: per-peer rows / average (None: never drop)
     router_jitter: float = 0.0  # training: router input scaled by U(1 - eps, 1 + eps) (Switch); 0 = off
     router_logit_cap: Optional[float] = None  # logits -> cap * tanh(logits / cap); None = off
@@ -56,6 +58,8 @@ def check(cfg: MoeConfig) -> None:
         raise ValueError(f"MoeConfig.dispatch={cfg.dispatch!r}; expected one of {DISPATCHES}")
     if cfg.exchange not in D.EXCHANGES:
         raise ValueError(f"MoeConfig.exchange={cfg.exchange!r}; expected one of {D.EXCHANGES}")
+    if cfg.grouped_matmul not in IMPLS:
+        raise ValueError(f"MoeConfig.grouped_matmul={cfg.grouped_matmul!r}; expected one of {IMPLS}")
     if cfg.dispatch == "dropless" and cfg.gating.routing == "expert_choice":
         raise ValueError("MoeConfig: expert_choice routing has a capacity by definition; use dispatch='einsum'")
     gating.check(cfg.gating)
@@ -179,7 +183,7 @@ class MoeFFN(nn.Module):
                                    gates_GSK.reshape(G * S, K), w, _activation(self.cfg.activation),
                                    num_experts=self.cfg.num_experts, token_axes=token_axes,
                                    expert_axes=expert_axes, model_axes=model_axes, exchange=self.cfg.exchange,
-                                   peer_bound=self.cfg.peer_bound)
+                                   peer_bound=self.cfg.peer_bound, matmul=self.cfg.grouped_matmul)
         used_E = jnp.sum(jax.nn.one_hot(experts, self.cfg.num_experts, dtype=jnp.float32), axis=(0, 1, 2))
         stats = {"dropped": dropped, "dropped_per_choice": jnp.zeros((K,), jnp.float32) + dropped,
                  "expert_usage": used_E / jnp.maximum(jnp.sum(used_E), 1.0),

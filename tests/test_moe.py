@@ -9,6 +9,7 @@ import pytest
 
 import gshard_jax as gs
 from gshard_jax.models.gating import GatingConfig
+from gshard_jax.models.grouped import block_rows, grouped_matmul
 from gshard_jax.models.moe import MoeConfig, MoeFFN
 from helpers import assert_close, assert_report_matches_hlo, hlo_stats
 
@@ -31,12 +32,13 @@ def loss(m):
     return f
 
 
+@pytest.mark.parametrize("matmul", ["blocked", "ragged_dot"])
 @pytest.mark.parametrize("activation", ["relu", "swiglu"])
 @pytest.mark.parametrize("k,normalize", [(1, "none"), (2, "before_drop"), (8, "after_drop")])
-def test_dropless_equals_capacity_routing_with_ample_capacity(activation, k, normalize):
+def test_dropless_equals_capacity_routing_with_ample_capacity(activation, k, normalize, matmul):
     g = GatingConfig(k=k, capacity_factor=8.0, min_capacity=1, second_policy="all", normalize=normalize)
     m, params, x = layer(gating=g, activation=activation)
-    md = MoeFFN(dataclasses.replace(m.cfg, dispatch="dropless"), RULES)
+    md = MoeFFN(dataclasses.replace(m.cfg, dispatch="dropless", grouped_matmul=matmul), RULES)
     y, losses, stats = m.apply(params, x)
     yd, losses_d, stats_d = md.apply(params, x)
     assert float(stats["dropped"]) == 0.0 and float(stats_d["dropped"]) == 0.0
@@ -89,6 +91,8 @@ def test_bad_layer_configs_are_named():
         layer(activation="gelu")
     with pytest.raises(ValueError, match="MoeConfig.exchange"):
         layer(dispatch="dropless", exchange="gossip")
+    with pytest.raises(ValueError, match="MoeConfig.grouped_matmul='dense'"):
+        layer(dispatch="dropless", grouped_matmul="dense")
     with pytest.raises(ValueError, match="expert_choice"):
         layer(dispatch="dropless", gating=dataclasses.replace(AMPLE, routing="expert_choice"))
 
@@ -152,3 +156,53 @@ def test_dropless_peer_bound_counts_what_it_drops():
     assert dropped > 0.3
     unbounded = MoeFFN(dataclasses.replace(m.cfg, peer_bound=None), RULES)
     assert float(gs.partition(lambda p, x: unbounded.apply(p, x)[2]["dropped"], mesh)(params, x)) == 0.0
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name, axis_index_groups=None):
+    """jax.lax.ragged_all_to_all's documented semantics from all_gather (XLA:CPU cannot compile the real op):
+    peer i sends operand[input_offsets[j]:][:send_sizes[j]] to peer j, which writes it at output_offsets[j]."""
+    assert axis_index_groups is None
+    me = jax.lax.axis_index(axis_name)
+    ops = jax.lax.all_gather(operand, axis_name)  # [P, R, ...]
+    starts = jax.lax.all_gather(input_offsets, axis_name)[:, me]  # where each source's rows for me begin
+    sizes = jax.lax.all_gather(send_sizes, axis_name)[:, me]
+    dests = jax.lax.all_gather(output_offsets, axis_name)[:, me]
+    rows = jnp.arange(output.shape[0])
+    for i in range(ops.shape[0]):
+        inside = (rows >= dests[i]) & (rows < dests[i] + sizes[i])
+        src = jnp.clip(starts[i] + rows - dests[i], 0, operand.shape[0] - 1)
+        mask = inside.reshape((-1,) + (1,) * (output.ndim - 1))
+        output = jnp.where(mask, jnp.take(ops[i], src, axis=0), output)
+    del recv_sizes  # the receiver's view of sizes; the sender's send_sizes decide what lands
+    return output
+
+
+@pytest.mark.parametrize("mesh_name", ["e8", "d2e2m2"])
+def test_dropless_ragged_exchange_offsets_with_an_emulated_collective(monkeypatch, mesh_name):
+    """The ragged exchange's offsets and sizes (there and back) give the local result, forward and grad, and a
+    peer bound drops what overflows; the collective is emulated because XLA:CPU has no ragged-all-to-all."""
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+    mesh = gs.make_mesh(MESHES[mesh_name])
+    m, params, x = layer(shape=(8, 16, 24), dispatch="dropless", exchange="ragged",
+                         gating=dataclasses.replace(AMPLE, capacity_factor=1.0))
+    vg = jax.value_and_grad(loss(m))
+    assert_close(gs.partition(vg, mesh)(params, x), vg(params, x), rtol=1e-4, atol=1e-4)
+    skewed = GatingConfig(k=1, capacity_factor=1.0, min_capacity=1, normalize="none")
+    m, params, x = layer(shape=(8, 16, 24), dispatch="dropless", exchange="ragged", gating=skewed, peer_bound=0.5)
+    params["params"]["router"]["kernel"] = params["params"]["router"]["kernel"].at[:, 0].add(5.0)
+    bounded = float(gs.partition(lambda p, x: m.apply(p, x)[2]["dropped"], mesh)(params, x))
+    ref = MoeFFN(dataclasses.replace(m.cfg, exchange="all_to_all"), RULES)
+    assert bounded == float(gs.partition(lambda p, x: ref.apply(p, x)[2]["dropped"], mesh)(params, x)) > 0.3
+
+
+@pytest.mark.parametrize("sizes", [[60, 0, 100, 40, 90], [300, 0, 0, 0, 0], [0, 0, 0, 0, 0], [1, 2, 3, 4, 5]])
+def test_blocked_grouped_matmul_equals_ragged_dot(sizes):
+    """Empty groups, one full group and rows past the groups (which give 0), forward and grad."""
+    kx, kw = jax.random.split(jax.random.key(0))
+    x, w, s = jax.random.normal(kx, (300, 24)), jax.random.normal(kw, (5, 24, 40)), jnp.array(sizes, jnp.int32)
+    f = lambda x, w, impl: jnp.sum(jnp.sin(grouped_matmul(x, w, s, impl)))
+    assert_close(grouped_matmul(x, w, s, "blocked"), jax.lax.ragged_dot(x, w, s), rtol=1e-5, atol=1e-5)
+    assert_close(jax.grad(f, (0, 1))(x, w, "blocked"), jax.grad(f, (0, 1))(x, w, "ragged_dot"),
+                 rtol=1e-4, atol=1e-4)
+    assert block_rows(300, 5) == 16 and block_rows(65536, 64) == 64 and block_rows(10 ** 7, 2) == 512
