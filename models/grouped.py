@@ -6,7 +6,8 @@ every expert's weight under a mask, E times the work. ``"blocked"`` does the
 same product in blocks of ``b`` rows: each expert's rows are padded to whole
 blocks, and a ``lax.scan`` over blocks multiplies each by its one expert's
 weight (a custom VJP accumulates the weight gradient one expert slice at a
-time), so the work is the rows plus at most ``2 E b`` rows of padding.
+time) and blocks past the last group are skipped, so the work is the rows
+plus at most ``E b`` rows of padding, however large the buffer.
 ``"auto"`` picks ragged_dot where the backend has the kernel, blocked elsewhere.
 """
 from __future__ import annotations
@@ -48,7 +49,8 @@ def _blocked(x_RM: jax.Array, w_EMF: jax.Array, sizes_E: jax.Array) -> jax.Array
     row_R = jnp.arange(R)
     pos_R = first_block_E[expert_R] * b + row_R - first_row_E[expert_R]
     pos_R = jnp.where(row_R < jnp.sum(sizes_E), pos_R, N * b)  # rows past the groups: nowhere, output 0
-    expert_N = jnp.repeat(jnp.arange(E), blocks_E, total_repeat_length=N)  # unused blocks hold zeros
+    expert_N = jnp.repeat(jnp.arange(E), blocks_E, total_repeat_length=N)
+    expert_N = jnp.where(jnp.arange(N) < jnp.sum(blocks_E), expert_N, -1)  # unused blocks: skipped
     x_NbM = jnp.zeros((N * b, M), x_RM.dtype).at[pos_R].set(x_RM, mode="drop").reshape(N, b, M)
     y_NbF = _block_matmul(x_NbM, w_EMF, expert_N)
     return jnp.take(y_NbF.reshape(N * b, F), pos_R, axis=0, mode="fill", fill_value=0)
@@ -58,7 +60,9 @@ def _blocked(x_RM: jax.Array, w_EMF: jax.Array, sizes_E: jax.Array) -> jax.Array
 def _block_matmul(x_NbM: jax.Array, w_EMF: jax.Array, expert_N: jax.Array) -> jax.Array:
     def body(_, xe):
         x_bM, e = xe
-        return None, x_bM @ w_EMF[e]
+        y_bF = jax.lax.cond(e >= 0, lambda: x_bM @ w_EMF[e], lambda: jnp.zeros((x_bM.shape[0], w_EMF.shape[-1]),
+                                                                             x_bM.dtype))
+        return None, y_bF
     return jax.lax.scan(body, None, (x_NbM, expert_N))[1]
 
 
@@ -69,10 +73,13 @@ def _block_matmul_fwd(x_NbM, w_EMF, expert_N):
 def _block_matmul_bwd(res, dy_NbF):
     x_NbM, w_EMF, expert_N = res
 
-    def body(dw_EMF, xde):
-        x_bM, dy_bF, e = xde
+    def block(dw_EMF, x_bM, dy_bF, e):
         dw_MF = jax.lax.dynamic_index_in_dim(dw_EMF, e, keepdims=False) + (x_bM.T @ dy_bF).astype(dw_EMF.dtype)
         return jax.lax.dynamic_update_index_in_dim(dw_EMF, dw_MF, e, 0), dy_bF @ w_EMF[e].T
+
+    def body(dw_EMF, xde):
+        x_bM, dy_bF, e = xde
+        return jax.lax.cond(e >= 0, block, lambda dw, x, *_: (dw, jnp.zeros_like(x)), dw_EMF, x_bM, dy_bF, e)
 
     dw_EMF, dx_NbM = jax.lax.scan(body, jnp.zeros_like(w_EMF), (x_NbM, dy_NbF, expert_N))
     return dx_NbM.astype(x_NbM.dtype), dw_EMF, None

@@ -77,3 +77,28 @@ def test_bad_config_paths_and_fields_are_clear_errors(tmp_path):
     cfg.model.kind = "rnn"
     with pytest.raises(ValueError, match="model.kind='rnn'"):
         configs.build_model(cfg.model)
+
+
+def test_docs_parameter_table_matches_the_configs():
+    """docs/models.md's table and README's example figures are what `gshard-jax params` computes."""
+    import re
+    rows = re.findall(r"^\| (\w+) \| ([\d.]+)B \| ([\d.]*)B? \|", open(os.path.join(ROOT, "docs", "models.md")).read(),
+                      re.M)
+    assert {r[0] for r in rows} == set(PAPER)
+    for key, total, active in rows:
+        counts = configs.count_params(configs.load(os.path.join(ROOT, "experiments", f"{key}.py")).model)
+        digits = len(total.split(".")[1])
+        assert f"{counts['total_params'] / 1e9:.{digits}f}" == total, (key, counts)
+        assert f"{counts['active_params'] / 1e9:.{len(active.split('.')[1])}f}" == active, (key, counts)
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    counts = configs.count_params(configs.load(os.path.join(ROOT, "experiments", "gshard_moe_2048e_36l.py")).model)
+    assert f"{counts['total_params'] / 1e9:.2f}B total, {counts['active_params'] / 1e9:.2f}B active" in readme
+
+
+def test_tiny_dense_twin_has_the_moe_lms_active_weights_per_token():
+    """Same matmul work per token: the dense twin's parameters are the MoE LM's active ones less its routers."""
+    moe = configs.load(os.path.join(ROOT, "experiments", "tiny_moe_lm.py")).model
+    dense = configs.load(os.path.join(ROOT, "experiments", "tiny_dense_lm.py")).model
+    routers = moe.num_layers * moe.d_model * moe.moe.num_experts  # every layer is MoE (moe_every = 1)
+    assert moe.moe_every == 1
+    assert configs.count_params(dense)["total_params"] == configs.count_params(moe)["active_params"] - routers
