@@ -1,20 +1,39 @@
-"""The ``gshard-jax`` command line.
+"""The ``gshard-jax`` command line: experiments from ml-collections configs in ``experiments/``.
 
-Subcommands:
-  params   total and per-token active parameters of a config's model (shapes only, nothing allocated)
+Every subcommand that takes ``--config FILE`` also takes overrides of the
+config's fields, ``--config.model.num_experts=16`` (ml-collections'
+config_flags convention); an unknown key or a value of the wrong type is an
+error before any work starts. ``--cpu-devices N`` simulates N CPU devices and
+``--coordinator/--num-processes/--process-id`` start jax.distributed; both act
+before JAX starts its backends.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from typing import Optional, Sequence
+
+from . import overrides
+
+EXIT_USAGE, EXIT_HALTED = 2, 3
+
+
+def _load(args: argparse.Namespace):
+    from . import configs
+    cfg = configs.load(args.config)
+    return overrides.apply(cfg, args.overrides)
+
+
+def _start(args: argparse.Namespace) -> None:
+    from .train import init_devices
+    init_devices(args.cpu_devices, args.coordinator, args.num_processes, args.process_id)
 
 
 def _params(args: argparse.Namespace) -> int:
     from . import configs
-    cfg = configs.load(args.config)
-    counts = configs.count_params(cfg.model)
+    counts = configs.count_params(_load(args).model)
     if args.json:
         print(json.dumps(counts))
     else:
@@ -24,27 +43,159 @@ def _params(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    _start(args)
+    from . import train
+    try:
+        summary = train.train(cfg, args.workdir, progress=not args.no_progress)
+    except train.NonFiniteStep as e:
+        print(f"gshard-jax train: halted: {e}", file=sys.stderr)
+        return EXIT_HALTED
+    print(json.dumps(summary))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    _start(args)
+    from . import train
+    print(json.dumps(train.evaluate(cfg, args.workdir)))
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    _start(args)
+    import gshard_jax as gs
+    from . import train
+    trainer = train.Trainer(cfg, args.workdir)
+    tokens = train.prepare_data(cfg, args.workdir)
+    state = trainer.fresh_state()
+    report = gs.explain(trainer.train_step, trainer.mesh, state, trainer.batch(tokens, "train", 1))
+    print(report.to_json() if args.json else (report.table() if args.table else report))
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    _start(args)
+    from . import compare
+    rows = compare.train_step(cfg, args.workdir, steps=args.steps)
+    print(json.dumps(rows) if args.json else compare.format_rows(rows))
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from . import data
+    meta = data.prepare(args.out, args.vocab_size, src=args.source, tokenizer=args.tokenizer,
+                        held_out=args.held_out, seed=args.seed, max_bytes=args.max_bytes)
+    print(json.dumps({s: {k: v for k, v in m.items() if k != "shards"} for s, m in meta["splits"].items()}))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from . import metrics
+    print(metrics.plot(args.workdirs, args.out, labels=args.labels.split(",") if args.labels else None))
+    return 0
+
+
+def _run_args(q: argparse.ArgumentParser, workdir: bool = True) -> None:
+    q.add_argument("--config", required=True, help="experiment file, e.g. experiments/tiny_moe_lm.py; "
+                   "override fields with --config.SECTION.FIELD=VALUE")
+    if workdir:
+        q.add_argument("--workdir", required=True, help="directory holding everything the run writes "
+                       "(data, checkpoints, metrics.jsonl, tensorboard/, loss.png)")
+    q.add_argument("--cpu-devices", type=int, default=0, metavar="N", help="simulate N CPU devices")
+    q.add_argument("--coordinator", default="", metavar="HOST:PORT", help="jax.distributed coordinator "
+                   "(process 0's address)")
+    q.add_argument("--num-processes", type=int, default=1, metavar="N", help="processes in a multi-process run")
+    q.add_argument("--process-id", type=int, default=0, metavar="I", help="this process's index")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gshard-jax", description="GShard-style MoE Transformers on JAX: "
                                 "experiments from ml-collections configs in experiments/.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    q = sub.add_parser("train", help="train a config's model, resuming from WORKDIR's newest checkpoint",
+                       description="Train the config's model with our partitioner on the config's mesh: a "
+                       "progress bar, WORKDIR/metrics.jsonl, TensorBoard events, checkpoints and a loss plot. "
+                       "Rerun the same command to resume after a crash.")
+    _run_args(q)
+    q.add_argument("--no-progress", action="store_true", help="no progress bar")
+    q.set_defaults(run=_train)
+
+    q = sub.add_parser("eval", help="held-out loss of WORKDIR's newest checkpoint",
+                       description="Print the held-out loss of the newest full or model-only checkpoint as JSON.")
+    _run_args(q)
+    q.set_defaults(run=_eval)
+
+    q = sub.add_parser("explain", help="the partition report of the config's train step",
+                       description="Print gs.explain() of the config's train step on its mesh: every "
+                       "sharding decision and collective, with bytes and cost.")
+    _run_args(q)
+    q.add_argument("--table", action="store_true", help="every op, not only those that communicate")
+    q.add_argument("--json", action="store_true", help="the report as JSON")
+    q.set_defaults(run=_explain)
+
+    q = sub.add_parser("compare", help="our partitioner against XLA's on the config's train step",
+                       description="Partition the config's train step with ours and with XLA's partitioner "
+                       "and print collectives, bytes moved per device and median step times.")
+    _run_args(q)
+    q.add_argument("--steps", type=int, default=5, help="timed steps per backend")
+    q.add_argument("--json", action="store_true", help="print JSON")
+    q.set_defaults(run=_compare)
+
     q = sub.add_parser("params", help="count a config's parameters (total and active per token)",
                        description="Print the total parameters and the parameters active per token of the "
                        "config's model, computed from shapes with jax.eval_shape (nothing is allocated).")
-    q.add_argument("--config", required=True, help="experiment file, e.g. experiments/mula_7b_a1b.py")
+    _run_args(q, workdir=False)
     q.add_argument("--json", action="store_true", help='print one JSON object {"total_params": N, '
                    '"active_params": N}')
     q.set_defaults(run=_params)
+
+    q = sub.add_parser("prepare-data", help="tokenise a directory of text files into token shards",
+                       description="Train a byte-level BPE on the files (or use --tokenizer), hold out a "
+                       "fraction of the files, and write .npy token shards read back by mmap. With no "
+                       "--source, the corpus is the Python standard library's sources.")
+    q.add_argument("--out", required=True, help="output directory")
+    q.add_argument("--source", default=None, help="directory of text files (default: Python's stdlib sources)")
+    q.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary size (<= the model's)")
+    q.add_argument("--tokenizer", default=None, help="a tokenizers JSON file to use instead of training one")
+    q.add_argument("--held-out", type=float, default=0.05, help="fraction of files held out")
+    q.add_argument("--seed", type=int, default=0, help="shuffle seed for the held-out split")
+    q.add_argument("--max-bytes", type=int, default=8 << 20, help="default corpus: at most this many bytes")
+    q.set_defaults(run=_prepare)
+
+    q = sub.add_parser("plot", help="plot the loss curves of one or more runs",
+                       description="Training and held-out loss against step for each WORKDIR, on one PNG.")
+    q.add_argument("workdirs", nargs="+", metavar="WORKDIR")
+    q.add_argument("--out", default="loss.png", help="PNG to write")
+    q.add_argument("--labels", default="", help="comma-separated legend labels (default: directory names)")
+    q.set_defaults(run=_plot)
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = parser()
+    try:
+        rest, found = overrides.split_args(argv)
+    except ValueError as e:
+        p.error(str(e))
+    args = p.parse_args(rest)
+    args.overrides = found
+    if found and not hasattr(args, "config"):
+        p.error(f"{args.command} takes no --config overrides")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("absl", "jax", "matplotlib", "orbax"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"gshard-jax {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

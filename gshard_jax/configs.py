@@ -45,6 +45,20 @@ def train_defaults() -> ConfigDict:
         eval_batches=4,  # batches per held-out evaluation
         seed=0,  # params, data order and routing randomness
         nan_policy="halt",  # non-finite loss or grad norm: "halt" or "skip" the step
+        async_checkpoints=True,  # write checkpoints in the background
+        goldfish_k=0,  # goldfish loss: drop ~1/k of target tokens from the loss (0 or 1: off; AxoNN uses 2)
+        goldfish_h=13,  # goldfish loss: tokens of context hashed to choose the dropped ones
+    ))
+
+
+def data_defaults() -> ConfigDict:
+    """The data section: where tokens come from (see gshard_jax/data.py)."""
+    return ConfigDict(dict(
+        dir="",  # prepared token shards ("": WORKDIR/data, prepared on first use)
+        source="",  # directory of text files to prepare from ("": the Python standard library's sources)
+        tokenizer="",  # tokenizer.json to use ("": train a byte-level BPE of model.vocab_size on the corpus)
+        held_out=0.05,  # fraction of files held out for eval_loss
+        max_bytes=8 << 20,  # default corpus: at most this many bytes of source
     ))
 
 
@@ -56,7 +70,8 @@ def skeleton(model: ConfigDict, mesh: dict, **train: Any) -> ConfigDict:
     cfg.train.update(train)
     cfg.mesh = ConfigDict(dict(data=1, expert=1, model=1))  # mesh axis sizes (one may be -1: the rest)
     cfg.mesh.update(mesh)
-    cfg.debug = ConfigDict(dict(nan_at_step=-1))  # inject a NaN loss at this step (-1: never)
+    cfg.data = data_defaults()
+    cfg.debug = ConfigDict(dict(nan_at_step=-1))  # poison the loss of this step (1-based) with NaN (-1: never)
     return cfg
 
 

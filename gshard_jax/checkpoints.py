@@ -1,0 +1,81 @@
+"""Checkpoints of a run (orbax-checkpoint): full ones to resume from, model-only ones to keep.
+
+``WORKDIR/checkpoints`` holds full checkpoints (params, optimiser state, step)
+every ``checkpoint_every`` steps, the two newest kept (dual checkpointing: a
+crash while writing one leaves the other). ``WORKDIR/model_checkpoints`` holds
+params every ``model_checkpoint_every`` steps, kept for good. Saves are
+asynchronous; orbax writes each to a temporary directory and renames it when
+complete, so an interrupted write is never listed. A run resumes from the
+newest full checkpoint that restores; a damaged one is skipped for the one
+before, with a warning naming it. Restoring places every array as the
+caller's template says, so a run may resume on a different mesh.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as policies
+
+log = logging.getLogger("gshard_jax")
+
+
+def _manager(path: str, every: int, keep: Optional[int], async_save: bool) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(
+        save_decision_policy=policies.FixedIntervalPolicy(max(1, every)),
+        preservation_policy=policies.LatestN(keep) if keep else policies.PreserveAll()
+        if hasattr(policies, "PreserveAll") else None,
+        enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True)
+    return ocp.CheckpointManager(os.path.abspath(path), options=options)
+
+
+class Checkpoints:
+    """The run's two checkpoint series."""
+
+    def __init__(self, workdir: str, full_every: int, model_every: int, async_save: bool = True):
+        self.full_dir = os.path.join(workdir, "checkpoints")
+        self.model_dir = os.path.join(workdir, "model_checkpoints")
+        self.full = _manager(self.full_dir, full_every, 2, async_save)
+        self.model = _manager(self.model_dir, model_every, None, async_save)
+
+    def save(self, step: int, state: dict, force: bool = False) -> None:
+        """Offer `state` at `step` to both series (each saves when its interval says, or when forced)."""
+        self.full.save(step, args=ocp.args.StandardSave(state), force=force)
+        self.model.save(step, args=ocp.args.StandardSave({"params": state["params"]}), force=force)
+
+    def restore_latest(self, template: dict) -> Optional[tuple[int, dict]]:
+        """(step, state) from the newest full checkpoint that restores, placed like `template`; None if none."""
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        for step in sorted(self.full.all_steps(), reverse=True):
+            try:
+                return step, self.full.restore(step, args=ocp.args.StandardRestore(abstract))
+            except Exception as e:  # damaged or partial files: fall back to the previous checkpoint
+                log.warning("checkpoint %s is damaged and was skipped (%s: %s); trying the one before",
+                            os.path.join(self.full_dir, str(step)), type(e).__name__, str(e).splitlines()[0][:200])
+        return None
+
+    def restore_params(self, template: Any) -> Optional[tuple[int, Any]]:
+        """(step, params) from the newest full or model-only checkpoint, placed like `template`."""
+        abstract = {"params": jax.tree.map(ocp.utils.to_shape_dtype_struct, template)}
+        candidates = [(s, self.full) for s in self.full.all_steps()] + [(s, self.model) for s in self.model.all_steps()]
+        for step, mgr in sorted(candidates, key=lambda c: c[0], reverse=True):
+            try:
+                restored = mgr.restore(step, args=ocp.args.PyTreeRestore(
+                    abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+                    partial_restore=True))
+                return step, restored["params"]
+            except Exception as e:
+                log.warning("checkpoint %s/%s could not be read (%s); trying an older one", mgr.directory, step,
+                            type(e).__name__)
+        return None
+
+    def wait(self) -> None:
+        self.full.wait_until_finished()
+        self.model.wait_until_finished()
+
+    def close(self) -> None:
+        self.full.close()
+        self.model.close()

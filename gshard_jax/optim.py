@@ -1,0 +1,67 @@
+"""The optimiser and loss options of a training run.
+
+Mula's recipe (REFERENCE section B) is the default: AdamW with weight decay on
+all params, linear warmup to the peak rate and cosine decay to a floor, and
+global-norm clipping that starts only after warmup (early gradients are large
+and clipping them slows the start). Goldfish loss (AxoNN section VIII) drops a
+pseudo-random, context-determined subset of tokens from the loss so the model
+cannot memorise a passage verbatim.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+
+class ClipAfterState(NamedTuple):
+    count: jax.Array  # updates seen
+
+
+def clip_after(warmup_steps: int, max_norm: float) -> optax.GradientTransformation:
+    """Clip to global norm `max_norm`, from update `warmup_steps` on (never when max_norm <= 0)."""
+    def init(params):
+        del params
+        return ClipAfterState(jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None):
+        del params
+        norm = optax.global_norm(updates)
+        clip = (state.count >= warmup_steps) & (norm > max_norm) & (max_norm > 0)
+        scale = jnp.where(clip, max_norm / jnp.where(norm > 0, norm, 1.0), 1.0)
+        return jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates), ClipAfterState(state.count + 1)
+
+    return optax.GradientTransformation(init, update)
+
+
+def schedule(train: ml_collections.ConfigDict) -> optax.Schedule:
+    """Linear warmup from 0 to learning_rate, cosine decay to min_learning_rate at num_steps."""
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=train.learning_rate, warmup_steps=train.warmup_steps,
+        decay_steps=max(train.num_steps, train.warmup_steps + 1), end_value=train.min_learning_rate)
+
+
+def optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """AdamW (decay on all params) after post-warmup clipping."""
+    return optax.chain(
+        clip_after(train.warmup_steps, train.clip_norm),
+        optax.adamw(schedule(train), b1=train.b1, b2=train.b2, eps=train.eps, weight_decay=train.weight_decay))
+
+
+def goldfish_weights(tokens_BL: jax.Array, k: int, h: int) -> jax.Array:
+    """1.0 where a target token counts in the loss, 0.0 where goldfish loss drops it: a token is dropped
+    when a hash of the h tokens ending at it is 0 mod k (about 1/k of tokens; the same context always
+    drops the same token). k <= 1 keeps every token."""
+    if k <= 1:
+        return jnp.ones(tokens_BL.shape, jnp.float32)
+    t = tokens_BL.astype(jnp.uint32)
+    acc = jnp.zeros_like(t)
+    for i in range(h):  # polynomial hash of the window, mixed by a multiply-xorshift
+        shifted = jnp.pad(t, ((0, 0), (i, 0)))[:, :t.shape[1]]
+        acc = (acc * jnp.uint32(0x01000193)) ^ (shifted + jnp.uint32(i + 1))
+    acc = (acc ^ (acc >> 16)) * jnp.uint32(0x45D9F3B)
+    acc = acc ^ (acc >> 16)
+    return (acc % jnp.uint32(k) != 0).astype(jnp.float32)

@@ -1,0 +1,263 @@
+"""Training and evaluation of an experiment config, partitioned by our partitioner.
+
+One train step is one ``gs.partition``-ed function of (state, batch): loss and
+gradients, a finiteness check of the loss and the gradient norm, the optimiser
+update. A non-finite step never reaches a checkpoint: with ``nan_policy="halt"``
+the run stops before saving and names the step; with ``"skip"`` the step's
+update is dropped inside the step (old params and optimiser state kept) and
+counted. Steps are numbered from 1: checkpoint N holds the state after N
+updates, and ``debug.nan_at_step = N`` poisons the N-th update.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import gshard_jax as gs
+
+from . import configs, data, metrics, optim
+from .checkpoints import Checkpoints
+from .models.sharding import mesh_spec
+from .models.transformer import cross_entropy, loss_fn
+
+log = logging.getLogger("gshard_jax")
+NAN_POLICIES = ("halt", "skip")
+
+
+class NonFiniteStep(RuntimeError):
+    """A step's loss or gradient norm was NaN or infinite under nan_policy="halt"."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float):
+        self.step = step
+        super().__init__(f"step {step}: non-finite loss {loss} or gradient norm {grad_norm}; stopped before any "
+                         f"checkpoint at or after step {step} (train.nan_policy='halt'; 'skip' drops such steps)")
+
+
+def init_devices(cpu_devices: int = 0, coordinator: str = "", num_processes: int = 1, process_id: int = 0) -> None:
+    """Simulated CPU devices and the multi-process runtime; call before JAX starts its backends."""
+    if cpu_devices:
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
+    if coordinator or num_processes > 1:
+        if not coordinator:
+            raise ValueError(f"--num-processes {num_processes} needs --coordinator HOST:PORT")
+        if not 0 <= process_id < num_processes:
+            raise ValueError(f"--process-id {process_id} is not in [0, {num_processes})")
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def mesh_for(cfg: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+    """The config's mesh over all devices; axes of size 1 are left out (at least `data` stays)."""
+    sizes = dict(cfg.mesh)
+    n = jax.device_count()
+    known = math.prod(s for s in sizes.values() if s != -1)
+    sizes = {k: (n // known if s == -1 else s) for k, s in sizes.items()}
+    kept = {k: s for k, s in sizes.items() if s != 1} or {"data": 1}
+    return gs.make_mesh(kept)
+
+
+@dataclasses.dataclass
+class Trainer:
+    """A config's model, optimiser, mesh, data and partitioned step functions."""
+    cfg: ml_collections.ConfigDict
+    workdir: str
+
+    def __post_init__(self):
+        cfg = self.cfg
+        t = cfg.train
+        if t.nan_policy not in NAN_POLICIES:
+            raise ValueError(f"train.nan_policy={t.nan_policy!r}; expected one of {NAN_POLICIES}")
+        self.mesh = mesh_for(cfg)
+        self.model = configs.build_model(cfg.model, train=True)
+        self.eval_model = configs.build_model(cfg.model, train=False)
+        self.opt = optim.optimizer(t)
+        self.schedule = optim.schedule(t)
+        self.length = data.window_length(cfg.model.kind, t.seq_len)
+        batch_spec = mesh_spec(("batch", None), self.model.cfg.rules, self.mesh.axis_names)
+        self.batch_sharding = NamedSharding(self.mesh, P(*batch_spec))
+        shards = math.prod(self.mesh.shape[a] for a in _axes(batch_spec[0]))
+        if t.batch_size % shards or t.batch_size % jax.process_count():
+            raise ValueError(f"train.batch_size={t.batch_size} must divide by the {shards} batch shards of mesh "
+                             f"{dict(self.mesh.shape)} and by the {jax.process_count()} processes")
+        self.step_fn = gs.partition(self.train_step, self.mesh)
+        self.eval_fn = gs.partition(self.eval_step, self.mesh)
+        self.init_fn = gs.partition(self.init_state, self.mesh)
+
+    # ------------------------------------------------------------------ the partitioned functions
+    def init_state(self, key: jax.Array) -> dict:
+        tokens = jnp.zeros((1, self.cfg.train.seq_len), jnp.int32)
+        args = (tokens, tokens) if self.cfg.model.kind == "encoder_decoder" else (tokens,)
+        params = self.model.init(key, *args)
+        return {"params": params, "opt_state": self.opt.init(params), "step": jnp.zeros([], jnp.int32)}
+
+    def _weights(self, batch: dict) -> Optional[jax.Array]:
+        t = self.cfg.train
+        return optim.goldfish_weights(batch["inputs"], t.goldfish_k, t.goldfish_h) if t.goldfish_k > 1 else None
+
+    def train_step(self, state: dict, batch: dict) -> tuple[dict, dict]:
+        t, step = self.cfg.train, state["step"] + 1
+        weights = self._weights(batch)
+        if weights is not None:
+            batch = dict(batch, weights=weights)
+        poison = jnp.where(step == self.cfg.debug.nan_at_step, jnp.nan, 1.0)
+
+        def loss(params):
+            value, m = loss_fn(self.model, params, batch, jax.random.fold_in(jax.random.key(t.seed), step))
+            return value * poison, m
+
+        (value, m), grads = jax.value_and_grad(loss, has_aux=True)(state["params"])
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = self.opt.update(grads, state["opt_state"], state["params"])
+        new = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state, "step": step}
+        ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
+        if t.nan_policy == "skip":
+            new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, dict(state, step=step))
+        out = {"loss": value, "grad_norm": grad_norm, "learning_rate": self.schedule(step - 1), "finite": ok,
+               **{k: m[k] for k in ("cross_entropy", "aux_loss", "z_loss", "dropped", "router_confidence")}}
+        return new, out
+
+    def eval_step(self, params: Any, batch: dict) -> jax.Array:
+        if self.cfg.model.kind == "encoder_decoder":
+            logits, _ = self.eval_model.apply(params, batch["source"], batch["inputs"])
+        else:
+            logits, _ = self.eval_model.apply(params, batch["inputs"])
+        return cross_entropy(logits, batch["targets"])
+
+    # ------------------------------------------------------------------ host side
+    def batch(self, tokens: data.TokenData, split: str, step: int) -> dict:
+        """The global batch of `step`, built from this process's rows."""
+        t = self.cfg.train
+        per = t.batch_size // jax.process_count()
+        me = jax.process_index()
+        local = tokens.windows(split, t.seed, step, t.batch_size, self.length, me * per, (me + 1) * per)
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v, (t.batch_size,) + v.shape[1:])
+                for k, v in data.model_batch(self.cfg.model.kind, local).items()}
+
+    def fresh_state(self) -> dict:
+        return self.init_fn(jax.random.key(self.cfg.train.seed))
+
+    def evaluate(self, tokens: data.TokenData, params: Any) -> float:
+        losses = [self.eval_fn(params, self.batch(tokens, "eval", i)) for i in range(self.cfg.train.eval_batches)]
+        return float(np.mean([float(x) for x in losses]))
+
+
+def _axes(entry) -> tuple:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def prepare_data(cfg: ml_collections.ConfigDict, workdir: str) -> data.TokenData:
+    """The run's token data: cfg.data.dir if given, else WORKDIR/data, prepared on first use (process 0)."""
+    d = cfg.data.dir or os.path.join(workdir, "data")
+    if not os.path.exists(os.path.join(d, data.META)):
+        if jax.process_index() == 0:
+            log.info("preparing token data in %s from %s", d, cfg.data.source or "the Python standard library")
+            data.prepare(d, cfg.model.vocab_size, src=cfg.data.source or None, tokenizer=cfg.data.tokenizer or None,
+                         held_out=cfg.data.held_out, seed=cfg.train.seed, max_bytes=cfg.data.max_bytes)
+        _sync("data prepared")
+    tokens = data.TokenData(d)
+    if tokens.meta["tokenizer_vocab"] > cfg.model.vocab_size:
+        raise ValueError(f"the data in {d} has {tokens.meta['tokenizer_vocab']} token ids but model.vocab_size is "
+                         f"{cfg.model.vocab_size}")
+    return tokens
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -> dict:
+    """Train from the newest valid checkpoint in workdir (or from scratch) to train.num_steps."""
+    t = cfg.train
+    os.makedirs(workdir, exist_ok=True)
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(cfg.to_json(indent=1))
+    tokens = prepare_data(cfg, workdir)
+    trainer = Trainer(cfg, workdir)
+    ckpt = Checkpoints(workdir, t.checkpoint_every, t.model_checkpoint_every, async_save=t.async_checkpoints)
+    state = trainer.fresh_state()
+    restored = ckpt.restore_latest(state)
+    start = 0
+    if restored is not None:
+        start, state = restored
+        log.info("resumed from %s at step %d", ckpt.full_dir, start)
+    main = jax.process_index() == 0
+    writer = metrics.MetricsWriter(workdir, resume_step=start, enabled=main)
+    bar = None
+    if progress and main:
+        from tqdm import tqdm
+        bar = tqdm(total=t.num_steps, initial=start, unit="step", dynamic_ncols=True)
+    skipped, summary = 0, {"start_step": start}
+    first = prev = time.perf_counter()
+    window_s, window_steps = 0.0, 0
+    try:
+        for step in range(start + 1, t.num_steps + 1):
+            state, m = trainer.step_fn(state, trainer.batch(tokens, "train", step))
+            host = {k: float(v) for k, v in m.items()}
+            finite = bool(host.pop("finite"))
+            if not finite:
+                if t.nan_policy == "halt":
+                    writer.write(step, {"loss": host["loss"], "grad_norm": host["grad_norm"], "halted": True})
+                    raise NonFiniteStep(step, host["loss"], host["grad_norm"])
+                skipped += 1
+                log.warning("step %d: non-finite loss or gradient norm; update skipped (%d so far)", step, skipped)
+            row = dict(host, skipped_steps=skipped)
+            now = time.perf_counter()
+            if step > start + 1:  # the first step also compiles: throughput is timed from its end
+                window_s, window_steps = window_s + now - prev, window_steps + 1
+            prev = now
+            if step % t.log_every == 0 or step == t.num_steps:
+                tokens_per_step = t.batch_size * t.seq_len
+                row["tokens_per_s"] = (window_steps * tokens_per_step / window_s if window_steps
+                                       else tokens_per_step / (now - first))
+                window_s, window_steps = 0.0, 0
+            if step % t.eval_every == 0 or step == t.num_steps:
+                row["eval_loss"] = trainer.evaluate(tokens, state["params"])
+                prev = time.perf_counter()  # eval time is not training throughput
+            if "tokens_per_s" in row or "eval_loss" in row:
+                writer.write(step, row)
+                summary.update(step=step, **{k: row[k] for k in ("loss", "eval_loss") if k in row})
+            ckpt.save(step, state, force=step == t.num_steps)  # after its metrics: a resume never loses a row
+            if bar is not None:
+                bar.update(1)
+                post = {"loss": f"{host['loss']:.3f}", "aux": f"{host['aux_loss']:.3f}",
+                        "dropped": f"{host['dropped']:.3f}"}
+                if "tokens_per_s" in row:
+                    post["tok/s"] = f"{row['tokens_per_s']:,.0f}"
+                bar.set_postfix(post, refresh=False)
+    finally:
+        ckpt.wait()
+        ckpt.close()
+        writer.close()
+        if bar is not None:
+            bar.close()
+    summary["skipped_steps"] = skipped
+    if main:
+        summary["plot"] = metrics.plot([workdir], os.path.join(workdir, "loss.png"))
+    return summary
+
+
+def evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Held-out loss of the newest checkpoint (full or model-only) in workdir."""
+    tokens = prepare_data(cfg, workdir)
+    trainer = Trainer(cfg, workdir)
+    ckpt = Checkpoints(workdir, cfg.train.checkpoint_every, cfg.train.model_checkpoint_every, async_save=False)
+    restored = ckpt.restore_params(trainer.fresh_state()["params"])
+    ckpt.close()
+    if restored is None:
+        raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints or {workdir}/model_checkpoints; train first")
+    step, params = restored
+    return {"step": step, "eval_loss": trainer.evaluate(tokens, params)}

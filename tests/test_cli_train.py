@@ -1,0 +1,152 @@
+"""The training CLI end to end, in subprocesses: the loss falls, kill -9 and rerun resumes exactly, damaged
+checkpoints are skipped, NaN steps never reach a checkpoint, bad overrides fail before any work."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "experiments", "tiny_moe_lm.py")
+# A smaller run of the tiny config: 2 layers, short sequences, frequent checkpoints.
+SMALL = ["--config.model.num_layers=2", "--config.train.batch_size=8", "--config.train.seq_len=32",
+         "--config.train.warmup_steps=4", "--config.train.log_every=1", "--config.train.eval_every=10",
+         "--config.train.eval_batches=2", "--config.train.checkpoint_every=4",
+         "--config.train.model_checkpoint_every=8", "--config.train.async_checkpoints=false"]
+
+
+def cli(*args, timeout=600, check=True):
+    p = subprocess.run([sys.executable, "-m", "gshard_jax.cli", *args], capture_output=True, text=True,
+                       timeout=timeout, cwd=ROOT)
+    if check and p.returncode != 0:
+        raise AssertionError(f"gshard-jax {' '.join(args)} exited {p.returncode}:\n{p.stderr[-3000:]}")
+    return p
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("data"))
+    cli("prepare-data", "--out", d, "--vocab-size", "512", "--max-bytes", "1500000")
+    return d
+
+
+def train(workdir, data_dir, steps, *extra, check=True):
+    return cli("train", "--config", CONFIG, "--cpu-devices", "8", "--workdir", str(workdir), "--no-progress",
+               f"--config.data.dir={data_dir}", f"--config.train.num_steps={steps}", *SMALL, *extra, check=check)
+
+
+def rows(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def steps_saved(workdir, kind="checkpoints"):
+    d = os.path.join(workdir, kind)
+    return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
+
+
+def test_prepared_data_is_deterministic_and_split(data_dir, tmp_path):
+    with open(os.path.join(data_dir, "meta.json")) as f:
+        meta = json.load(f)
+    assert meta["splits"]["train"]["tokens"] > 100_000 and meta["splits"]["eval"]["tokens"] > 1_000
+    again = str(tmp_path / "again")
+    cli("prepare-data", "--out", again, "--vocab-size", "512", "--max-bytes", "1500000")
+    with open(os.path.join(again, "meta.json")) as f:
+        assert json.load(f)["splits"] == meta["splits"]  # same files, same tokens (sha256 of each split)
+
+
+def test_training_lowers_the_loss_and_writes_its_records(data_dir, tmp_path):
+    run = tmp_path / "run"
+    p = train(run, data_dir, 24)
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    r = rows(run)
+    assert [x["step"] for x in r] == list(range(1, 25))
+    assert all({"step", "loss", "tokens_per_s", "aux_loss", "dropped"} <= set(x) for x in r)
+    first, last = sum(x["loss"] for x in r[:3]) / 3, sum(x["loss"] for x in r[-3:]) / 3
+    assert last < first - 1.0, (first, last)
+    evals = [x["eval_loss"] for x in r if "eval_loss" in x]
+    assert len(evals) == 3 and evals[-1] < evals[0]
+    assert summary["eval_loss"] == evals[-1]
+    assert steps_saved(run) == [20, 24]  # two newest full checkpoints
+    assert steps_saved(run, "model_checkpoints") == [8, 16, 24]  # model-only ones kept
+    assert os.path.getsize(run / "loss.png") > 1000
+    assert any(n.startswith("events.out.tfevents") for n in os.listdir(run / "tensorboard"))
+    # eval reads the newest checkpoint and gives the run's final held-out loss.
+    out = json.loads(cli("eval", "--config", CONFIG, "--cpu-devices", "8", "--workdir", str(run),
+                         f"--config.data.dir={data_dir}", *SMALL).stdout.strip().splitlines()[-1])
+    assert out["step"] == 24 and out["eval_loss"] == pytest.approx(evals[-1], rel=1e-6)
+
+
+def test_kill_and_rerun_resumes_to_the_same_losses(data_dir, tmp_path):
+    ref = tmp_path / "ref"
+    train(ref, data_dir, 16)
+    run = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "gshard_jax.cli", "train", "--config", CONFIG, "--cpu-devices", "8",
+           "--workdir", str(run), "--no-progress", f"--config.data.dir={data_dir}",
+           "--config.train.num_steps=16", *SMALL]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while time.time() < deadline and 8 not in steps_saved(run) and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    saved = steps_saved(run)
+    assert saved and max(saved) < 16, saved
+    p = train(run, data_dir, 16)
+    assert json.loads(p.stdout.strip().splitlines()[-1])["start_step"] == max(saved)
+    assert f"at step {max(saved)}" in p.stderr
+    got, want = {x["step"]: x["loss"] for x in rows(run)}, {x["step"]: x["loss"] for x in rows(ref)}
+    assert sorted(got) == list(range(1, 17))  # each step once, the crashed run's extra rows dropped
+    for step in range(max(saved) + 1, 17):
+        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), step
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(data_dir, tmp_path):
+    run = tmp_path / "run"
+    train(run, data_dir, 8)
+    assert steps_saved(run) == [4, 8]
+    newest = run / "checkpoints" / "8"
+    for dirpath, _, files in os.walk(newest):
+        for name in files:
+            with open(os.path.join(dirpath, name), "wb") as f:
+                f.write(b"garbage")
+    p = train(run, data_dir, 10)
+    assert json.loads(p.stdout.strip().splitlines()[-1])["start_step"] == 4
+    assert "checkpoints/8 is damaged" in p.stderr
+
+
+def test_nan_halts_before_any_checkpoint_and_skip_continues(data_dir, tmp_path):
+    run = tmp_path / "halt"
+    p = train(run, data_dir, 12, "--config.debug.nan_at_step=6", check=False)
+    assert p.returncode == 3
+    assert "step 6: non-finite loss" in p.stderr
+    assert steps_saved(run) == [4] and steps_saved(run, "model_checkpoints") == []
+    run = tmp_path / "skip"
+    p = train(run, data_dir, 12, "--config.debug.nan_at_step=6", "--config.train.nan_policy=skip")
+    r = {x["step"]: x for x in rows(run)}
+    assert r[6]["skipped_steps"] == 1 and r[12]["skipped_steps"] == 1
+    assert all(x["loss"] == x["loss"] for s, x in r.items() if s != 6)  # finite everywhere else
+    assert steps_saved(run) == [8, 12]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--config.model.num_expertz=16", "unknown key 'num_expertz' in model"),
+    ("--config.train.num_steps=ten", "--config.train.num_steps='ten': expected an integer"),
+    ("--config.train.nan_policy.x=1", "train.nan_policy is a value, not a section"),
+    ("--config.model=1", "--config.model is a section"),
+])
+def test_bad_overrides_fail_before_any_work(tmp_path, override, message):
+    run = tmp_path / "run"
+    p = cli("train", "--config", CONFIG, "--workdir", str(run), override, check=False)
+    assert p.returncode == 2 and message in p.stderr, p.stderr
+    assert not run.exists()
+
+
+def test_every_subcommand_has_help():
+    for sub in ("train", "eval", "explain", "compare", "params", "prepare-data", "plot"):
+        p = cli(sub, "--help")
+        assert "usage: gshard-jax " + sub in p.stdout and len(p.stdout) > 200
