@@ -23,12 +23,13 @@ from orbax.checkpoint import checkpoint_managers as policies
 log = logging.getLogger("gshard_jax")
 
 
-def _manager(path: str, every: int, keep: Optional[int], async_save: bool) -> ocp.CheckpointManager:
+def _manager(path: str, every: int, keep: Optional[int], async_save: bool, name: str) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         save_decision_policy=policies.FixedIntervalPolicy(max(1, every)),
-        preservation_policy=policies.LatestN(keep) if keep else policies.PreserveAll()
-        if hasattr(policies, "PreserveAll") else None,
-        enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True)
+        preservation_policy=policies.LatestN(keep) if keep else policies.preservation_policy.PreserveAll(),
+        enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True,
+        # Two series may save the same step at once: their cross-process barriers need distinct names.
+        multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=name))
     return ocp.CheckpointManager(os.path.abspath(path), options=options)
 
 
@@ -38,8 +39,8 @@ class Checkpoints:
     def __init__(self, workdir: str, full_every: int, model_every: int, async_save: bool = True):
         self.full_dir = os.path.join(workdir, "checkpoints")
         self.model_dir = os.path.join(workdir, "model_checkpoints")
-        self.full = _manager(self.full_dir, full_every, 2, async_save)
-        self.model = _manager(self.model_dir, model_every, None, async_save)
+        self.full = _manager(self.full_dir, full_every, 2, async_save, "full")
+        self.model = _manager(self.model_dir, model_every, None, async_save, "model")
 
     def save(self, step: int, state: dict, force: bool = False) -> None:
         """Offer `state` at `step` to both series (each saves when its interval says, or when forced)."""

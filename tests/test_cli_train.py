@@ -150,3 +150,53 @@ def test_every_subcommand_has_help():
     for sub in ("train", "eval", "explain", "compare", "params", "prepare-data", "plot"):
         p = cli(sub, "--help")
         assert "usage: gshard-jax " + sub in p.stdout and len(p.stdout) > 200
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_train_to_the_same_losses_as_one(data_dir, tmp_path):
+    """2 processes x 4 CPU devices (jax.distributed, gloo) against 1 process x 8 devices, same global batches."""
+    one = tmp_path / "one"
+    train(one, data_dir, 6)
+    two = tmp_path / "two"
+    port = _free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "gshard_jax.cli", "train", "--config", CONFIG, "--cpu-devices", "4",
+         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+         "--workdir", str(two), "--no-progress", f"--config.data.dir={data_dir}", "--config.train.num_steps=6",
+         *SMALL], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    got, want = [x["loss"] for x in rows(two)], [x["loss"] for x in rows(one)]
+    assert len(got) == len(want) == 6
+    assert got == pytest.approx(want, rel=1e-5)
+    assert steps_saved(two) == [4, 6]
+
+
+def test_explain_compare_and_plot_subcommands(data_dir, tmp_path):
+    common = ["--config", CONFIG, "--cpu-devices", "8", "--workdir", str(tmp_path / "w"),
+              f"--config.data.dir={data_dir}", *SMALL]
+    assert "all-to-all" in cli("explain", *common).stdout
+    report = json.loads(cli("explain", *common, "--json").stdout.strip().splitlines()[-1])
+    assert report["fallbacks"] == [] and report["totals"]["all-to-all"]["count"] > 0, report["totals"]
+    rows_ = json.loads(cli("compare", *common, "--steps", "2", "--json").stdout.strip().splitlines()[-1])
+    ours, xla = rows_
+    assert (ours["backend"], xla["backend"]) == ("gshard", "xla")
+    assert ours["collectives"]["all-to-all"] > 0
+    assert ours["bytes_per_device"] <= xla["bytes_per_device"]
+    assert ours["loss_diff"] < 1e-4 and xla["loss_diff"] < 1e-4
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, steps in ((a, 3), (b, 4)):
+        os.makedirs(d)
+        with open(d / "metrics.jsonl", "w") as f:
+            f.writelines(json.dumps({"step": s, "loss": 5.0 - s, "eval_loss": 5.5 - s}) + "\n" for s in range(1, steps))
+    out = tmp_path / "both.png"
+    cli("plot", str(a), str(b), "--out", str(out), "--labels", "moe,dense")
+    assert out.stat().st_size > 1000
+    p = cli("plot", str(tmp_path / "missing"), "--out", str(out), check=False)
+    assert p.returncode == 2 and "has no metrics.jsonl" in p.stderr
