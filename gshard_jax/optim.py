@@ -29,7 +29,7 @@ def clip_after(warmup_steps: int, max_norm: float) -> optax.GradientTransformati
 
     def update(updates, state, params=None):
         del params
-        norm = optax.global_norm(updates)
+        norm = optax.tree.norm(updates)
         clip = (state.count >= warmup_steps) & (norm > max_norm) & (max_norm > 0)
         scale = jnp.where(clip, max_norm / jnp.where(norm > 0, norm, 1.0), 1.0)
         return jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates), ClipAfterState(state.count + 1)

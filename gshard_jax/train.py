@@ -117,7 +117,7 @@ class Trainer:
             return value * poison, m
 
         (value, m), grads = jax.value_and_grad(loss, has_aux=True)(state["params"])
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.opt.update(grads, state["opt_state"], state["params"])
         new = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state, "step": step}
         ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)

@@ -1,0 +1,84 @@
+"""Pieces of the training runtime: config overrides, the optimiser recipe, goldfish loss, batch purity."""
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from gshard_jax import configs, data, optim, overrides
+
+
+def test_overrides_parse_to_the_fields_types():
+    cfg = configs.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                                    "tiny_moe_lm.py"))
+    rest, found = overrides.split_args(["train", "--config.model.moe.num_experts=16", "--config.train.seed", "3",
+                                        "--config.model.scan=true", "--config.train.learning_rate=1e-3",
+                                        "--workdir", "w", "--config.model.moe.second_policy=all"])
+    assert rest == ["train", "--workdir", "w"]
+    overrides.apply(cfg, found)
+    assert (cfg.model.moe.num_experts, cfg.train.seed, cfg.model.scan) == (16, 3, True)
+    assert cfg.train.learning_rate == 1e-3 and cfg.model.moe.second_policy == "all"
+    assert configs.count_params(cfg.model)["total_params"] > 0  # still a valid model
+    with pytest.raises(ValueError, match="expected true or false"):
+        overrides.apply(cfg, [("model.scan", "maybe")])
+    with pytest.raises(ValueError, match="expected a number"):
+        overrides.apply(cfg, [("train.learning_rate", "fast")])
+    with pytest.raises(ValueError, match="has no value"):
+        overrides.split_args(["--config.train.seed"])
+    t = ml_collections.ConfigDict({"shape": (1, 2)})
+    assert overrides.apply(t, [("shape", "(3, 4)")]).shape == (3, 4)
+    with pytest.raises(ValueError, match="tuple literal"):
+        overrides.apply(t, [("shape", "[3, 4]")])
+
+
+def test_schedule_warms_up_then_decays_to_the_floor_and_clips_only_after_warmup():
+    t = configs.train_defaults()
+    t.update(dict(num_steps=100, warmup_steps=10, learning_rate=1e-3, min_learning_rate=1e-4, clip_norm=1.0))
+    lr = optim.schedule(t)
+    assert float(lr(0)) == 0.0 and float(lr(5)) == pytest.approx(5e-4) and float(lr(10)) == pytest.approx(1e-3)
+    assert float(lr(100)) == pytest.approx(1e-4) and float(lr(55)) < 1e-3
+    clip = optim.clip_after(2, 1.0)
+    state = clip.init(None)
+    big = {"w": jnp.full((4,), 10.0)}  # norm 20
+    norms = []
+    for _ in range(4):
+        out, state = clip.update(big, state)
+        norms.append(float(optax_norm(out)))
+    assert norms[:2] == [20.0, 20.0] and norms[2:] == pytest.approx([1.0, 1.0])
+
+
+def optax_norm(tree):
+    return jnp.sqrt(sum(jnp.sum(x ** 2) for x in jax.tree.leaves(tree)))
+
+
+def test_goldfish_drops_about_one_in_k_tokens_decided_by_their_context():
+    tokens = jax.random.randint(jax.random.key(0), (8, 512), 0, 2048)
+    w = optim.goldfish_weights(tokens, k=2, h=13)
+    assert 0.45 < float(1 - jnp.mean(w)) < 0.55
+    assert 0.2 < float(1 - jnp.mean(optim.goldfish_weights(tokens, k=4, h=13))) < 0.3
+    assert bool(jnp.all(optim.goldfish_weights(tokens, k=1, h=13) == 1))
+    # The same 13-token context drops the same token wherever it occurs.
+    repeated = jnp.concatenate([tokens[:1, :100], tokens[1:2, :37], tokens[:1, :100]], axis=1)
+    wr = optim.goldfish_weights(repeated, k=2, h=13)
+    assert bool(jnp.all(wr[0, 12:100] == wr[0, 137 + 12:237]))
+
+
+def test_batches_are_a_pure_function_of_seed_and_step_split_over_processes(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "t").mkdir()
+    for i in range(4):
+        (d / "t" / f"{i}.txt").write_text(" ".join(f"w{(i * 7 + j) % 50}" for j in range(3000)))
+    out = str(tmp_path / "out")
+    data.prepare(out, 300, src=str(d / "t"), held_out=0.25, seed=1)
+    tokens = data.TokenData(out)
+    whole = tokens.windows("train", 0, 5, 8, 33)
+    parts = np.concatenate([tokens.windows("train", 0, 5, 8, 33, i * 2, i * 2 + 2) for i in range(4)])
+    assert whole.shape == (8, 33) and np.array_equal(whole, parts)
+    assert np.array_equal(whole, data.TokenData(out).windows("train", 0, 5, 8, 33))
+    assert not np.array_equal(whole, tokens.windows("train", 0, 6, 8, 33))
+    assert tokens.meta["splits"]["eval"]["files"] == 1 and tokens.meta["splits"]["train"]["files"] == 3
+    with pytest.raises(ValueError, match="vocab_size is 10"):
+        data.prepare(str(tmp_path / "small"), 10, src=str(d / "t"), tokenizer=f"{out}/tokenizer.json")
