@@ -35,6 +35,7 @@ def train_defaults() -> ConfigDict:
         learning_rate=4e-4,  # peak, after linear warmup
         min_learning_rate=4e-5,  # cosine decay floor
         warmup_steps=100,  # linear warmup; gradient clipping starts after it
+        decay_steps=0,  # step at which the cosine decay reaches min_learning_rate (0: num_steps)
         b1=0.9, b2=0.99, eps=1e-8,  # AdamW moments
         weight_decay=0.1,  # on all params
         clip_norm=1.0,  # global gradient norm clip (after warmup)

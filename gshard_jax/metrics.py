@@ -65,7 +65,7 @@ def read(workdir: str) -> list[dict]:
 
 
 def plot(workdirs: Sequence[str], out: str, labels: Optional[Sequence[str]] = None) -> str:
-    """Training loss and held-out loss against step for each run, on one PNG at `out`."""
+    """Training cross-entropy (or loss) and held-out loss against step for each run, on one PNG at `out`."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -77,14 +77,16 @@ def plot(workdirs: Sequence[str], out: str, labels: Optional[Sequence[str]] = No
         if not rows:
             raise FileNotFoundError(f"{d!r} has no {METRICS}; is it a run's --workdir?")
         color = f"C{i}"
-        train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+        # Cross-entropy when the run logs it (an MoE's loss also holds its aux and z losses), else the loss.
+        key = "cross_entropy" if any("cross_entropy" in r for r in rows) else "loss"
+        train = [(r["step"], r[key]) for r in rows if key in r]
         held = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
         if train:
             ax.plot(*zip(*train), color=color, alpha=0.6, label=f"{label} train")
         if held:
             ax.plot(*zip(*held), color=color, marker="o", label=f"{label} held-out")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

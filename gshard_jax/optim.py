@@ -38,10 +38,11 @@ def clip_after(warmup_steps: int, max_norm: float) -> optax.GradientTransformati
 
 
 def schedule(train: ml_collections.ConfigDict) -> optax.Schedule:
-    """Linear warmup from 0 to learning_rate, cosine decay to min_learning_rate at num_steps."""
+    """Linear warmup from 0 to learning_rate, cosine decay to min_learning_rate at decay_steps (or num_steps)."""
+    end = train.decay_steps or train.num_steps
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=train.learning_rate, warmup_steps=train.warmup_steps,
-        decay_steps=max(train.num_steps, train.warmup_steps + 1), end_value=train.min_learning_rate)
+        decay_steps=max(end, train.warmup_steps + 1), end_value=train.min_learning_rate)
 
 
 def optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransformation:

@@ -200,3 +200,17 @@ def test_explain_compare_and_plot_subcommands(data_dir, tmp_path):
     assert out.stat().st_size > 1000
     p = cli("plot", str(tmp_path / "missing"), "--out", str(out), check=False)
     assert p.returncode == 2 and "has no metrics.jsonl" in p.stderr
+
+
+def test_a_run_resumes_on_a_different_mesh(data_dir, tmp_path):
+    """Checkpoints written on {data 2, expert 4} restore onto {data 8}: the run continues where it stopped and
+    its losses follow the run that stayed on the first mesh."""
+    stay, moved = tmp_path / "stay", tmp_path / "moved"
+    schedule = "--config.train.decay_steps=10"  # the same learning rates whether a run stops at 8 or 10
+    train(stay, data_dir, 10, schedule)
+    train(moved, data_dir, 8, schedule)
+    p = train(moved, data_dir, 10, schedule, "--config.mesh.data=8", "--config.mesh.expert=1")
+    assert json.loads(p.stdout.strip().splitlines()[-1])["start_step"] == 8
+    got, want = {x["step"]: x["loss"] for x in rows(moved)}, {x["step"]: x["loss"] for x in rows(stay)}
+    for step in (9, 10):
+        assert got[step] == pytest.approx(want[step], rel=1e-4), step

@@ -39,6 +39,8 @@ def test_schedule_warms_up_then_decays_to_the_floor_and_clips_only_after_warmup(
     lr = optim.schedule(t)
     assert float(lr(0)) == 0.0 and float(lr(5)) == pytest.approx(5e-4) and float(lr(10)) == pytest.approx(1e-3)
     assert float(lr(100)) == pytest.approx(1e-4) and float(lr(55)) < 1e-3
+    t.decay_steps = 50  # a schedule that does not move when num_steps does
+    assert float(optim.schedule(t)(50)) == pytest.approx(1e-4)
     clip = optim.clip_after(2, 1.0)
     state = clip.init(None)
     big = {"w": jnp.full((4,), 10.0)}  # norm 20
@@ -82,3 +84,22 @@ def test_batches_are_a_pure_function_of_seed_and_step_split_over_processes(tmp_p
     assert tokens.meta["splits"]["eval"]["files"] == 1 and tokens.meta["splits"]["train"]["files"] == 3
     with pytest.raises(ValueError, match="vocab_size is 10"):
         data.prepare(str(tmp_path / "small"), 10, src=str(d / "t"), tokenizer=f"{out}/tokenizer.json")
+
+
+def test_goldfish_loss_is_the_train_steps_loss_over_the_kept_tokens(tmp_path):
+    """train_step with goldfish_k=2 computes the loss over the tokens goldfish_weights keeps."""
+    from gshard_jax.models.transformer import loss_fn
+    from gshard_jax.train import Trainer
+    cfg = configs.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                                    "tiny_dense_lm.py"))
+    cfg.train.update(dict(goldfish_k=2, seq_len=32, batch_size=8))
+    trainer = Trainer(cfg, str(tmp_path))
+    state = jax.jit(trainer.init_state)(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (8, 33), 0, cfg.model.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    _, m = jax.jit(trainer.train_step)(state, batch)
+    weights = optim.goldfish_weights(batch["inputs"], 2, 13)
+    rng = jax.random.fold_in(jax.random.key(cfg.train.seed), 1)
+    kept, _ = loss_fn(trainer.model, state["params"], dict(batch, weights=weights), rng)
+    full, _ = loss_fn(trainer.model, state["params"], batch, rng)
+    assert float(m["loss"]) == pytest.approx(float(kept), rel=1e-5) and float(kept) != pytest.approx(float(full))
