@@ -64,6 +64,11 @@ def mesh_for(cfg: ml_collections.ConfigDict) -> jax.sharding.Mesh:
     known = math.prod(s for s in sizes.values() if s != -1)
     sizes = {k: (n // known if s == -1 else s) for k, s in sizes.items()}
     kept = {k: s for k, s in sizes.items() if s != 1} or {"data": 1}
+    if math.prod(kept.values()) != n:
+        raise ValueError(f"mesh {dict(cfg.mesh)} needs {math.prod(kept.values())} devices but {n} are present "
+                         f"({jax.default_backend()}); pass --cpu-devices {math.prod(kept.values())} to simulate "
+                         f"them on a CPU, or override the mesh (e.g. --config.mesh.data={n} "
+                         f"--config.mesh.expert=1 --config.mesh.model=1)")
     return gs.make_mesh(kept)
 
 
@@ -181,12 +186,12 @@ def _sync(name: str) -> None:
 def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -> dict:
     """Train from the newest valid checkpoint in workdir (or from scratch) to train.num_steps."""
     t = cfg.train
+    trainer = Trainer(cfg, workdir)  # checks the config against the devices before anything is written
     os.makedirs(workdir, exist_ok=True)
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(cfg.to_json(indent=1))
     tokens = prepare_data(cfg, workdir)
-    trainer = Trainer(cfg, workdir)
     ckpt = Checkpoints(workdir, t.checkpoint_every, t.model_checkpoint_every, async_save=t.async_checkpoints)
     state = trainer.fresh_state()
     restored = ckpt.restore_latest(state)

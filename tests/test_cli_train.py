@@ -146,6 +146,13 @@ def test_bad_overrides_fail_before_any_work(tmp_path, override, message):
     assert not run.exists()
 
 
+def test_a_mesh_larger_than_the_devices_says_how_to_fix_it(tmp_path, data_dir):
+    p = cli("train", "--config", CONFIG, "--cpu-devices", "4", "--workdir", str(tmp_path / "w"),
+            f"--config.data.dir={data_dir}", check=False)
+    assert p.returncode == 2 and "needs 8 devices but 4 are present" in p.stderr and "--cpu-devices 8" in p.stderr
+    assert not (tmp_path / "w").exists()
+
+
 def test_every_subcommand_has_help():
     for sub in ("train", "eval", "explain", "compare", "params", "prepare-data", "plot"):
         p = cli(sub, "--help")
