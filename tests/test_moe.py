@@ -205,4 +205,4 @@ def test_blocked_grouped_matmul_equals_ragged_dot(sizes):
     assert_close(grouped_matmul(x, w, s, "blocked"), jax.lax.ragged_dot(x, w, s), rtol=1e-5, atol=1e-5)
     assert_close(jax.grad(f, (0, 1))(x, w, "blocked"), jax.grad(f, (0, 1))(x, w, "ragged_dot"),
                  rtol=1e-4, atol=1e-4)
-    assert block_rows(300, 5) == 16 and block_rows(65536, 64) == 64 and block_rows(10 ** 7, 2) == 512
+    assert block_rows(300, 5) == 16 and block_rows(65536, 64) == 256 and block_rows(10 ** 7, 2) == 512
