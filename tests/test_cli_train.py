@@ -213,6 +213,7 @@ def test_explain_compare_and_plot_subcommands(data_dir, tmp_path):
     assert p.returncode == 2 and "has no metrics.jsonl" in p.stderr
 
 
+@pytest.mark.slow  # 35 s: three training runs
 def test_a_run_resumes_on_a_different_mesh(data_dir, tmp_path):
     """Checkpoints written on {data 2, expert 4} restore onto {data 8}: the run continues where it stopped and
     its losses follow the run that stayed on the first mesh."""
