@@ -69,8 +69,10 @@ class Embed(nn.Module):
         return constrain(jnp.take(table_VD, tokens_BL, axis=0), ("batch", "length", "embed"), self.rules)
 
     def attend(self, x_BLD: jax.Array) -> jax.Array:
+        """Logits against the table, scaled by 1/sqrt(D) (Mesh TensorFlow / T5): the table's entries have unit
+        scale for the input side, so unscaled logits would start with a std of sqrt(D)."""
         table_VD = constrain(self.table.astype(self.dtype), ("vocab", "embed"), self.rules)
-        return jnp.einsum("BLD,VD->BLV", x_BLD, table_VD)
+        return jnp.einsum("BLD,VD->BLV", x_BLD, table_VD) * jnp.asarray(self.d_model ** -0.5, self.dtype)
 
 
 class Attention(nn.Module):

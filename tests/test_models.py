@@ -6,6 +6,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import gshard_jax as gs
@@ -102,3 +103,17 @@ def test_bfloat16_compute_keeps_float32_params():
     assert jnp.isfinite(loss)
     grads = jax.grad(lambda p: loss_fn(model, p, batch)[0])(params)
     assert all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(grads))
+
+
+@pytest.mark.parametrize("name", ["tiny_moe_lm", "tiny_moe_encdec"])
+def test_initial_cross_entropy_is_near_uniform(name):
+    """Untied and tied (1/sqrt(D)-scaled) logits both start near the uniform distribution's ln V."""
+    cfg = experiment(name)
+    model = configs.build_model(cfg.model)
+    tokens = jax.random.randint(jax.random.key(0), (4, 33), 1, cfg.model.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    if cfg.model.kind == "encoder_decoder":
+        batch["source"] = tokens[:, 1:]
+    params = model.init(jax.random.key(1), *([batch["source"]] if "source" in batch else []), batch["inputs"])
+    ce = float(loss_fn(model, params, batch)[1]["cross_entropy"])
+    assert abs(ce - np.log(cfg.model.vocab_size)) < 1.0, ce
