@@ -1,6 +1,7 @@
 """The training CLI end to end, in subprocesses: the loss falls, kill -9 and rerun resumes exactly, damaged
 checkpoints are skipped, NaN steps never reach a checkpoint, bad overrides fail before any work."""
 import json
+import math
 import os
 import shutil
 import signal
@@ -79,6 +80,22 @@ def test_training_lowers_the_loss_and_writes_its_records(data_dir, tmp_path):
     out = json.loads(cli("eval", "--config", CONFIG, "--cpu-devices", "8", "--workdir", str(run),
                          f"--config.data.dir={data_dir}", *SMALL).stdout.strip().splitlines()[-1])
     assert out["step"] == 24 and out["eval_loss"] == pytest.approx(evals[-1], rel=1e-6)
+
+
+def test_the_tiny_encoder_decoder_trains_through_the_cli(data_dir, tmp_path):
+    """docs/models.md: the tiny encoder-decoder trains on a CPU (it reads the first half of each window and
+    predicts the second): its cross-entropy falls below the uniform ln V within 30 steps."""
+    run = tmp_path / "encdec"
+    cli("train", "--config", os.path.join(ROOT, "experiments", "tiny_moe_encdec.py"), "--cpu-devices", "8",
+        "--workdir", str(run), "--no-progress", f"--config.data.dir={data_dir}", "--config.model.vocab_size=512",
+        "--config.train.num_steps=30", "--config.train.batch_size=8", "--config.train.seq_len=32",
+        "--config.train.warmup_steps=4", "--config.train.log_every=1", "--config.train.eval_every=30",
+        "--config.train.eval_batches=2", "--config.train.checkpoint_every=30",
+        "--config.train.model_checkpoint_every=30")
+    r = rows(run)
+    first, last = (sum(x["cross_entropy"] for x in part) / 3 for part in (r[:3], r[-3:]))
+    assert abs(first - math.log(512)) < 1.0, first
+    assert last < min(first - 0.6, math.log(512)), (first, last)
 
 
 def test_kill_and_rerun_resumes_to_the_same_losses(data_dir, tmp_path):
