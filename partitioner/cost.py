@@ -80,6 +80,20 @@ class Collective:
         return f"{self.kind}[{','.join(self.axes)}] {_fmt_bytes(self.payload)}"
 
 
+# Element types a backend does not exchange natively: XLA:CPU converts bf16 collectives to f32 and back
+# (float normalisation), so they carry twice the bytes; GPU and TPU send bf16 as it is.
+WIDENED_ON = {"cpu": {"bfloat16": "float32"}}
+
+
+def on_the_wire(c: Collective, platform: str) -> Collective:
+    """The collective as `platform` sends it, so the report's bytes equal the compiled program's."""
+    wide = WIDENED_ON.get(platform, {}).get(c.dtype)
+    if wide is None:
+        return c
+    note = f"{c.dtype} sent as {wide} on {platform}"
+    return dataclasses.replace(c, payload=c.payload * 2, dtype=wide, note=f"{c.note}; {note}" if c.note else note)
+
+
 def compute_time(work: float, profile: Optional[HardwareProfile] = None) -> float:
     return work / (profile or DEFAULT_PROFILE).flops
 

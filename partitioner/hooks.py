@@ -93,7 +93,8 @@ def collectives(ctx: OpContext) -> list[Collective]:
             out.append(Collective("all-gather", axes, n, b * n, (n,) + shape, dt, "combine"))
         elif name in ("argmax", "argmin"):
             vb = int(math.prod(shape)) * ctx.eqn.invars[0].aval.dtype.itemsize
-            out.append(Collective("all-gather", axes, n, vb * n, (n,) + shape, "", "candidate values"))
+            out.append(Collective("all-gather", axes, n, vb * n, (n,) + shape, str(ctx.eqn.invars[0].aval.dtype),
+                                  "candidate values"))
             out.append(Collective("all-gather", axes, n, b * n, (n,) + shape, dt, "candidate indices"))
         else:  # top_k: values and indices of every shard's k candidates
             out.append(Collective("all-gather", axes, n, b * n, shape, dt, "candidates"))

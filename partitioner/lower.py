@@ -27,7 +27,7 @@ from . import hooks as H
 from . import manual as M
 from . import reshard as RS
 from . import factors as F
-from .cost import Collective, HardwareProfile, compute_time
+from .cost import Collective, HardwareProfile, compute_time, on_the_wire
 from .program import Const, Eqn, Program, Value
 from .propagation import Plan
 from .report import Operand, Report, Result, Row
@@ -106,6 +106,7 @@ class Lowering:
         self.out_names = list(out_names) + [f"out[{i}]" for i in range(len(out_names), len(program.outvars))]
         self.mesh_shape: dict[str, int] = dict(mesh.shape)
         self.mesh_axes: tuple[str, ...] = tuple(mesh.axis_names)
+        self.platform: str = mesh.devices.flat[0].platform
         self.report = report
         self._plans: dict = {}
         self._times: dict = {}
@@ -247,9 +248,15 @@ class Lowering:
         if dst.padded != src.padded:
             why += "; uneven dims padded on entry" if kind == "input" else "; uneven dims gathered and cut on exit"
         shape, dtype = tuple(v.shape), str(v.aval.dtype)
-        self.report.rows.append(Row(-1, name, kind, [Operand(shape, dtype, src, dst)],
-                                    [Result(shape, dtype, dst, dst, self.plan.origins.get(v, ""))], why, log,
-                                    None, 0.0, sum(c.time(self.profile) for c in log), 1))
+        self._add_row(-1, name, kind, [Operand(shape, dtype, src, dst)],
+                      [Result(shape, dtype, dst, dst, self.plan.origins.get(v, ""))], why, log, None, 0.0, 1)
+
+    def _add_row(self, index: int, source: str, name: str, ops: list, res: list, strategy: str, log: list,
+                 fallback: Optional[str], compute: float, trips: int) -> None:
+        """Append a report row whose collectives are as the backend sends them (see cost.on_the_wire)."""
+        sent = [on_the_wire(c, self.platform) for c in log]
+        self.report.rows.append(Row(index, source, name, ops, res, strategy, sent, fallback, compute,
+                                    sum(c.time(self.profile) for c in sent), trips))
 
     def _run_eqns(self, eqns: Sequence[Eqn], env) -> None:
         for eqn in eqns:
@@ -447,8 +454,8 @@ class Lowering:
         ops = [Operand(tuple(x.shape), str(x.aval.dtype), h, n) for x, h, n in operands if len(x.shape)]
         res = [Result(tuple(v.shape), str(v.aval.dtype), m, self.plan.sharding(v), self.plan.origins.get(v, ""))
                for v, m in zip(eqn.outvars, made)]
-        self.report.rows.append(Row(eqn.index, eqn.source, self._prefix + eqn.name, ops, res, strategy, log,
-                                    fallback, compute, sum(c.time(self.profile) for c in log), self._trips))
+        self._add_row(eqn.index, eqn.source, self._prefix + eqn.name, ops, res, strategy, log, fallback, compute,
+                      self._trips)
 
     def _bind(self, eqn: Eqn, rule: Optional[F.Rule], choice: Choice, local_in: list, log: list):
         """Bind the primitive on local shards, with local-shape params, through its hook if it has one."""

@@ -3,7 +3,7 @@
 The programs here cover what other test files do not already check this way
 (the ecosystem catalogue, checkpointed regions, train steps, the program
 boundary and REFERENCE's per-op table check it themselves): control flow,
-gathers and scatters, uneven splits, sorting and cumulative ops, random bits.
+gathers and scatters, uneven splits, sorting and cumulative ops, random bits, bf16 exchanges.
 """
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,13 @@ def _scatter(x, idx, upd):
     return x.at[idx].add(gs.shard(upd, ("data", "model"))), jnp.pad(x, ((1, 1), (0, 0)), mode="edge")
 
 
+def _bfloat16(x, w):
+    """bf16 collectives: XLA:CPU sends them as f32, and the report must say so (small integers: exact in bf16)."""
+    x = gs.shard(x.astype(jnp.bfloat16), ("data", "model"))
+    h = x @ gs.shard(w.astype(jnp.bfloat16), ("model", None))  # contracting dim split: all-reduce
+    return gs.shard(h, (None, "data")).astype(jnp.float32)  # rows to columns: all-to-all
+
+
 PROGRAMS = {
     "scan_layers": lambda rng: (layers, (randn(rng, 8, 16), stacked(rng))),
     "scan_layers_grad": lambda rng: (jax.grad(lambda x, ws: jnp.sum(layers(x, ws)[0] ** 2), argnums=1),
@@ -59,6 +66,8 @@ PROGRAMS = {
     "random_bits_argmax": lambda rng: (_random, (jax.random.key(3), randn(rng, 8, 8))),
     "scatter_add_and_edge_pad": lambda rng: (_scatter, (randn(rng, 6, 8), rng.integers(0, 6, 4).astype(np.int32),
                                                         randn(rng, 4, 8))),
+    "bfloat16_all_reduce_and_all_to_all": lambda rng: (_bfloat16, (np.round(4 * randn(rng, 8, 8)),
+                                                                   np.round(4 * randn(rng, 8, 8)))),
 }
 
 
