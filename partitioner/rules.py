@@ -367,7 +367,8 @@ def trailing(eqn: Eqn) -> Rule:
 
 
 RULES: dict[str, Callable[[Eqn], Optional[Rule]]] = {
-    **{name: trailing for name in ("random_split", "random_wrap", "random_unwrap", "random_fold_in")},
+    **{name: trailing for name in ("random_seed", "random_clone", "random_split", "random_wrap", "random_unwrap",
+                                   "random_fold_in")},
     "broadcast_in_dim": broadcast_in_dim,
     "reshape": reshape,
     "transpose": transpose,

@@ -195,3 +195,23 @@ def test_flax_cnn_train_step_partitions(rng):
         assert_report_matches_hlo(report, mine)
         if spec[1] is None:  # data parallel: convolutions and pooling move nothing, only the gradients
             assert sum(v["moved_bytes"] for v in mine.values()) <= sum(v["moved_bytes"] for v in xla.values())
+
+
+def test_key_idioms_run_without_fallback():
+    """jax.random.key inside the function (random_seed), jax.random.clone (nn.scan's init uses it), a key per
+    row from sharded seeds: no fallback, the same keys and bits, explain() equal to the HLO."""
+    mesh = get_mesh("2x4")
+    seeds = jnp.arange(16, dtype=jnp.int32)
+
+    def fn(seeds):
+        keys = jax.vmap(jax.random.key)(gs.shard(seeds, ("data",)))
+        rows = jax.random.key_data(jax.random.clone(keys))
+        bits = jax.random.bits(jax.random.clone(jax.random.key(7)), (16, 8))
+        return rows, gs.shard(bits, ("data", "model"))
+
+    report = gs.explain(fn, mesh, seeds)
+    assert not report.fallbacks, [(r.primitive, r.source) for r in report.fallbacks]
+    part = gs.partition(fn, mesh)
+    for w, g in zip(fn(seeds), part(seeds)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert_report_matches_hlo(report, hlo_stats(part, seeds))

@@ -103,3 +103,26 @@ def test_goldfish_loss_is_the_train_steps_loss_over_the_kept_tokens(tmp_path):
     kept, _ = loss_fn(trainer.model, state["params"], dict(batch, weights=weights), rng)
     full, _ = loss_fn(trainer.model, state["params"], batch, rng)
     assert float(m["loss"]) == pytest.approx(float(kept), rel=1e-5) and float(kept) != pytest.approx(float(full))
+
+
+def test_the_trainers_programs_partition_without_fallback_and_as_reported(tmp_path):
+    """init, train and eval steps of the encoder-decoder (optax AdamW chain, bf16 compute, goldfish loss, NaN
+    skip): no fallback row, and explain() equal to the compiled HLO (bf16 exchanges counted as XLA:CPU sends
+    them)."""
+    import gshard_jax as gs
+    from gshard_jax.train import Trainer
+    from helpers import assert_report_matches_hlo, hlo_stats
+    cfg = configs.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                                    "tiny_moe_encdec.py"))
+    cfg.model.update(dict(vocab_size=512, dtype="bfloat16", num_layers=2))
+    cfg.train.update(dict(goldfish_k=4, nan_policy="skip", seq_len=16, batch_size=8))
+    trainer = Trainer(cfg, str(tmp_path))
+    state = trainer.fresh_state()
+    windows = np.asarray(jax.random.randint(jax.random.key(1), (8, data.window_length("encoder_decoder", 16)), 1,
+                                            512))
+    batch = data.model_batch("encoder_decoder", windows)
+    for fn, args in ((trainer.init_state, (jax.random.key(0),)), (trainer.train_step, (state, batch)),
+                     (trainer.eval_step, (state["params"], batch))):
+        report = gs.explain(fn, trainer.mesh, *args)
+        assert not report.fallbacks, [(r.primitive, r.source) for r in report.fallbacks]
+        assert_report_matches_hlo(report, hlo_stats(gs.partition(fn, trainer.mesh), *args))
