@@ -13,9 +13,8 @@ host's cores, so the expert-parallel rows measure total work, not a network.
 from __future__ import annotations
 
 import argparse
-import statistics
+import functools
 import sys
-import time
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (ignored on accelerators)")
@@ -34,6 +33,7 @@ import gshard_jax as gs  # noqa: E402
 from gshard_jax.models.gating import GatingConfig  # noqa: E402
 from gshard_jax.models.moe import MoeConfig, MoeFFN  # noqa: E402
 from gshard_jax.models.transformer import DEFAULT_RULES  # noqa: E402
+from gshard_jax.timing import median_times  # noqa: E402
 
 # (name, experts, k, d_model, expert d_ff, activation): a GShard-like top-2 layer and an OLMoE-like top-8 one.
 SHAPES = [("top2 E8", 8, 2, 256, 1024, "relu"), ("top8 E64", 64, 8, 256, 256, "swiglu")]
@@ -55,11 +55,10 @@ def main():
     exchanges = ["all_to_all", "all_gather"] + (["ragged"] if jax.default_backend() != "cpu" else [])
     for name, E, k, M, F, act in SHAPES:
         x = jax.random.normal(jax.random.key(0), (batch, seq, M))
+        g = GatingConfig(k=k, capacity_factor=ARGS.capacity_factor, second_policy="all", normalize="before_drop")
         for mesh_axes in ({"expert": 1}, {"expert": n}):
             devices = jax.devices()[:1] if mesh_axes["expert"] == 1 else None
             mesh = gs.make_mesh(mesh_axes, devices=devices)
-            g = GatingConfig(k=k, capacity_factor=ARGS.capacity_factor, second_policy="all",
-                             normalize="before_drop")
             variants = [("capacity", MoeConfig(E, F, act, g, dispatch="einsum"))]
             dropless = lambda **kw: MoeConfig(E, F, act, g, dispatch="dropless", **kw)
             if mesh_axes["expert"] == 1:
@@ -80,18 +79,12 @@ def main():
                 jax.block_until_ready(c(params, x))
                 dropped = float(gs.partition(lambda prm, x: layer.apply(prm, x)[2]["dropped"], mesh)(params, x))
                 compiled.append((label, c, params, dropped))
-            times = {label: [] for label, *_ in compiled}
-            for i in range(ARGS.steps):
-                order = compiled if i % 2 == 0 else compiled[::-1]
-                for label, c, params, _ in order:
-                    t = time.perf_counter()
-                    jax.block_until_ready(c(params, x))
-                    times[label].append(time.perf_counter() - t)
-            base = statistics.median(times["capacity"])
+            med_s = median_times({label: functools.partial(c, params, x) for label, c, params, _ in compiled},
+                                 ARGS.steps)
             for label, _, _, dropped in compiled:
-                med = statistics.median(times[label])
+                med = med_s[label]
                 print(f"{name:<10} {str(mesh_axes):<14} {label:<22} {batch * seq / med:>10,.0f} "
-                      f"{base / med:>11.2f}x {dropped:>8.3f}", flush=True)
+                      f"{med_s['capacity'] / med:>11.2f}x {dropped:>8.3f}", flush=True)
     return 0
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
 import time
 
@@ -38,14 +38,16 @@ jax.config.update("jax_num_cpu_devices", ARGS.devices)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
 import gshard_jax as gs  # noqa: E402
 from gshard_jax.models import cnn, lm  # noqa: E402
-from gshard_jax import configs  # noqa: E402
+from gshard_jax import configs, data  # noqa: E402
 from gshard_jax.models.gating import GatingConfig  # noqa: E402
 from gshard_jax.models.moe import MoeConfig, MoeFFN, expert_einsums  # noqa: E402
 from gshard_jax.models.transformer import DEFAULT_RULES, loss_fn  # noqa: E402
 from gshard_jax.partitioner.hlo import collective_stats  # noqa: E402
+from gshard_jax.timing import median_times  # noqa: E402
 
 
 # --------------------------------------------------------------------------- programs
@@ -167,14 +169,12 @@ def programs(n):
         return {"data": dp, "expert": mp}, fn, (params, x)
 
     def moe_lm_step():
-        """tiny_moe_lm's model and an optax AdamW step, on its {data 2, expert 4} mesh."""
-        import os
-        import optax
+        """tiny_moe_lm's model and an optax AdamW step, on the same {data, expert} mesh as the MoE layer."""
         exp = configs.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                         "experiments", "tiny_moe_lm.py"))
         model = configs.build_model(exp.model)
         tokens = jax.random.randint(jax.random.key(0), (16, 129), 0, exp.model.vocab_size)
-        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        batch = data.model_batch(exp.model.kind, tokens)
         params = model.init(jax.random.key(1), batch["inputs"])
         opt = optax.adamw(1e-3, weight_decay=0.1)
 
@@ -223,17 +223,6 @@ def build(fn, mesh, args, backend):
             "partition_s": t1 - t0, "compile_s": t2 - t1}
 
 
-def time_interleaved(a, b, args, steps):
-    """Median step times of two compiled functions, timed alternately (in alternating order) so both
-    see the same machine load."""
-    ta, tb = [], []
-    for i in range(steps):
-        pair = ((a, ta), (b, tb))
-        for fn, times in (pair if i % 2 else pair[::-1]):
-            s = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - s)
-    return statistics.median(ta), statistics.median(tb)
 
 
 def max_diff(a, b):
@@ -257,7 +246,9 @@ def main():
         ref = jax.jit(fn)(*args)
         ours = build(fn, mesh, args, "gshard")
         xla = build(fn, mesh, args, "xla")
-        ours["step_s"], xla["step_s"] = time_interleaved(ours["compiled"], xla["compiled"], args, ARGS.steps)
+        med = median_times({"ours": lambda: ours["compiled"](*args), "xla": lambda: xla["compiled"](*args)},
+                           ARGS.steps)
+        ours["step_s"], xla["step_s"] = med["ours"], med["xla"]
         ob = sum(v["payload_bytes"] for v in ours["stats"].values())
         xb = sum(v["payload_bytes"] for v in xla["stats"].values())
         oc = sum(v["count"] for v in ours["stats"].values())

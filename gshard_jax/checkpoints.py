@@ -37,10 +37,8 @@ class Checkpoints:
     """The run's two checkpoint series."""
 
     def __init__(self, workdir: str, full_every: int, model_every: int, async_save: bool = True):
-        self.full_dir = os.path.join(workdir, "checkpoints")
-        self.model_dir = os.path.join(workdir, "model_checkpoints")
-        self.full = _manager(self.full_dir, full_every, 2, async_save, "full")
-        self.model = _manager(self.model_dir, model_every, None, async_save, "model")
+        self.full = _manager(os.path.join(workdir, "checkpoints"), full_every, 2, async_save, "full")
+        self.model = _manager(os.path.join(workdir, "model_checkpoints"), model_every, None, async_save, "model")
 
     def save(self, step: int, state: dict, force: bool = False) -> None:
         """Offer `state` at `step` to both series (each saves when its interval says, or when forced)."""
@@ -49,29 +47,18 @@ class Checkpoints:
 
     def restore_latest(self, template: dict) -> Optional[tuple[int, dict]]:
         """(step, state) from the newest full checkpoint that restores, placed like `template`; None if none."""
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-        for step in sorted(self.full.all_steps(), reverse=True):
-            try:
-                return step, self.full.restore(step, args=ocp.args.StandardRestore(abstract))
-            except Exception as e:  # damaged or partial files: fall back to the previous checkpoint
-                log.warning("checkpoint %s is damaged and was skipped (%s: %s); trying the one before",
-                            os.path.join(self.full_dir, str(step)), type(e).__name__, str(e).splitlines()[0][:200])
-        return None
+        abstract = _abstract(template)
+        return _newest_restorable([(s, self.full) for s in self.full.all_steps()],
+                                  lambda mgr, step: mgr.restore(step, args=ocp.args.StandardRestore(abstract)))
 
     def restore_params(self, template: Any) -> Optional[tuple[int, Any]]:
         """(step, params) from the newest full or model-only checkpoint, placed like `template`."""
-        abstract = {"params": jax.tree.map(ocp.utils.to_shape_dtype_struct, template)}
-        candidates = [(s, self.full) for s in self.full.all_steps()] + [(s, self.model) for s in self.model.all_steps()]
-        for step, mgr in sorted(candidates, key=lambda c: c[0], reverse=True):
-            try:
-                restored = mgr.restore(step, args=ocp.args.PyTreeRestore(
-                    abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
-                    partial_restore=True))
-                return step, restored["params"]
-            except Exception as e:
-                log.warning("checkpoint %s/%s could not be read (%s); trying an older one", mgr.directory, step,
-                            type(e).__name__)
-        return None
+        abstract = {"params": _abstract(template)}
+        args = ocp.args.PyTreeRestore(abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+                                      partial_restore=True)
+        found = _newest_restorable([(s, m) for m in (self.full, self.model) for s in m.all_steps()],
+                                   lambda mgr, step: mgr.restore(step, args=args))
+        return None if found is None else (found[0], found[1]["params"])
 
     def wait(self) -> None:
         self.full.wait_until_finished()
@@ -80,3 +67,20 @@ class Checkpoints:
     def close(self) -> None:
         self.full.close()
         self.model.close()
+
+
+def _abstract(template: Any) -> Any:
+    return jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+
+
+def _newest_restorable(candidates: list, restore) -> Optional[tuple[int, Any]]:
+    """(step, restored) from the newest (step, manager) candidate that restores; damaged or partial files
+    are skipped for the one before, with a warning naming the checkpoint."""
+    for step, mgr in sorted(candidates, key=lambda c: c[0], reverse=True):
+        try:
+            return step, restore(mgr, step)
+        except Exception as e:
+            log.warning("checkpoint %s is damaged and was skipped (%s: %s); trying the one before",
+                        os.path.join(str(mgr.directory), str(step)), type(e).__name__,
+                        str(e).splitlines()[0][:200] if str(e) else "")
+    return None

@@ -15,7 +15,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from . import overrides
+from . import data, overrides
 
 EXIT_USAGE, EXIT_HALTED = 2, 3
 
@@ -26,9 +26,12 @@ def _load(args: argparse.Namespace):
     return overrides.apply(cfg, args.overrides)
 
 
-def _start(args: argparse.Namespace) -> None:
+def _setup(args: argparse.Namespace):
+    """The config with its overrides (checked before any work), then the devices and jax.distributed."""
+    cfg = _load(args)
     from .train import init_devices
     init_devices(args.cpu_devices, args.coordinator, args.num_processes, args.process_id)
+    return cfg
 
 
 def _params(args: argparse.Namespace) -> int:
@@ -44,8 +47,7 @@ def _params(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    cfg = _load(args)
-    _start(args)
+    cfg = _setup(args)
     from . import train
     try:
         summary = train.train(cfg, args.workdir, progress=not args.no_progress)
@@ -57,29 +59,24 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    cfg = _load(args)
-    _start(args)
+    cfg = _setup(args)
     from . import train
     print(json.dumps(train.evaluate(cfg, args.workdir)))
     return 0
 
 
 def _explain(args: argparse.Namespace) -> int:
-    cfg = _load(args)
-    _start(args)
+    cfg = _setup(args)
     import gshard_jax as gs
     from . import train
-    trainer = train.Trainer(cfg, args.workdir)
-    tokens = train.prepare_data(cfg, args.workdir)
-    state = trainer.fresh_state()
-    report = gs.explain(trainer.train_step, trainer.mesh, state, trainer.batch(tokens, "train", 1))
+    trainer, state, batch = train.first_step(cfg, args.workdir)
+    report = gs.explain(trainer.train_step, trainer.mesh, state, batch)
     print(report.to_json() if args.json else (report.table() if args.table else report))
     return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
-    cfg = _load(args)
-    _start(args)
+    cfg = _setup(args)
     from . import compare
     rows = compare.train_step(cfg, args.workdir, steps=args.steps)
     print(json.dumps(rows) if args.json else compare.format_rows(rows))
@@ -87,7 +84,6 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from . import data
     meta = data.prepare(args.out, args.vocab_size, src=args.source, tokenizer=args.tokenizer,
                         held_out=args.held_out, seed=args.seed, max_bytes=args.max_bytes)
     print(json.dumps({s: {k: v for k, v in m.items() if k != "shards"} for s, m in meta["splits"].items()}))
@@ -100,12 +96,15 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_args(q: argparse.ArgumentParser, workdir: bool = True) -> None:
+def _config_arg(q: argparse.ArgumentParser) -> None:
     q.add_argument("--config", required=True, help="experiment file, e.g. experiments/tiny_moe_lm.py; "
                    "override fields with --config.SECTION.FIELD=VALUE")
-    if workdir:
-        q.add_argument("--workdir", required=True, help="directory holding everything the run writes "
-                       "(data, checkpoints, metrics.jsonl, tensorboard/, loss.png)")
+
+
+def _run_args(q: argparse.ArgumentParser) -> None:
+    _config_arg(q)
+    q.add_argument("--workdir", required=True, help="directory holding everything the run writes "
+                   "(data, checkpoints, metrics.jsonl, tensorboard/, loss.png)")
     q.add_argument("--cpu-devices", type=int, default=0, metavar="N", help="simulate N CPU devices")
     q.add_argument("--coordinator", default="", metavar="HOST:PORT", help="jax.distributed coordinator "
                    "(process 0's address)")
@@ -150,7 +149,7 @@ def parser() -> argparse.ArgumentParser:
     q = sub.add_parser("params", help="count a config's parameters (total and active per token)",
                        description="Print the total parameters and the parameters active per token of the "
                        "config's model, computed from shapes with jax.eval_shape (nothing is allocated).")
-    _run_args(q, workdir=False)
+    _config_arg(q)
     q.add_argument("--json", action="store_true", help='print one JSON object {"total_params": N, '
                    '"active_params": N}')
     q.set_defaults(run=_params)
@@ -163,9 +162,9 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--source", default=None, help="directory of text files (default: Python's stdlib sources)")
     q.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary size (<= the model's)")
     q.add_argument("--tokenizer", default=None, help="a tokenizers JSON file to use instead of training one")
-    q.add_argument("--held-out", type=float, default=0.05, help="fraction of files held out")
+    q.add_argument("--held-out", type=float, default=data.HELD_OUT, help="fraction of files held out")
     q.add_argument("--seed", type=int, default=0, help="shuffle seed for the held-out split")
-    q.add_argument("--max-bytes", type=int, default=8 << 20, help="default corpus: at most this many bytes")
+    q.add_argument("--max-bytes", type=int, default=data.MAX_BYTES, help="default corpus: at most this many bytes")
     q.set_defaults(run=_prepare)
 
     q = sub.add_parser("plot", help="plot the loss curves of one or more runs",

@@ -2,43 +2,35 @@
 collectives of each compiled program, bytes per device, and median step times timed alternately."""
 from __future__ import annotations
 
-import statistics
-import time
+import functools
 
 import jax
 import ml_collections
 import numpy as np
 
 import gshard_jax as gs
+from gshard_jax.partitioner.hlo import summary
 
 from . import train
+from .timing import median_times
 
 
 def train_step(cfg: ml_collections.ConfigDict, workdir: str, steps: int = 5) -> list[dict]:
     """One row per backend: collectives {kind: count}, payload bytes per device, step ms (median), and the
     largest loss difference from the unpartitioned step."""
-    trainer = train.Trainer(cfg, workdir)
-    tokens = train.prepare_data(cfg, workdir)
-    state = trainer.fresh_state()
-    batch = trainer.batch(tokens, "train", 1)
+    trainer, state, batch = train.first_step(cfg, workdir)
     ref = float(jax.jit(trainer.train_step)(state, batch)[1]["loss"])
     compiled = {}
     for backend in ("gshard", "xla"):
         compiled[backend] = gs.partition(trainer.train_step, trainer.mesh, backend=backend).lower(state, batch).compile()
-    times = {b: [] for b in compiled}
-    for i in range(steps + 1):  # the first round warms up
-        for b in (list(compiled) if i % 2 else list(compiled)[::-1]):
-            t = time.perf_counter()
-            jax.block_until_ready(compiled[b](state, batch))
-            if i:
-                times[b].append(time.perf_counter() - t)
+    median_s = median_times({b: functools.partial(c, state, batch) for b, c in compiled.items()}, steps, warmup=1)
     rows = []
     for b, c in compiled.items():
         stats = gs.collective_stats(c)
         rows.append({"backend": b, "mesh": dict(trainer.mesh.shape),
-                     "collectives": {k: v["count"] for k, v in stats.items() if v["count"]},
+                     "collectives": summary(stats),
                      "bytes_per_device": int(sum(v["payload_bytes"] for v in stats.values())),
-                     "step_ms": 1e3 * statistics.median(times[b]),
+                     "step_ms": 1e3 * median_s[b],
                      "loss_diff": float(np.abs(float(c(state, batch)[1]["loss"]) - ref))})
     return rows
 

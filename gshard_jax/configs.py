@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from . import data
 from .models.gating import GatingConfig
 from .models.moe import MoeConfig
 from .models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
@@ -58,8 +59,8 @@ def data_defaults() -> ConfigDict:
         dir="",  # prepared token shards ("": WORKDIR/data, prepared on first use)
         source="",  # directory of text files to prepare from ("": the Python standard library's sources)
         tokenizer="",  # tokenizer.json to use ("": train a byte-level BPE of model.vocab_size on the corpus)
-        held_out=0.05,  # fraction of files held out for eval_loss
-        max_bytes=8 << 20,  # default corpus: at most this many bytes of source
+        held_out=data.HELD_OUT,  # fraction of files held out for eval_loss
+        max_bytes=data.MAX_BYTES,  # default corpus: at most this many bytes of source
     ))
 
 

@@ -23,6 +23,8 @@ import numpy as np
 PAD, EOS = "<pad>", "<|endoftext|>"  # id 0 is padding (never in text), then end of document
 SHARD_TOKENS = 1 << 24  # tokens per .npy shard
 META = "meta.json"
+HELD_OUT = 0.05  # default fraction of files held out
+MAX_BYTES = 8 << 20  # default corpus size cap (the standard library sources)
 
 
 def stdlib_files(max_bytes: int) -> list[str]:
@@ -67,7 +69,7 @@ def _read(path: str) -> str:
 
 
 def prepare(out_dir: str, vocab_size: int, src: Optional[str] = None, tokenizer: Optional[str] = None,
-            held_out: float = 0.05, seed: int = 0, max_bytes: int = 8 << 20) -> dict:
+            held_out: float = HELD_OUT, seed: int = 0, max_bytes: int = MAX_BYTES) -> dict:
     """Tokenise `src` (default: the standard library corpus) into `out_dir`; returns the metadata written."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

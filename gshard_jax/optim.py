@@ -9,32 +9,16 @@ cannot memorise a passage verbatim.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
 
 
-class ClipAfterState(NamedTuple):
-    count: jax.Array  # updates seen
-
-
 def clip_after(warmup_steps: int, max_norm: float) -> optax.GradientTransformation:
     """Clip to global norm `max_norm`, from update `warmup_steps` on (never when max_norm <= 0)."""
-    def init(params):
-        del params
-        return ClipAfterState(jnp.zeros([], jnp.int32))
-
-    def update(updates, state, params=None):
-        del params
-        norm = optax.tree.norm(updates)
-        clip = (state.count >= warmup_steps) & (norm > max_norm) & (max_norm > 0)
-        scale = jnp.where(clip, max_norm / jnp.where(norm > 0, norm, 1.0), 1.0)
-        return jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates), ClipAfterState(state.count + 1)
-
-    return optax.GradientTransformation(init, update)
+    clip = optax.clip_by_global_norm(max_norm) if max_norm > 0 else optax.identity()
+    return optax.conditionally_transform(clip, lambda count: count >= warmup_steps)
 
 
 def schedule(train: ml_collections.ConfigDict) -> optax.Schedule:

@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +28,8 @@ import gshard_jax as gs
 
 from . import configs, data, metrics, optim
 from .checkpoints import Checkpoints
-from .models.sharding import mesh_spec
-from .models.transformer import cross_entropy, loss_fn
+from .models.sharding import axes_of, mesh_spec
+from .models.transformer import loss_fn
 
 log = logging.getLogger("gshard_jax")
 NAN_POLICIES = ("halt", "skip")
@@ -91,7 +91,7 @@ class Trainer:
         self.length = data.window_length(cfg.model.kind, t.seq_len)
         batch_spec = mesh_spec(("batch", None), self.model.cfg.rules, self.mesh.axis_names)
         self.batch_sharding = NamedSharding(self.mesh, P(*batch_spec))
-        shards = math.prod(self.mesh.shape[a] for a in _axes(batch_spec[0]))
+        shards = math.prod(self.mesh.shape[a] for a in axes_of(batch_spec[0]))
         if t.batch_size % shards or t.batch_size % jax.process_count():
             raise ValueError(f"train.batch_size={t.batch_size} must divide by the {shards} batch shards of mesh "
                              f"{dict(self.mesh.shape)} and by the {jax.process_count()} processes")
@@ -101,20 +101,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ the partitioned functions
     def init_state(self, key: jax.Array) -> dict:
-        tokens = jnp.zeros((1, self.cfg.train.seq_len), jnp.int32)
-        args = (tokens, tokens) if self.cfg.model.kind == "encoder_decoder" else (tokens,)
-        params = self.model.init(key, *args)
+        params = self.model.init(key, *configs.example_inputs(self.cfg.model, 1, self.cfg.train.seq_len))
         return {"params": params, "opt_state": self.opt.init(params), "step": jnp.zeros([], jnp.int32)}
-
-    def _weights(self, batch: dict) -> Optional[jax.Array]:
-        t = self.cfg.train
-        return optim.goldfish_weights(batch["inputs"], t.goldfish_k, t.goldfish_h) if t.goldfish_k > 1 else None
 
     def train_step(self, state: dict, batch: dict) -> tuple[dict, dict]:
         t, step = self.cfg.train, state["step"] + 1
-        weights = self._weights(batch)
-        if weights is not None:
-            batch = dict(batch, weights=weights)
+        if t.goldfish_k > 1:
+            batch = dict(batch, weights=optim.goldfish_weights(batch["inputs"], t.goldfish_k, t.goldfish_h))
         poison = jnp.where(step == self.cfg.debug.nan_at_step, jnp.nan, 1.0)
 
         def loss(params):
@@ -133,11 +126,7 @@ class Trainer:
         return new, out
 
     def eval_step(self, params: Any, batch: dict) -> jax.Array:
-        if self.cfg.model.kind == "encoder_decoder":
-            logits, _ = self.eval_model.apply(params, batch["source"], batch["inputs"])
-        else:
-            logits, _ = self.eval_model.apply(params, batch["inputs"])
-        return cross_entropy(logits, batch["targets"])
+        return loss_fn(self.eval_model, params, batch)[1]["cross_entropy"]
 
     # ------------------------------------------------------------------ host side
     def batch(self, tokens: data.TokenData, split: str, step: int) -> dict:
@@ -157,10 +146,6 @@ class Trainer:
         return float(np.mean([float(x) for x in losses]))
 
 
-def _axes(entry) -> tuple:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def prepare_data(cfg: ml_collections.ConfigDict, workdir: str) -> data.TokenData:
     """The run's token data: cfg.data.dir if given, else WORKDIR/data, prepared on first use (process 0)."""
     d = cfg.data.dir or os.path.join(workdir, "data")
@@ -175,6 +160,12 @@ def prepare_data(cfg: ml_collections.ConfigDict, workdir: str) -> data.TokenData
         raise ValueError(f"the data in {d} has {tokens.meta['tokenizer_vocab']} token ids but model.vocab_size is "
                          f"{cfg.model.vocab_size}")
     return tokens
+
+
+def first_step(cfg: ml_collections.ConfigDict, workdir: str) -> tuple[Trainer, dict, dict]:
+    """A trainer with a fresh state and the first train batch: the arguments explain and compare use."""
+    trainer = Trainer(cfg, workdir)
+    return trainer, trainer.fresh_state(), trainer.batch(prepare_data(cfg, workdir), "train", 1)
 
 
 def _sync(name: str) -> None:
@@ -198,7 +189,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -
     start = 0
     if restored is not None:
         start, state = restored
-        log.info("resumed from %s at step %d", ckpt.full_dir, start)
+        log.info("resumed from %s at step %d", ckpt.full.directory, start)
     main = jax.process_index() == 0
     writer = metrics.MetricsWriter(workdir, resume_step=start, enabled=main)
     bar = None
@@ -257,8 +248,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -
 
 def evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
     """Held-out loss of the newest checkpoint (full or model-only) in workdir."""
+    trainer = Trainer(cfg, workdir)  # checks the config against the devices before anything is written
     tokens = prepare_data(cfg, workdir)
-    trainer = Trainer(cfg, workdir)
     ckpt = Checkpoints(workdir, cfg.train.checkpoint_every, cfg.train.model_checkpoint_every, async_save=False)
     restored = ckpt.restore_params(trainer.fresh_state()["params"])
     ckpt.close()
