@@ -56,6 +56,7 @@ def test_every_config_has_the_runtime_fields_and_builds(path):
         assert isinstance(cfg.train[key], int), key
     assert cfg.debug.nan_at_step == -1
     assert set(cfg.mesh) == {"data", "expert", "model"}
+    assert set(cfg) == {"model", "mesh", "train", "data", "debug"}  # experiments/README.md's sections
     configs.transformer_config(cfg.model)  # every field is a TransformerConfig / MoeConfig field
 
 
@@ -92,7 +93,8 @@ def test_docs_parameter_table_matches_the_configs():
         assert f"{counts['active_params'] / 1e9:.{len(active.split('.')[1])}f}" == active, (key, counts)
     readme = open(os.path.join(ROOT, "README.md")).read()
     counts = configs.count_params(configs.load(os.path.join(ROOT, "experiments", "gshard_moe_2048e_36l.py")).model)
-    assert f"{counts['total_params'] / 1e9:.2f}B total, {counts['active_params'] / 1e9:.2f}B active" in readme
+    total, active = counts["total_params"], counts["active_params"]
+    assert f"{total:,} parameters ({total / 1e9:.2f}B), {active:,} active per token ({active / 1e9:.2f}B)" in readme
 
 
 def test_tiny_dense_twin_has_the_moe_lms_active_weights_per_token():
@@ -102,3 +104,12 @@ def test_tiny_dense_twin_has_the_moe_lms_active_weights_per_token():
     routers = moe.num_layers * moe.d_model * moe.moe.num_experts  # every layer is MoE (moe_every = 1)
     assert moe.moe_every == 1
     assert configs.count_params(dense)["total_params"] == configs.count_params(moe)["active_params"] - routers
+
+
+def test_the_default_run_is_the_model_readme_describes():
+    """README: a 4-layer LM with 8 SwiGLU experts (top-2) in every layer on {data 2, expert 4}, 300 steps."""
+    cfg = configs.load(os.path.join(ROOT, "experiments", "tiny_moe_lm.py"))
+    m = configs.transformer_config(cfg.model)
+    assert (m.num_layers, m.moe.num_experts, m.moe.gating.k, m.moe.activation) == (4, 8, 2, "swiglu")
+    assert cfg.model.moe_every == 1 and cfg.train.num_steps == 300
+    assert {k: v for k, v in cfg.mesh.items() if v != 1} == {"data": 2, "expert": 4}

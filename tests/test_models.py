@@ -117,3 +117,40 @@ def test_initial_cross_entropy_is_near_uniform(name):
     params = model.init(jax.random.key(1), *([batch["source"]] if "source" in batch else []), batch["inputs"])
     ce = float(loss_fn(model, params, batch)[1]["cross_entropy"])
     assert abs(ce - np.log(cfg.model.vocab_size)) < 1.0, ce
+
+
+def test_rules_table_splits_experts_first_and_groups_take_what_is_left():
+    """docs/models.md: batch over every data-like axis; [E, G, C, M] splits E first, G takes what E leaves."""
+    from gshard_jax.models.sharding import mesh_spec
+    from gshard_jax.models.transformer import DEFAULT_RULES
+    assert mesh_spec(("batch", "length", "embed"), DEFAULT_RULES, ("data", "expert", "model")) == \
+        (("data", "expert"), None, None)
+    assert mesh_spec(("expert", "group", None, "embed"), DEFAULT_RULES, ("data", "expert")) == \
+        ("expert", "data", None, None)
+    assert mesh_spec(("group", None, "embed"), DEFAULT_RULES, ("data", "expert")) == (("data", "expert"), None, None)
+    assert mesh_spec(("heads", "mlp", "vocab"), DEFAULT_RULES, ("data",)) == (None, None, None)  # no model axis
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "dots", "dots_saveable"])
+def test_every_remat_policy_gives_the_layer_loops_loss_and_grads(remat):
+    """docs/models.md: scan over periods with any remat policy computes what the plain layer loop does."""
+    model, params, batch = model_and_batch("tiny_moe_lm", num_layers=2)
+    scanned, _, _ = model_and_batch("tiny_moe_lm", scan=True, remat=remat, num_layers=2)
+    periods = [f"period_{i}" for i in range(model.cfg.num_layers)]
+    stack = lambda dec: jax.tree.map(lambda *xs: jnp.stack(xs), *[dec[k] for k in periods])
+    stacked = {"params": dict(params["params"], decoder={"layers": stack(params["params"]["decoder"])})}
+    want = jax.jit(jax.value_and_grad(lambda p: loss_fn(model, p, batch)[0]))(params)
+    got = jax.jit(jax.value_and_grad(lambda p: loss_fn(scanned, p, batch)[0]))(stacked)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+    assert_close(got[1]["params"]["decoder"]["layers"], stack(want[1]["params"]["decoder"]))
+    assert_close({k: v for k, v in got[1]["params"].items() if k != "decoder"},
+                 {k: v for k, v in want[1]["params"].items() if k != "decoder"})
+
+
+def test_scanned_jaxpr_does_not_grow_with_depth():
+    """docs/models.md: nn.scan traces one body, so the program's size is independent of depth."""
+    sizes = []
+    for layers in (2, 6):
+        model, params, batch = model_and_batch("tiny_moe_lm", scan=True, remat="dots", num_layers=layers)
+        sizes.append(len(jax.make_jaxpr(lambda p: loss_fn(model, p, batch)[0])(params).jaxpr.eqns))
+    assert sizes[0] == sizes[1], sizes

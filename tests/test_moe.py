@@ -206,3 +206,19 @@ def test_blocked_grouped_matmul_equals_ragged_dot(sizes):
     assert_close(jax.grad(f, (0, 1))(x, w, "blocked"), jax.grad(f, (0, 1))(x, w, "ragged_dot"),
                  rtol=1e-4, atol=1e-4)
     assert block_rows(300, 5) == 16 and block_rows(65536, 64) == 256 and block_rows(10 ** 7, 2) == 512
+
+
+def test_auto_grouped_matmul_uses_ragged_dot_only_where_the_backend_has_the_kernel(monkeypatch):
+    """docs/models.md: "auto" is ragged_dot on GPU/TPU, blocked elsewhere; both give the same rows."""
+    from gshard_jax.models import grouped
+    x, w = jnp.ones((48, 8)), jnp.ones((3, 8, 4))
+    sizes = jnp.array([16, 8, 20], jnp.int32)
+    calls = []
+    real = jax.lax.ragged_dot
+    monkeypatch.setattr(jax.lax, "ragged_dot", lambda *a, **k: calls.append(1) or real(*a, **k))
+    blocked = grouped.grouped_matmul(x, w, sizes, "auto")
+    assert calls == []
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    native = grouped.grouped_matmul(x, w, sizes, "auto")
+    assert calls == [1]
+    np.testing.assert_array_equal(np.asarray(native), np.asarray(blocked))
