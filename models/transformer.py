@@ -105,10 +105,14 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x_BLD, acc, enc_BTD=None, enc_mask_BT=None):
+        """enc_mask_BT: which source tokens are real; the encoder's self-attention (no `cross`) and the
+        decoder's cross-attention read only those."""
         c, r, dt = self.cfg, self.cfg.rules, self.cfg.compute_dtype
         attn = dict(num_heads=c.num_heads, head_dim=c.head_dim, rules=r, dtype=dt)
         h = layers.norm(c.norm, "pre_attention_norm", dt)(x_BLD)
-        x_BLD = x_BLD + layers.Attention(causal=self.causal, use_rope=c.rope, name="attention", **attn)(h)
+        self_mask_BT = None if self.cross else enc_mask_BT
+        x_BLD = x_BLD + layers.Attention(causal=self.causal, use_rope=c.rope, name="attention", **attn)(
+            h, None, self_mask_BT)
         if self.cross:
             h = layers.norm(c.norm, "pre_cross_norm", dt)(x_BLD)
             x_BLD = x_BLD + layers.Attention(name="cross_attention", **attn)(h, enc_BTD, enc_mask_BT)
@@ -219,7 +223,7 @@ class EncoderDecoder(nn.Module):
             return x if c.rope else x + layers.sinusoid(tokens.shape[1], c.d_model).astype(dt)
 
         enc, enc_acc = Stack(c, c.num_layers, causal=False, cross=False, train=self.train, name="encoder")(
-            embedded(source_BT))
+            embedded(source_BT), None, src_mask_BT)
         enc = layers.norm(c.norm, "encoder_norm", dt)(enc)
         x, dec_acc = Stack(c, c.num_decoder_layers, causal=True, cross=True, train=self.train, name="decoder")(
             embedded(target_BL), enc, src_mask_BT)

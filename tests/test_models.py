@@ -154,3 +154,18 @@ def test_scanned_jaxpr_does_not_grow_with_depth():
         model, params, batch = model_and_batch("tiny_moe_lm", scan=True, remat="dots", num_layers=layers)
         sizes.append(len(jax.make_jaxpr(lambda p: loss_fn(model, p, batch)[0])(params).jaxpr.eqns))
     assert sizes[0] == sizes[1], sizes
+
+
+def test_source_padding_changes_nothing_the_encoder_decoder_computes():
+    """docs/models.md: source token 0 is padding, masked out of the encoder's self-attention and the decoder's
+    cross-attention; with capacity for every token (pads take expert slots), appended pads leave the logits."""
+    cfg = experiment("tiny_moe_encdec")
+    cfg.model.moe.update(dict(capacity_factor=8.0, eval_capacity_factor=8.0))
+    model = configs.build_model(cfg.model)
+    source = jax.random.randint(jax.random.key(0), (4, 12), 1, cfg.model.vocab_size)
+    target = jax.random.randint(jax.random.key(1), (4, 10), 1, cfg.model.vocab_size)
+    params = model.init(jax.random.key(2), source, target)
+    padded = jnp.concatenate([source, jnp.zeros((4, 4), source.dtype)], axis=1)
+    apply = jax.jit(model.apply)
+    want, got = apply(params, source, target)[0], apply(params, padded, target)[0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
