@@ -13,7 +13,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from . import annotations as A
 from . import specs as S
 from .partitioner import lower as L
-from .partitioner.cost import DEFAULT_PROFILE, HardwareProfile
+from .partitioner.collective_matmul import check_mode
+from .partitioner.cost import HardwareProfile, default_profile
 from .partitioner.fold import fold_pads, merge_common, static_slices
 from .partitioner.program import Value, from_jaxpr
 from .partitioner.propagation import propagate
@@ -72,7 +73,7 @@ def _validate(specs, mesh: Mesh, what: str) -> None:
 
 
 def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: HardwareProfile,
-           report: Optional[Report], placements: tuple) -> Callable:
+           report: Optional[Report], placements: tuple, collective_matmul: str = "auto") -> Callable:
     """The global function: trace fn, plan, and call the per-device program under shard_map.
 
     `placements` holds, per flat argument leaf, the spec it is committed to on the mesh (None: not committed).
@@ -138,7 +139,8 @@ def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardw
                  for v, p in zip(values, placed + [None] * len(program.consts))]
         exit_ = [_without_uneven(plan.sharding(v), v.shape, mesh_shape) for v in program.outvars]
         value_names = names + [f"constant {v}" for v, _ in program.consts]
-        lowering = L.Lowering(program, plan, mesh, profile, report, entry, exit_, value_names, out_names)
+        lowering = L.Lowering(program, plan, mesh, profile, report, entry, exit_, value_names, out_names,
+                              collective_matmul)
         if report is not None:
             report.rows.clear()
             report.notes = notes
@@ -156,6 +158,10 @@ def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardw
     return global_fn
 
 
+def _default_profile(mesh: Mesh) -> HardwareProfile:
+    return default_profile(mesh.devices.flat[0].platform)
+
+
 def _placements(fn: Callable, mesh: Mesh, args, kwargs) -> tuple:
     names = S.leaf_names(fn, args, kwargs)
     leaves = jax.tree_util.tree_leaves((args, kwargs))
@@ -169,16 +175,19 @@ class Partitioned:
     do; one jax.jit is kept per distinct set of placements.
     """
 
-    def __init__(self, fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: HardwareProfile):
+    def __init__(self, fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: HardwareProfile,
+                 collective_matmul: str = "auto"):
         self._fn, self._mesh = fn, mesh
         self._in, self._out, self._profile = in_shardings, out_shardings, profile
+        self._collective_matmul = collective_matmul
         self._jits: dict = {}
         functools.update_wrapper(self, fn)
 
     def _jit(self, args, kwargs):
         key = _placements(self._fn, self._mesh, args, kwargs)
         if key not in self._jits:
-            self._jits[key] = jax.jit(_build(self._fn, self._mesh, self._in, self._out, self._profile, None, key))
+            self._jits[key] = jax.jit(_build(self._fn, self._mesh, self._in, self._out, self._profile, None, key,
+                                             self._collective_matmul))
         return self._jits[key]
 
     def __call__(self, *args, **kwargs):
@@ -197,7 +206,8 @@ class Partitioned:
 
 
 def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings: Any = None,
-              backend: str = "gshard", profile: Optional[HardwareProfile] = None) -> Callable:
+              backend: str = "gshard", profile: Optional[HardwareProfile] = None,
+              collective_matmul: str = "auto") -> Callable:
     """Partition an annotated global-view function over `mesh`; returns a jax.jit-like function.
 
     in_shardings: None, one PartitionSpec for every argument, or a tuple with one
@@ -209,8 +219,14 @@ def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings:
     backend="gshard" uses this project's partitioner; backend="xla" turns the
     annotations into sharding constraints and lets XLA's SPMD partitioner do
     the work. A mesh with Explicit axes is used as the same mesh with Auto axes.
+    profile: the HardwareProfile the cost model uses (default: the CPU simulation's on CPU devices, which
+    does not overlap communication with compute, else a generic accelerator's). collective_matmul: "auto"
+    (a dot_general's all-gather or reduce-scatter becomes a ring of collective-permutes overlapped with the
+    matmul where the cost model, crediting overlap only where the profile has it, says it is faster), "off",
+    or "unidirectional" / "bidirectional" (the ring wherever the plan has such a collective).
     """
     mesh = _check(mesh, backend)
+    check_mode(collective_matmul)
     _validate(in_shardings, mesh, "in_shardings")
     _validate(out_shardings, mesh, "out_shardings")
     if backend == "xla":
@@ -220,17 +236,19 @@ def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings:
         kw = {name: S.named(specs, mesh, name) for name, specs in
               (("in_shardings", in_shardings), ("out_shardings", out_shardings)) if specs is not None}
         return jax.jit(xla_fn, **kw)
-    return Partitioned(fn, mesh, in_shardings, out_shardings, profile or DEFAULT_PROFILE)
+    return Partitioned(fn, mesh, in_shardings, out_shardings, profile or _default_profile(mesh), collective_matmul)
 
 
 def explain(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, out_shardings: Any = None,
-            profile: Optional[HardwareProfile] = None, **kwargs) -> Report:
+            profile: Optional[HardwareProfile] = None, collective_matmul: str = "auto", **kwargs) -> Report:
     """What partition() decides for these arguments (arrays or ShapeDtypeStructs): one row per op, and totals."""
     mesh = _check(mesh, "gshard")
+    check_mode(collective_matmul)
     _validate(in_shardings, mesh, "in_shardings")
     _validate(out_shardings, mesh, "out_shardings")
-    profile = profile or DEFAULT_PROFILE
+    profile = profile or _default_profile(mesh)
     report = Report(dict(mesh.shape), profile)
-    build = _build(fn, mesh, in_shardings, out_shardings, profile, report, _placements(fn, mesh, args, kwargs))
+    build = _build(fn, mesh, in_shardings, out_shardings, profile, report, _placements(fn, mesh, args, kwargs),
+                   collective_matmul)
     jax.make_jaxpr(build)(*args, **kwargs)
     return report

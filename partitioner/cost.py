@@ -37,12 +37,22 @@ class HardwareProfile:
     latency: float = 5e-6
     flops: float = 100e12
     axis_bandwidth: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    # Whether a collective runs while a matmul computes (GPU/TPU: separate streams or DMA engines). Only then
+    # does a collective matmul's ring hide its permutes behind the matmul's blocks.
+    overlap: bool = True
 
     def bandwidth_of(self, axes) -> float:
         return min((self.axis_bandwidth.get(a, self.bandwidth) for a in axes), default=self.bandwidth)
 
 
 DEFAULT_PROFILE = HardwareProfile()
+# Simulated CPU devices: the same figures, but XLA:CPU runs a collective and a matmul one after the other.
+CPU_PROFILE = dataclasses.replace(DEFAULT_PROFILE, name="cpu-simulation", overlap=False)
+
+
+def default_profile(platform: str) -> HardwareProfile:
+    """The profile a mesh of `platform` devices gets when none is given."""
+    return CPU_PROFILE if platform == "cpu" else DEFAULT_PROFILE
 
 
 @dataclasses.dataclass(frozen=True)

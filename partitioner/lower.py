@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax._src.ad_checkpoint import remat_p
 from jax._src.interpreters import partial_eval as pe
 
+from . import collective_matmul as CM
 from . import hooks as H
 from . import manual as M
 from . import reshard as RS
@@ -40,6 +41,7 @@ class Choice:
     need: list[Sharding]
     made: list[Sharding]
     cost: float
+    ring: Optional[CM.Ring] = None  # a collective matmul in place of the plan's all-gather or reduce-scatter
 
 
 def _stacked(s: Sharding) -> Sharding:
@@ -95,10 +97,12 @@ class Lowering:
     def __init__(self, program: Program, plan: Plan, mesh: jax.sharding.Mesh, profile: HardwareProfile,
                  report: Optional[Report] = None, entry: Optional[Sequence[Sharding]] = None,
                  exit: Optional[Sequence[Sharding]] = None, in_names: Sequence[str] = (),
-                 out_names: Sequence[str] = ()):
+                 out_names: Sequence[str] = (), collective_matmul: str = "auto"):
         """entry / exit: how each input (then constant) arrives and each output leaves the per-device program
-        (default: as planned); the reshards to and from the plan are part of the program and of the report."""
+        (default: as planned); the reshards to and from the plan are part of the program and of the report.
+        collective_matmul: one of collective_matmul.MODES."""
         self.program, self.plan, self.profile = program, plan, profile
+        self.collective_matmul = CM.check_mode(collective_matmul)
         values = list(program.invars) + [v for v, _ in program.consts]
         self.entry = list(entry) if entry is not None else [plan.sharding(v) for v in values]
         self.exit = list(exit) if exit is not None else [plan.sharding(v) for v in program.outvars]
@@ -175,7 +179,38 @@ class Lowering:
                 best = Choice(fs, need, made, cost)
         if best is None:  # the all-replicated candidate always exists unless a rule is inexpressible
             raise AssertionError(f"no valid factor sharding for {eqn.name} {rule.signature()}")
+        if rule.kind == "dot_general" and self.collective_matmul != "off":
+            return self._ring(eqn, rule, have, planned, best)
         return best
+
+    def _ring(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Sharding], best: Choice) -> Choice:
+        """The chosen plan, or a collective matmul in place of its all-gather of an operand or reduce-scatter
+        of the result: the cheaper under "auto", the ring wherever one applies when a direction is forced."""
+        ins = [x for x in eqn.invars]
+        in_steps = [() if not len(x.shape) or h == n or (isinstance(x, Value) and n in self._resharded.get(x, ()))
+                    else self.reshard_steps(h, n, x.shape) for x, h, n in zip(ins, have, best.need)]
+        out = eqn.outvars[0]
+        out_steps = () if best.made[0] == planned[0] else self.reshard_steps(best.made[0], planned[0], out.shape)
+        rings = CM.find(rule, have, best.need, best.made[0], planned[0], in_steps, out_steps,
+                        [tuple(x.shape) for x in ins], tuple(out.shape), self.mesh_shape, self.collective_matmul)
+        compute = self._compute(rule, best.fs)
+        options = [] if self.collective_matmul != "auto" else [best]
+        for ring in rings:
+            if ring.kind == "all-gather":
+                i = ring.operand
+                x = ins[i]
+                replaced = self.reshard_time(have[i], best.need[i], x.shape, x.aval.dtype)
+                piece, dtype = have[i].local_shape(x.shape, self.mesh_shape), x.aval.dtype
+                need = [h if j == i else n for j, (h, n) in enumerate(zip(have, best.need))]
+                made = best.made
+            else:
+                replaced = self.reshard_time(best.made[0], planned[0], out.shape, out.dtype)
+                piece, dtype = planned[0].local_shape(out.shape, self.mesh_shape), out.dtype
+                need, made = best.need, [planned[0]]
+            permutes = CM.collectives(ring, tuple(piece), dtype)
+            cost = best.cost - replaced - compute + CM.time(ring, permutes, compute, self.profile)
+            options.append(Choice(best.fs, need, made, cost, ring))
+        return min(options, key=lambda c: c.cost) if options else best
 
     def _layout(self, rule: F.Rule, fs: F.FactorSharding) -> Optional[tuple[list[Sharding], list[Sharding]]]:
         """The operand shardings a factor sharding needs and the results it makes (split sums partial)."""
@@ -442,6 +477,8 @@ class Lowering:
         else:
             assigned = " ".join(f"{f}={'*'.join(ax)}" for f, ax in choice.fs.items() if ax)
             strategy = f"{rule.kind} {rule.signature()} {assigned or 'unsplit'}"
+            if choice.ring is not None:
+                strategy = f"{choice.ring.describe()}; {strategy}"
         self._record(eqn, list(zip(eqn.invars, have, choice.need)), choice.made, strategy, log, fallback,
                      compute_time(sum(math.prod(m.local_shape(v.shape, self.mesh_shape))
                                       for v, m in zip(eqn.outvars, choice.made)), self.profile))
@@ -476,6 +513,15 @@ class Lowering:
 
         if rule is None:
             return bind(*local_in, **params)
+        if choice.ring is not None:
+            ring = choice.ring
+            x = eqn.outvars[0] if ring.kind == "reduce-scatter" else eqn.invars[ring.operand]
+            piece = (choice.made[0] if ring.kind == "reduce-scatter" else choice.need[ring.operand]).local_shape(
+                x.shape, self.mesh_shape)
+            log.extend(CM.collectives(ring, tuple(piece), x.aval.dtype))
+            local_out = choice.made[0].local_shape(eqn.outvars[0].shape, self.mesh_shape)
+            return [CM.run(ring, rule, local_in, tuple(local_out), self.mesh_shape,
+                           lambda *xs: bind(*xs, **params))]
         ctx = H.OpContext(eqn, rule, choice.fs, choice.made, self.mesh_shape, choice.need, self._cache)
         local_in = H.mask_padding(ctx, local_in)
         if eqn.name not in H.HOOKS:

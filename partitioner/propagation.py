@@ -171,6 +171,12 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
             shardings[v] = e.params["sharding"].canonical(v.shape, mesh_shape)
             origins[v] = f"user annotation {e.params['what']} at {e.source}"
             fixed.add(v)
+            # The annotated value starts with the user's sharding, so it outranks a split its op would
+            # propagate forward from the operands (Shardy's priorities put user shardings first).
+            x = e.invars[0]
+            if isinstance(x, Value) and x not in seeds and x not in shardings:
+                shardings[x] = shardings[v]
+                origins[x] = f"user annotation {e.params['what']} at {e.source} (the value it annotates)"
         elif M.is_region(e):  # results fixed by out_specs; operands drawn towards in_specs through a link
             M.check(e, mesh_shape)
             ins, outs = M.specs(e)
