@@ -225,26 +225,6 @@ def dynamic_update_slice_rule(eqn: Eqn) -> Rule:
     return Rule(eqn.name, (op, up) + idx, (op,), n.sizes, replicated=frozenset(rep))
 
 
-def _pieces(whole_shape, piece_shapes, d: int):
-    """A tensor and its pieces along dim d (concatenate, split): d is kept whole, other dims shared."""
-    n = FactorNames()
-    dims = [(n.new(s),) for s in whole_shape]
-    rep = {dims[d][0]}
-    pieces = []
-    for shape in piece_shapes:
-        f = n.new(shape[d])
-        rep.add(f)
-        pieces.append(tuple(dims[:d]) + ((f,),) + tuple(dims[d + 1:]))
-    return tuple(dims), tuple(pieces), n.sizes, frozenset(rep)
-
-
-def split_rule(eqn: Eqn) -> Rule:
-    """jnp.split: the split dim is kept whole (its pieces are global offsets); other dims pass through."""
-    shape = _shape(eqn.invars[0])
-    whole, pieces, sizes, rep = _pieces(shape, [_shape(v) for v in eqn.outvars], eqn.params["axis"] % len(shape))
-    return Rule("split", (whole,), pieces, sizes, replicated=rep)
-
-
 def stack_rule(eqn: Eqn) -> Rule:
     """jnp.stack: the pieces' dims pass through; the new axis (one entry per piece) stays whole."""
     shape = _shape(eqn.outvars[0])
@@ -381,7 +361,6 @@ RULES: dict[str, Callable[[Eqn], Optional[Rule]]] = {
     "top_k": top_k,
     "dynamic_slice": dynamic_slice_rule,
     "dynamic_update_slice": lambda eqn: reorder.update_rule(eqn, dynamic_update_slice_rule),
-    "split": split_rule,
     "stack": stack_rule,
     "unstack": unstack_rule,
     "gather": gather_rule,
