@@ -139,9 +139,14 @@ def _pairs(n: int, step: int) -> list[tuple[int, int]]:
 
 
 def run(ring: Ring, rule: Rule, local_in: list, out_shape: tuple, mesh_shape: Mapping[str, int],
-        bind: Callable) -> object:
+        bind: Callable, travelled: Optional[list] = None) -> tuple[object, list]:
     """The ring on local shards: the gathered operand as it is held (all-gather ring) or the result already
-    scattered (reduce-scatter ring); every other operand as the candidate needs it."""
+    scattered (reduce-scatter ring); every other operand as the candidate needs it.
+
+    Returns the local result and, for an all-gather ring, the pieces held at each step: passed back in as
+    `travelled` for another ring of the same value, they are reused instead of sent again (XLA would merge
+    the identical permutes).
+    """
     idx = linear_axis_index(ring.axes, mesh_shape)
     n = ring.n
     dims, out_dim = _where(rule, ring.factor)
@@ -154,11 +159,14 @@ def run(ring: Ring, rule: Rule, local_in: list, out_shape: tuple, mesh_shape: Ma
         held = local_in[ring.operand]
         rows = held.shape[ring.dim]
         size = rows // ring.streams
-        pieces = [jax.lax.slice_in_dim(held, s * size, (s + 1) * size, axis=ring.dim) for s in range(ring.streams)]
+        if travelled is None:
+            travelled = [[jax.lax.slice_in_dim(held, s * size, (s + 1) * size, axis=ring.dim)
+                          for s in range(ring.streams)]]
+            for _ in range(n - 1):
+                travelled.append([ppermute(p, ring.axes, _pairs(n, dr), mesh_shape)
+                                  for p, dr in zip(travelled[-1], directions)])
         acc = None
-        for t in range(n):
-            nxt = ([ppermute(p, ring.axes, _pairs(n, dr), mesh_shape) for p, dr in zip(pieces, directions)]
-                   if t < n - 1 else pieces)
+        for t, pieces in enumerate(travelled):
             for s, (piece, dr) in enumerate(zip(pieces, directions)):
                 start = ((idx - dr * t) % n) * rows + s * size
                 args = [piece if i == ring.operand else block(x, dims[i], start, size) for i, x in enumerate(local_in)]
@@ -168,8 +176,7 @@ def run(ring: Ring, rule: Rule, local_in: list, out_shape: tuple, mesh_shape: Ma
                 else:
                     acc = jnp.zeros(out_shape, y.dtype) if acc is None else acc
                     acc = jax.lax.dynamic_update_slice_in_dim(acc, y, start, axis=out_dim)
-            pieces = nxt
-        return acc
+        return acc, travelled
     rows = out_shape[ring.dim]
     size = rows // ring.streams
     accs: list = [None] * ring.streams
@@ -178,4 +185,4 @@ def run(ring: Ring, rule: Rule, local_in: list, out_shape: tuple, mesh_shape: Ma
             start = ((idx + dr * (n - 1 - t)) % n) * rows + s * size
             (y,) = bind(*[block(x, dims[i], start, size) for i, x in enumerate(local_in)])
             accs[s] = y if t == 0 else ppermute(accs[s], ring.axes, _pairs(n, dr), mesh_shape) + y
-    return accs[0] if ring.streams == 1 else jnp.concatenate(accs, axis=ring.dim)
+    return (accs[0] if ring.streams == 1 else jnp.concatenate(accs, axis=ring.dim)), []

@@ -40,6 +40,9 @@ class HardwareProfile:
     # Whether a collective runs while a matmul computes (GPU/TPU: separate streams or DMA engines). Only then
     # does a collective matmul's ring hide its permutes behind the matmul's blocks.
     overlap: bool = True
+    # Whether device memory is a concern: then a windowed op (convolution, pooling, pad, slice) never gathers
+    # a split dim where a halo exchange can keep it split, however few bytes the gather would save time on.
+    memory_matters: bool = True
 
     def bandwidth_of(self, axes) -> float:
         return min((self.axis_bandwidth.get(a, self.bandwidth) for a in axes), default=self.bandwidth)

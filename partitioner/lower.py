@@ -42,6 +42,7 @@ class Choice:
     made: list[Sharding]
     cost: float
     ring: Optional[CM.Ring] = None  # a collective matmul in place of the plan's all-gather or reduce-scatter
+    note: str = ""  # why the choice holds a split dim whole, where it does
 
 
 def _stacked(s: Sharding) -> Sharding:
@@ -73,6 +74,19 @@ def _choice_key(eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Shar
     except TypeError:
         return None
     return key
+
+
+def _materialises_split_dim(rule: F.Rule, have: Sequence[Sharding], need: Sequence[Sharding],
+                            made: Sequence[Sharding], planned: Sequence[Sharding]) -> bool:
+    """Whether a windowed op's candidate holds the whole of a split windowed dim: an operand gathered there, or
+    a result computed whole where the plan splits it (the memory a user split that dim to save)."""
+    tied = set(rule.ties) | set(rule.ties.values())
+    for tensors, big, small in ((rule.operands, have, need), (rule.results, planned, made)):
+        for tf, b, s in zip(tensors, big, small):
+            if any(tied.intersection(fd) and len(s.dims[d]) < len(b.dims[d]) for d, fd in enumerate(tf)
+                   if d < len(b.dims)):
+                return True
+    return False
 
 
 def checkpoint_region(fn, args: list, params: dict, positions: list[int]) -> list:
@@ -162,11 +176,16 @@ class Lowering:
         if aligned is not None:
             return aligned
         best: Optional[Choice] = None
+        best_whole = False
+        keep_split = bool(rule.ties) and self.profile.memory_matters
         for fs in F.candidate_factor_shardings(rule, proposals, self.mesh_shape):
             layout = self._layout(rule, fs)
             if layout is None:
                 continue
             need, made = layout
+            whole = keep_split and _materialises_split_dim(rule, have, need, made, planned)
+            if best is not None and whole and not best_whole:
+                continue
             cost = 0.0
             for x, h, n in zip(eqn.invars, have, need):
                 if len(x.shape) and not (isinstance(x, Value) and n in self._resharded.get(x, ())):
@@ -175,12 +194,17 @@ class Lowering:
                 cost += self.reshard_time(m, p, v.shape, v.dtype)
             ctx = H.OpContext(eqn, rule, fs, made, self.mesh_shape, need)
             cost += sum(c.time(self.profile) for c in H.collectives(ctx)) + self._compute(rule, fs)
-            if best is None or cost < best.cost - 1e-15:
-                best = Choice(fs, need, made, cost)
+            if best is None or (best_whole and not whole) or cost < best.cost - 1e-15:
+                best, best_whole = Choice(fs, need, made, cost), whole
         if best is None:  # the all-replicated candidate always exists unless a rule is inexpressible
             raise AssertionError(f"no valid factor sharding for {eqn.name} {rule.signature()}")
         if rule.kind == "dot_general" and self.collective_matmul != "off":
             return self._ring(eqn, rule, have, planned, best)
+        if best_whole:
+            best.note = ("a split windowed dim is held whole: no factor sharding from the operands and the plan "
+                         "keeps it split (the windows' rows cannot be split over those axes)")
+        elif rule.ties and not keep_split and _materialises_split_dim(rule, have, best.need, best.made, planned):
+            best.note = "a split windowed dim is held whole: the profile says memory is no concern"
         return best
 
     def _ring(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Sharding], best: Choice) -> Choice:
@@ -479,6 +503,8 @@ class Lowering:
             strategy = f"{rule.kind} {rule.signature()} {assigned or 'unsplit'}"
             if choice.ring is not None:
                 strategy = f"{choice.ring.describe()}; {strategy}"
+            if choice.note:
+                strategy = f"{strategy}; {choice.note}"
         self._record(eqn, list(zip(eqn.invars, have, choice.need)), choice.made, strategy, log, fallback,
                      compute_time(sum(math.prod(m.local_shape(v.shape, self.mesh_shape))
                                       for v, m in zip(eqn.outvars, choice.made)), self.profile))
@@ -518,10 +544,16 @@ class Lowering:
             x = eqn.outvars[0] if ring.kind == "reduce-scatter" else eqn.invars[ring.operand]
             piece = (choice.made[0] if ring.kind == "reduce-scatter" else choice.need[ring.operand]).local_shape(
                 x.shape, self.mesh_shape)
-            log.extend(CM.collectives(ring, tuple(piece), x.aval.dtype))
+            key = ("ring", x, ring.dim, ring.axes, ring.streams, choice.need[ring.operand])
+            travelled = self._cache.get(key) if ring.kind == "all-gather" else None
+            if travelled is None:
+                log.extend(CM.collectives(ring, tuple(piece), x.aval.dtype))
             local_out = choice.made[0].local_shape(eqn.outvars[0].shape, self.mesh_shape)
-            return [CM.run(ring, rule, local_in, tuple(local_out), self.mesh_shape,
-                           lambda *xs: bind(*xs, **params))]
+            out, travelled = CM.run(ring, rule, local_in, tuple(local_out), self.mesh_shape,
+                                    lambda *xs: bind(*xs, **params), travelled)
+            if ring.kind == "all-gather":
+                self._cache[key] = travelled
+            return [out]
         ctx = H.OpContext(eqn, rule, choice.fs, choice.made, self.mesh_shape, choice.need, self._cache)
         local_in = H.mask_padding(ctx, local_in)
         if eqn.name not in H.HOOKS:

@@ -171,12 +171,14 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
             shardings[v] = e.params["sharding"].canonical(v.shape, mesh_shape)
             origins[v] = f"user annotation {e.params['what']} at {e.source}"
             fixed.add(v)
-            # The annotated value starts with the user's sharding, so it outranks a split its op would
-            # propagate forward from the operands (Shardy's priorities put user shardings first).
+            # The value it annotates is the op's result the user sharded: it takes the user's sharding, which
+            # outranks what the op would propagate forward from its operands (Shardy's priorities put user
+            # shardings first). in/out_shardings and an earlier annotation of the same value win.
             x = e.invars[0]
-            if isinstance(x, Value) and x not in seeds and x not in shardings:
+            if isinstance(x, Value) and x not in fixed:
                 shardings[x] = shardings[v]
                 origins[x] = f"user annotation {e.params['what']} at {e.source} (the value it annotates)"
+                fixed.add(x)
         elif M.is_region(e):  # results fixed by out_specs; operands drawn towards in_specs through a link
             M.check(e, mesh_shape)
             ins, outs = M.specs(e)
@@ -318,12 +320,17 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                     touched[j] = clock[0]
         return bool(changed)
 
-    for late in (False, True):
+    # Phases (Shardy's op priorities): first the user's shardings spread through elementwise ops in both
+    # directions, so a value next to an annotation takes it before a dot or reshape proposes another split;
+    # then every op; then broadcasts backward too.
+    everything = range(len(cons))
+    elementwise = [i for i in everything if cons[i].rule.kind == "elementwise"]
+    for late, among in ((False, elementwise), (False, everything), (True, everything)):
         for _ in range(max_passes):
             changed = False
-            for i, c in enumerate(cons):
-                changed |= run(i, c, True, late)
-            for i in range(len(cons) - 1, -1, -1):
+            for i in among:
+                changed |= run(i, cons[i], True, late)
+            for i in reversed(among):
                 changed |= run(i, cons[i], False, late)
             if not changed:
                 break
