@@ -88,6 +88,35 @@ def attention_loss(x, wq, wk, wv, wo):
     return jnp.mean(attention(x, wq, wk, wv, wo) ** 2)
 
 
+def split_attention_loss(p, x, model="model", data="data", heads=8):
+    """A Megatron layer whose attention splits a column-split qkv projection with jnp.split."""
+    x = gs.shard(x, (data, None, None))
+    B, L, D = x.shape
+    q, k, v = jnp.split(x @ gs.shard(p["wqkv"], (None, model)), 3, -1)
+    split_heads = lambda t: t.reshape(B, L, heads, D // heads)
+    s = jnp.einsum("bqhd,bkhd->bhqk", split_heads(q), split_heads(k)) / np.sqrt(D // heads)
+    probs = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((L, L), bool)), s, -1e9), -1)
+    o = jnp.einsum("bhqk,bkhd->bqhd", probs, split_heads(v)).reshape(B, L, D)
+    h = x + o @ gs.shard(p["wo"], (model, None))
+    h = h + jax.nn.gelu(h @ gs.shard(p["w1"], (None, model))) @ gs.shard(p["w2"], (model, None))
+    return jnp.mean(h ** 2)
+
+
+def split_attention_step(p, x, data="data"):
+    value, g = jax.value_and_grad(lambda p: split_attention_loss(p, x, data=data))(p)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), value
+
+
+def split_batch(x):
+    """Three pieces of a batch split over every device: each piece's blocks straddle the devices'."""
+    a, b, c = jnp.split(gs.shard(x, ("batch", None, None)), 3, 0)
+    return [gs.shard(t, ("batch", None, None)) for t in (a * b, b + c, c)]
+
+
+def split_batch_loss(x):
+    return sum(jnp.mean(t ** 2) for t in split_batch(x))
+
+
 def conv_stack(x, *ws):
     """3x3 (or 3x3x3) SAME convolutions with ReLU, the first spatial dim split over every device."""
     spatial = (None, ("data", "model")) + (None,) * (x.ndim - 2)
@@ -144,6 +173,16 @@ def programs(n):
 
     conv2d_args = (f32(4, 256, 64, 16), f32(3, 3, 16, 16), f32(3, 3, 16, 16), f32(3, 3, 16, 16))
     conv3d_args = (f32(2, 64, 32, 32, 4), f32(3, 3, 3, 4, 4), f32(3, 3, 3, 4, 4))
+    D = 256
+    split_att_args = ({"wqkv": f32(D, 3 * D), "wo": f32(D, D), "w1": f32(D, 4 * D), "w2": f32(4 * D, D)},
+                      f32(16, 128, D))
+    split_programs = {
+        "split_attention train data+model": ({"data": dp, "model": mp}, split_attention_step, split_att_args),
+        "split_attention train model": ({"model": n}, lambda p, x: split_attention_step(p, x, data=None),
+                                        split_att_args),
+        "split_batch fwd": ({"batch": n}, split_batch, (f32(12 * n, 64, 256),)),
+        "split_batch grad": ({"batch": n}, jax.grad(split_batch_loss), (f32(12 * n, 64, 256),)),
+    }
     conv_programs = {
         "conv2d_stack spatial fwd": ({"data": dp, "model": mp}, conv_stack, conv2d_args),
         "conv2d_stack spatial grad": ({"data": dp, "model": mp}, grad(conv_loss, 4), conv2d_args),
@@ -204,6 +243,7 @@ def programs(n):
         "attention_block fwd": ({"batch": n}, attention, att_args),
         "attention_block grad": ({"batch": n}, grad(attention_loss, 5), att_args),
         **conv_programs,
+        **split_programs,
         **lm_programs,
     }
 
