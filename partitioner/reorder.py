@@ -1,11 +1,12 @@
-"""Reordering a split dim without gathering it: concatenate, rev, and dynamic_update_slice at constant offsets.
+"""Reordering a split dim without gathering it: split, concatenate, rev, and dynamic_update_slice at
+constant offsets.
 
-concatenate ties each piece's rows to the result's (not propagated: the plan
-decides each side); each device reads its result block's rows from the
-pieces' shards by halo exchange and picks per row the piece they come from.
-rev reverses the local block and sends it to the mirror device (one
-collective-permute; an uneven dim is gathered and cut). The cost model
-weighs both against gathering.
+split and concatenate tie each piece's rows to the whole array's (a split's ties propagate, a
+concatenation's do not: the plan decides each side); each device's block of each piece (of the
+concatenation) is assembled from the rows it holds and rows the devices holding them send, by rounds of
+collective-permutes or one all-to-all (`relayout`). rev reverses the local block and sends it to the mirror
+device (one collective-permute; an uneven dim is gathered and cut). The cost model weighs each against
+gathering.
 """
 from __future__ import annotations
 
@@ -258,15 +259,15 @@ def run_relayout(plan: Relayout, srcs: list, dim: int, axes: tuple, mesh_shape) 
             arrived.update({p: base for p in pairs})
             base += rows
     pool = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=dim)
+    offset: dict[int, int] = {}  # id(move) -> its first row in the receiver's pool
+    for (s, d), ms in plan.packets.items():
+        at = arrived[(s, d)]
+        for m in ms:
+            offset[id(m)] = at
+            at += m.rows
     outs = []
     for b, rows in enumerate(plan.dst_block):
         table = [[] for _ in range(k)]
-        offset: dict[tuple[int, int], int] = {}
-        for (s, d), ms in plan.packets.items():  # where each move sits in its packet
-            at = arrived[(s, d)]
-            for m in ms:
-                offset[id(m)] = at
-                at += m.rows
         for m in plan.moves:
             if m.b == b:
                 start = src_at[m.a] + m.at if m.s == m.d else offset[id(m)]
