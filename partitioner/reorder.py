@@ -197,6 +197,8 @@ def _assemble(pool, dim: int, rows: int, table: list, index):
     shape = list(pool.shape)
     shape[dim] = rows
     zeros = lambda n: jnp.zeros(shape[:dim] + [n] + shape[dim + 1:], pool.dtype)
+    if not any(table):  # an empty block, or one made only of padding
+        return zeros(rows)
     if all(t == table[0] for t in table):  # the same on every device: static slices
         parts, at = [], 0
         for start, to, n in table[0]:

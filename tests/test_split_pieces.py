@@ -101,6 +101,20 @@ def test_uneven_split_dim_is_padded_and_re_laid(rng):
     assert row.collectives and all(c.kind != "all-gather" for c in row.collectives)
 
 
+def test_empty_piece(rng):
+    """jnp.split at offsets [0, 24, 40]: an empty first piece, and uneven ones (24 and 16 rows of 64)."""
+    mesh = get_mesh("8")
+    x = ints(rng, 64, 16)
+
+    def f(x):
+        pieces = jnp.split(gs.shard(x, ("x", None)), [0, 24, 40], 0)
+        return [gs.shard(p * (i + 1), ("x", None)) for i, p in enumerate(pieces)]
+
+    for fn in (f, jax.grad(lambda x: weighted_sum(f(x)))):
+        report, ours, _ = check(fn, mesh, x)
+        assert ours["all-gather"]["count"] == 0, ours
+
+
 def test_pieces_too_small_to_split_gather_the_operand(rng):
     """A piece of one row cannot be split over 8 devices, so the split keeps the dim whole: gathered."""
     mesh = get_mesh("8")
