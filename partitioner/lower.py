@@ -183,17 +183,19 @@ class Lowering:
             if layout is None:
                 continue
             need, made = layout
-            whole = keep_split and _materialises_split_dim(rule, have, need, made, planned)
+            whole = keep_split and _materialises_split_dim(rule, self._fresh(eqn, have, need), need, made, planned)
             if best is not None and whole and not best_whole:
                 continue
+            hook = H.collectives(H.OpContext(eqn, rule, fs, made, self.mesh_shape, need))
+            # A hook that gathers (rows of a base-dilated input out of phase) keeps no exchange either.
+            whole = whole or (keep_split and any(c.kind == "all-gather" for c in hook))
             cost = 0.0
             for x, h, n in zip(eqn.invars, have, need):
                 if len(x.shape) and not (isinstance(x, Value) and n in self._resharded.get(x, ())):
                     cost += self.reshard_time(h, n, x.shape, x.aval.dtype)
             for v, m, p in zip(eqn.outvars, made, planned):
                 cost += self.reshard_time(m, p, v.shape, v.dtype)
-            ctx = H.OpContext(eqn, rule, fs, made, self.mesh_shape, need)
-            cost += sum(c.time(self.profile) for c in H.collectives(ctx)) + self._compute(rule, fs)
+            cost += sum(c.time(self.profile) for c in hook) + self._compute(rule, fs)
             if best is None or (best_whole and not whole) or cost < best.cost - 1e-15:
                 best, best_whole = Choice(fs, need, made, cost), whole
         if best is None:  # the all-replicated candidate always exists unless a rule is inexpressible
@@ -202,10 +204,18 @@ class Lowering:
             return self._ring(eqn, rule, have, planned, best)
         if best_whole:
             best.note = ("a split windowed dim is held whole: no factor sharding from the operands and the plan "
-                         "keeps it split (the windows' rows cannot be split over those axes)")
-        elif rule.ties and not keep_split and _materialises_split_dim(rule, have, best.need, best.made, planned):
+                         "keeps it split with a halo exchange (rows that cannot split over those axes, or a "
+                         "base-dilated input whose shards start out of phase)")
+        elif rule.ties and not keep_split and _materialises_split_dim(rule, self._fresh(eqn, have, best.need),
+                                                                      best.need, best.made, planned):
             best.note = "a split windowed dim is held whole: the profile says memory is no concern"
         return best
+
+    def _fresh(self, eqn: Eqn, have: list[Sharding], need: list[Sharding]) -> list[Sharding]:
+        """What each operand has, or what it needs where a reshard to that is already materialised (an
+        earlier op gathered it: holding it costs nothing more)."""
+        return [n if isinstance(x, Value) and n in self._resharded.get(x, ()) else h
+                for x, h, n in zip(eqn.invars, have, need)]
 
     def _ring(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Sharding], best: Choice) -> Choice:
         """The chosen plan, or a collective matmul in place of its all-gather of an operand or reduce-scatter

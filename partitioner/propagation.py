@@ -158,6 +158,7 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
     for v, (s, why) in seeds.items():
         shardings[v], origins[v] = s.canonical(v.shape, mesh_shape), why
     fixed = set(seeds)
+    annotated: set[Value] = set()  # values fixed because an annotation applies to them
     # Equal rules (the same op on the same shapes, e.g. in every layer) are one object, sharing its memo.
     interned: dict[tuple, F.Rule] = {}
     rules = {}
@@ -173,12 +174,14 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
             fixed.add(v)
             # The value it annotates is the op's result the user sharded: it takes the user's sharding, which
             # outranks what the op would propagate forward from its operands (Shardy's priorities put user
-            # shardings first). in/out_shardings and an earlier annotation of the same value win.
+            # shardings first). in/out_shardings and an earlier annotation of the same value win. It is not
+            # read before other values: its op's operands still take their own fixed splits first.
             x = e.invars[0]
             if isinstance(x, Value) and x not in fixed:
                 shardings[x] = shardings[v]
                 origins[x] = f"user annotation {e.params['what']} at {e.source} (the value it annotates)"
                 fixed.add(x)
+                annotated.add(x)
         elif M.is_region(e):  # results fixed by out_specs; operands drawn towards in_specs through a link
             M.check(e, mesh_shape)
             ins, outs = M.specs(e)
@@ -209,7 +212,7 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
 
     # Values linked through control flow to a fixed value (e.g. a scan's residual of an annotated weight, as
     # the backward body sees it) carry its authority: they are read first, like fixed values.
-    pinned = set(fixed)
+    pinned = fixed - annotated
     links = [c for c in cons if c.rule.kind == "link"]
     grew = True
     while grew:
