@@ -38,6 +38,11 @@ class Rule:
     # False: propagation does not carry a split across the ties (slice, pad); the strategy choice still
     # exchanges halos when the operand and the planned result are both split there.
     ties_propagate: bool = True
+    # Op policy, as fields (Shardy's factor types and isBlocked): how propagation and lowering treat the op.
+    pointwise: bool = False  # an elementwise op: the first propagation phase spreads user shardings through it
+    late_backward: bool = False  # propagates backward only once nothing else proposes (a broadcast)
+    link: bool = False  # a control-flow identity (carry, body argument): a value linked to a pinned one is pinned
+    rings: bool = False  # a collective matmul may replace its all-gather of an operand or reduce-scatter of its result
     # Memo of tensor_to_factors / factors_to_tensor: propagation and lowering ask often. A rule belongs to one
     # program on one mesh; the memo starts afresh if asked about another mesh.
     memo: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -85,7 +90,8 @@ class Rule:
         if key is None:
             key = self.memo["key"] = (self.kind, self.operands, self.results, tuple(self.sizes.items()),
                                       tuple(self.reductions.items()), self.replicated,
-                                      tuple(self.ties.items()), self.ties_propagate)
+                                      tuple(self.ties.items()), self.ties_propagate, self.pointwise,
+                                      self.late_backward, self.link, self.rings)
         return key
 
     def tie(self, fs: "FactorSharding") -> Optional["FactorSharding"]:
@@ -104,6 +110,22 @@ class Rule:
     @property
     def factors(self) -> list[str]:
         return list(self.sizes)
+
+    def __str__(self) -> str:
+        """The rule as Shardy prints one: ([a, b], [b, c])->([a, c]) {a=2, b=3, c=5} reduction={b} ..."""
+        def t(tf):
+            return "[" + ", ".join("".join(d) if d else "_" for d in tf) + "]"
+        text = f"({', '.join(t(o) for o in self.operands)})->({', '.join(t(r) for r in self.results)}) "
+        text += "{" + ", ".join(f"{f}={n}" for f, n in self.sizes.items()) + "}"
+        if self.reductions:
+            text += " reduction={" + ", ".join(f if k == "sum" else f"{f}:{k}" for f, k in self.reductions.items()) + "}"
+        if self.replicated:
+            text += " need_replication={" + ", ".join(f for f in self.sizes if f in self.replicated) + "}"
+        if self.ties:
+            text += " ties={" + ", ".join(f"{a}~{b}" for a, b in self.ties.items()) + "}"
+            text += "" if self.ties_propagate else " (not propagated)"
+        flags = [name for name in ("pointwise", "late_backward", "link", "rings") if getattr(self, name)]
+        return text + (" " + " ".join(flags) if flags else "")
 
     def signature(self) -> str:
         def t(tf):

@@ -1,9 +1,9 @@
 """Op hooks on the generic lowering: what a few primitives need beyond binding on local shards.
 
 Each hook receives the chosen factor sharding and the local operands, and
-returns the local results; ``collectives`` says what each will communicate,
-for the cost model and the report. Hooks never choose shardings: the one
-mechanism in lower.py does.
+returns the local results; its ``*_collectives`` partner says what it will
+communicate, for the cost model and the report (registry.py pairs them per
+op). Hooks never choose shardings: the one mechanism in lower.py does.
 
 - iota, random_bits: position-dependent values get the shard's global offset
   (GShard's PartitionId x shard size; partitionable threefry is a function of
@@ -27,10 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cost import Collective
+from .cost import Collective, HardwareProfile
 from .program import Eqn
 from .reshard import linear_axis_index
-from . import reorder, windowed
 from .factors import FactorSharding, Rule
 from .sharding import Axes, Sharding
 
@@ -44,6 +43,7 @@ class OpContext:
     mesh_shape: Mapping[str, int]
     need: Sequence[Sharding] = ()
     cache: Optional[dict] = None  # the lowering's per-region cache: values already exchanged (XLA CSEs them)
+    profile: Optional[HardwareProfile] = None  # the lowering's, for hooks that choose between exchanges
 
     def axes(self, factor: str) -> Axes:
         return tuple(a for a in self.fs.get(factor, ()) if self.mesh_shape[a] > 1)
@@ -71,49 +71,60 @@ def _reduced_axes(ctx: OpContext) -> Axes:
 
 # --------------------------------------------------------------------------- communication of each hook
 
-def collectives(ctx: OpContext) -> list[Collective]:
-    """What the hook of ctx's primitive communicates under ctx's factor sharding."""
-    name = ctx.eqn.name
-    if name in windowed.HOOKS:
-        return windowed.collectives(ctx)
-    if name in reorder.COLLECTIVES:
-        return reorder.COLLECTIVES[name](ctx)
-    out: list[Collective] = []
-    dtype = ctx.eqn.outvars[0].dtype
-    dt = str(dtype)
-    if name in ("reduce_max", "reduce_min", "reduce_and", "reduce_or", "reduce_prod", "argmax", "argmin", "top_k"):
-        axes = _reduced_axes(ctx)
-        if not axes:
-            return []
-        n = ctx.group(axes)
-        b, shape = ctx.out_bytes(), ctx.local_out()
-        if name in ("reduce_max", "reduce_min", "reduce_and", "reduce_or"):
-            out.append(Collective("all-reduce", axes, n, b, shape, dt, "combine"))
-        elif name == "reduce_prod":
-            out.append(Collective("all-gather", axes, n, b * n, (n,) + shape, dt, "combine"))
-        elif name in ("argmax", "argmin"):
-            vb = int(math.prod(shape)) * ctx.eqn.invars[0].aval.dtype.itemsize
-            out.append(Collective("all-gather", axes, n, vb * n, (n,) + shape, str(ctx.eqn.invars[0].aval.dtype),
-                                  "candidate values"))
-            out.append(Collective("all-gather", axes, n, b * n, (n,) + shape, dt, "candidate indices"))
-        else:  # top_k: values and indices of every shard's k candidates
-            out.append(Collective("all-gather", axes, n, b * n, shape, dt, "candidates"))
-            out.append(Collective("all-gather", axes, n, ctx.out_bytes(1) * n, shape, "int32", "candidate indices"))
-    elif name in CUMULATIVE:
-        axis = ctx.eqn.params["axis"]
-        axes = ctx.axes(ctx.rule.operands[0][axis][0])
-        if axes:
-            n = ctx.group(axes)
-            shape = list(ctx.local_out())
-            shape[axis] = 1
-            b = int(math.prod(shape)) * dtype.itemsize
-            out.append(Collective("all-gather", axes, n, b * n, (n,) + tuple(shape), dt, "shard totals"))
-    return out
+def combine_collectives(ctx: OpContext) -> list[Collective]:
+    """max/min/and/or over a split dim: one all-reduce of the local results; prod: gather the shards'."""
+    axes = _reduced_axes(ctx)
+    if not axes:
+        return []
+    n, b, shape, dt = ctx.group(axes), ctx.out_bytes(), ctx.local_out(), str(ctx.eqn.outvars[0].dtype)
+    if ctx.eqn.name == "reduce_prod":
+        return [Collective("all-gather", axes, n, b * n, (n,) + shape, dt, "combine")]
+    return [Collective("all-reduce", axes, n, b, shape, dt, "combine")]
+
+
+def arg_reduce_collectives(ctx: OpContext) -> list[Collective]:
+    """argmax/argmin over a split dim: every shard's candidate values and indices gathered."""
+    axes = _reduced_axes(ctx)
+    if not axes:
+        return []
+    n, b, shape = ctx.group(axes), ctx.out_bytes(), ctx.local_out()
+    x = ctx.eqn.invars[0].aval.dtype
+    vb = int(math.prod(shape)) * x.itemsize
+    return [Collective("all-gather", axes, n, vb * n, (n,) + shape, str(x), "candidate values"),
+            Collective("all-gather", axes, n, b * n, (n,) + shape, str(ctx.eqn.outvars[0].dtype), "candidate indices")]
+
+
+def top_k_collectives(ctx: OpContext) -> list[Collective]:
+    """top_k along a split dim: values and indices of every shard's k candidates gathered."""
+    axes = _reduced_axes(ctx)
+    if not axes:
+        return []
+    n, shape = ctx.group(axes), ctx.local_out()
+    return [Collective("all-gather", axes, n, ctx.out_bytes() * n, shape, str(ctx.eqn.outvars[0].dtype), "candidates"),
+            Collective("all-gather", axes, n, ctx.out_bytes(1) * n, shape, "int32", "candidate indices")]
+
+
+def cumulative_collectives(ctx: OpContext) -> list[Collective]:
+    """cumsum & co along a split dim: the shard totals gathered."""
+    axis = ctx.eqn.params["axis"]
+    axes = ctx.axes(ctx.rule.operands[0][axis][0])
+    if not axes:
+        return []
+    n, dtype = ctx.group(axes), ctx.eqn.outvars[0].dtype
+    shape = list(ctx.local_out())
+    shape[axis] = 1
+    b = int(math.prod(shape)) * dtype.itemsize
+    return [Collective("all-gather", axes, n, b * n, (n,) + tuple(shape), str(dtype), "shard totals")]
+
+
+def identity_hook(ctx: OpContext, ins, params, bind):
+    """An annotation or jax.sharding.reshard: a global-view identity, resolved by the plan."""
+    return [ins[0]]
 
 
 # --------------------------------------------------------------------------- hooks
 
-def _iota(ctx: OpContext, ins, params, bind):
+def iota_hook(ctx: OpContext, ins, params, bind):
     (out,) = bind(*ins, **params)
     d = ctx.eqn.params["dimension"]
     axes = ctx.axes(ctx.rule.results[0][d][0])
@@ -142,7 +153,7 @@ def _pmax_diff_jvp(name, primals, tangents):
     return y, jax.lax.psum(t * hit, name) / jax.lax.psum(hit, name)
 
 
-def _reduce_combine(ctx: OpContext, ins, params, bind):
+def combine_hook(ctx: OpContext, ins, params, bind):
     (out,) = bind(*ins, **params)
     axes = _reduced_axes(ctx)
     if not axes:
@@ -160,7 +171,7 @@ def _reduce_combine(ctx: OpContext, ins, params, bind):
     return [out]
 
 
-def _arg_reduce(ctx: OpContext, ins, params, bind):
+def arg_reduce_hook(ctx: OpContext, ins, params, bind):
     """argmax/argmin over a split dim: local candidates with global indices, then the best of them."""
     (x,) = ins
     (axis,) = ctx.eqn.params["axes"]
@@ -176,7 +187,7 @@ def _arg_reduce(ctx: OpContext, ins, params, bind):
     return [jnp.take_along_axis(idxs, pick[None], axis=0)[0]]
 
 
-def _top_k(ctx: OpContext, ins, params, bind):
+def top_k_hook(ctx: OpContext, ins, params, bind):
     """top_k along a split dim: local top-k with global indices, gather the candidates, top-k of those."""
     (x,) = ins
     axis = ctx.eqn.params.get("axis", -1) % x.ndim
@@ -217,7 +228,7 @@ def _highest(dtype):
     return jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max
 
 
-def _cumulative(ctx: OpContext, ins, params, bind):
+def cumulative_hook(ctx: OpContext, ins, params, bind):
     """Local scan, then combine with the exclusive scan of the shard totals along the split axis."""
     (out,) = bind(*ins, **params)
     axis, reverse = ctx.eqn.params["axis"], ctx.eqn.params["reverse"]
@@ -246,7 +257,7 @@ def _fill_value(dtype, fill):
     return info.min if jnp.issubdtype(dtype, jnp.signedinteger) else info.max
 
 
-def _gather(ctx: OpContext, ins, params, bind):
+def gather_hook(ctx: OpContext, ins, params, bind):
     operand, indices = ins
     dn = ctx.eqn.params["dimension_numbers"]
     os = ctx.eqn.invars[0].shape
@@ -284,7 +295,7 @@ def _gather(ctx: OpContext, ins, params, bind):
     return [out]
 
 
-def _scatter(ctx: OpContext, ins, params, bind):
+def scatter_hook(ctx: OpContext, ins, params, bind):
     operand, indices, updates = ins
     dn = ctx.eqn.params["dimension_numbers"]
     os = ctx.eqn.invars[0].shape
@@ -311,7 +322,7 @@ def _scatter(ctx: OpContext, ins, params, bind):
     return bind(operand, indices, updates, **params)
 
 
-def _random_bits(ctx: OpContext, ins, params, bind):
+def random_bits_hook(ctx: OpContext, ins, params, bind):
     """Partitionable threefry: bits at global position p are threefry(key, p), so compute them locally."""
     from jax._src.random.threefry2x32 import threefry2x32_p
 
@@ -341,7 +352,7 @@ def _random_bits(ctx: OpContext, ins, params, bind):
     return [(bits1 ^ bits2).astype(dtype)]
 
 
-def _dynamic_slice(ctx: OpContext, ins, params, bind):
+def dynamic_slice_hook(ctx: OpContext, ins, params, bind):
     """Start indices clamped here, as dynamic_slice would: XLA folds a following slice into this one
     (adding the offsets) and then clamps the sum, which differs when the start index was out of range."""
     sizes = ctx.local_out()
@@ -396,21 +407,3 @@ def mask_padding(ctx: OpContext, ins: list) -> list:
                 pos = pos + ctx.index(axes) * x.shape[d]
             out[i] = jnp.where(pos < size, out[i], _identity(kinds[f], x.dtype))
     return out
-
-
-HOOKS: dict[str, Callable] = {
-    "sharding_annotation": lambda ctx, ins, params, bind: [ins[0]],  # resolved by the plan: nothing to run
-    "reshard": lambda ctx, ins, params, bind: [ins[0]],  # jax.sharding.reshard: a global-view identity
-    "dynamic_slice": _dynamic_slice,
-    "iota": _iota,
-    "reduce_max": _reduce_combine, "reduce_min": _reduce_combine, "reduce_and": _reduce_combine,
-    "reduce_or": _reduce_combine, "reduce_prod": _reduce_combine,
-    "argmax": _arg_reduce, "argmin": _arg_reduce,
-    "top_k": _top_k,
-    **{name: _cumulative for name in CUMULATIVE},
-    "gather": _gather,
-    "scatter-add": _scatter, "scatter_add": _scatter, "scatter": _scatter,
-    "random_bits": _random_bits,
-    **windowed.HOOKS,
-    **reorder.HOOKS,
-}

@@ -7,8 +7,9 @@ local compute) with the alpha-beta model, take the cheapest, reshard the
 operands, bind the primitive on local shapes, and reshard the result to its
 planned sharding. Reduction factors that were split leave a partial sum,
 which the result reshard turns into an all-reduce or a reduce-scatter.
-Op-specific behaviour is a small hook (hooks.py): position offsets, combines
-of split reductions, masked gathers and scatters, cumulative fix-ups. An equation with no rule runs
+Op-specific behaviour is a small hook, found with the op's rule in
+registry.py: position offsets, combines of split reductions, masked gathers
+and scatters, cumulative fix-ups, halo exchanges, re-laid pieces. An equation with no rule runs
 replicated (the fallback) and is flagged in the report.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from . import collective_matmul as CM
 from . import hooks as H
+from . import registry as REG
 from . import manual as M
 from . import reshard as RS
 from . import factors as F
@@ -186,7 +188,7 @@ class Lowering:
             whole = keep_split and _materialises_split_dim(rule, self._fresh(eqn, have, need), need, made, planned)
             if best is not None and whole and not best_whole:
                 continue
-            hook = H.collectives(H.OpContext(eqn, rule, fs, made, self.mesh_shape, need))
+            hook = REG.collectives(H.OpContext(eqn, rule, fs, made, self.mesh_shape, need, profile=self.profile))
             # A hook that gathers (rows of a base-dilated input out of phase) keeps no exchange either.
             whole = whole or (keep_split and any(c.kind == "all-gather" for c in hook))
             cost = 0.0
@@ -200,7 +202,7 @@ class Lowering:
                 best, best_whole = Choice(fs, need, made, cost), whole
         if best is None:  # the all-replicated candidate always exists unless a rule is inexpressible
             raise AssertionError(f"no valid factor sharding for {eqn.name} {rule.signature()}")
-        if rule.kind == "dot_general" and self.collective_matmul != "off":
+        if rule.rings and self.collective_matmul != "off":
             return self._ring(eqn, rule, have, planned, best)
         if best_whole:
             best.note = ("a split windowed dim is held whole: no factor sharding from the operands and the plan "
@@ -256,10 +258,12 @@ class Lowering:
         return need, [m.with_partial(partial) for m in made]
 
     def _compute(self, rule: F.Rule, fs: F.FactorSharding) -> float:
-        # A tied leader (a windowed op's input rows) is counted through its follower (output or window rows).
-        leaders = set(rule.ties.values())
+        # A tied leader (a windowed op's input rows) is counted through its follower (output or window rows);
+        # a leader of several followers (the pieces of a split or a concatenation) is counted once, for them all.
+        followers = collections.Counter(rule.ties.values())
+        skip = {f for f, n in followers.items() if n == 1} | {f for f, l in rule.ties.items() if followers[l] > 1}
         work = math.prod(rule.sizes[f] // math.prod(self.mesh_shape[a] for a in fs.get(f, ()))
-                         for f in rule.factors if f not in leaders)
+                         for f in rule.factors if f not in skip)
         return compute_time(work * (2 if rule.reductions else 1), self.profile)
 
     def _aligned(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Sharding],
@@ -282,7 +286,7 @@ class Lowering:
         need, made = layout
         if any(len(x.shape) and h != n for x, h, n in zip(eqn.invars, have, need)) or made != planned:
             return None
-        if H.collectives(H.OpContext(eqn, rule, fs, made, self.mesh_shape, need)):
+        if REG.collectives(H.OpContext(eqn, rule, fs, made, self.mesh_shape, need, profile=self.profile)):
             return None
         return Choice(fs, need, made, self._compute(rule, fs))
 
@@ -564,9 +568,10 @@ class Lowering:
             if ring.kind == "all-gather":
                 self._cache[key] = travelled
             return [out]
-        ctx = H.OpContext(eqn, rule, choice.fs, choice.made, self.mesh_shape, choice.need, self._cache)
+        ctx = H.OpContext(eqn, rule, choice.fs, choice.made, self.mesh_shape, choice.need, self._cache, self.profile)
         local_in = H.mask_padding(ctx, local_in)
-        if eqn.name not in H.HOOKS:
+        hook = REG.hook(eqn.name)
+        if hook is None:
             return bind(*local_in, **params)
-        log.extend(H.collectives(ctx))
-        return H.HOOKS[eqn.name](ctx, local_in, params, bind)
+        log.extend(REG.collectives(ctx))
+        return hook(ctx, local_in, params, bind)

@@ -23,11 +23,9 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from . import manual as M
 from . import factors as F
-from . import rules as R
+from . import registry as REG
 from .program import Eqn, Program, Value
 from .sharding import Sharding, splittable
-
-LATE_BACKWARD = frozenset({"broadcast_in_dim"})
 
 
 @dataclasses.dataclass
@@ -71,7 +69,7 @@ def _link(a, b, name: str, where: object, stacked: int = 0, stacked_b: bool = Fa
     lead = tuple((names.new(big.shape[0]),) for _ in range(stacked))
     rep = frozenset(f for (f,) in lead)
     ops = (dims, lead + dims) if stacked_b else (lead + dims, dims)
-    return Constraint(F.Rule("link", (ops[0],), (ops[1],), names.sizes, replicated=rep), [a], [b], name, where)
+    return Constraint(F.Rule("link", (ops[0],), (ops[1],), names.sizes, replicated=rep, link=True), [a], [b], name, where)
 
 
 def control_flow_links(e: Eqn) -> tuple[list[Constraint], list[Constraint]]:
@@ -163,7 +161,7 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
     interned: dict[tuple, F.Rule] = {}
     rules = {}
     for e in program.all_eqns():
-        r = None if e.subs else R.rule_for(e)
+        r = None if e.subs else REG.rule_for(e)
         rules[e] = r if r is None else interned.setdefault(r.key, r)
     cons = constraints(program, rules)
     for e in program.all_eqns():
@@ -213,7 +211,7 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
     # Values linked through control flow to a fixed value (e.g. a scan's residual of an annotated weight, as
     # the backward body sees it) carry its authority: they are read first, like fixed values.
     pinned = fixed - annotated
-    links = [c for c in cons if c.rule.kind == "link"]
+    links = [c for c in cons if c.rule.link]
     grew = True
     while grew:
         grew = False
@@ -232,7 +230,7 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
         c.reads = tuple([t for t in ts if t[0] in pinned] + [t for t in ts if t[0] not in pinned]
                         for ts in (outs + ins, ins + outs))
         c.writes = tuple([t for t in ts if t[0] not in fixed] for ts in (ins, outs))
-        c.late = c.name in LATE_BACKWARD
+        c.late = c.rule.late_backward
         c.rule._memo(mesh_shape)  # the rules' memos are for this mesh from here on
 
     def visit(c: Constraint, forward: bool, late: bool) -> list[Value]:
@@ -327,7 +325,7 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
     # directions, so a value next to an annotation takes it before a dot or reshape proposes another split;
     # then every op; then broadcasts backward too.
     everything = range(len(cons))
-    elementwise = [i for i in everything if cons[i].rule.kind == "elementwise"]
+    elementwise = [i for i in everything if cons[i].rule.pointwise]
     for late, among in ((False, elementwise), (False, everything), (True, everything)):
         for _ in range(max_passes):
             changed = False

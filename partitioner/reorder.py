@@ -287,7 +287,7 @@ def _row_bytes(ctx, i: int, dim: int) -> int:
 
 def _profile(ctx) -> HardwareProfile:
     """The lowering's hardware profile when the context carries one, else the default one."""
-    return getattr(ctx, "profile", None) or DEFAULT_PROFILE
+    return ctx.profile or DEFAULT_PROFILE
 
 
 def _split_plan(ctx) -> Optional[tuple[Relayout, tuple]]:
@@ -458,8 +458,3 @@ def update_hook(ctx, ins, params, bind):
         inside = (row >= starts[d]) & (row < starts[d] + u)
         written = inside if written is None else written & inside
     return [jnp.where(written, placed, operand)]
-
-
-RULES = {"concatenate": concat_rule, "split": split_rule, "rev": rev_rule}
-HOOKS = {"concatenate": concat_hook, "split": split_hook, "rev": rev_hook, "dynamic_update_slice": update_hook}
-COLLECTIVES = {"concatenate": concat_collectives, "split": split_collectives, "rev": rev_collectives}

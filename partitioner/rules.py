@@ -1,30 +1,20 @@
 """Factor rules: one einsum-like description per primitive (DESIGN.md section 5).
 
 Each builder names the factors of an equation's operand and result dims
-(factors.py has the vocabulary). Propagation, strategy choice and costing
-all read these rules: there is no per-op code path.
+(factors.py has the vocabulary); registry.py says which builder each
+primitive uses. Propagation, strategy choice and costing all read these
+rules: there is no per-op code path.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
-from . import reorder, windowed
 from .factors import FactorNames, Rule
 from .program import Eqn
 
 def _shape(x) -> tuple[int, ...]:
     return tuple(x.aval.shape)
-
-
-ELEMENTWISE = frozenset("""
-abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp complex conj convert_element_type
-copy cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igammac imag
-integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
-reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign
-sin sinh sqrt square sub tan tanh xor population_count clz stop_gradient sharding_annotation
-name reshard
-""".split())
 
 
 def elementwise(eqn: Eqn) -> Optional[Rule]:
@@ -38,7 +28,12 @@ def elementwise(eqn: Eqn) -> Optional[Rule]:
         if len(shape) not in (0, len(out_shape)):
             return None
         ops.append(tuple(f if s == out_shape[d] else (n.new(s),) for d, (s, f) in enumerate(zip(shape, dims))))
-    return Rule("elementwise", tuple(ops), (dims,) * len(eqn.outvars), n.sizes)
+    return Rule("elementwise", tuple(ops), (dims,) * len(eqn.outvars), n.sizes, pointwise=True)
+
+
+def bitcast_convert_type(eqn: Eqn) -> Optional[Rule]:
+    """Elementwise when the element widths agree (the shape is unchanged); otherwise a dim is added or removed."""
+    return elementwise(eqn) if _shape(eqn.invars[0]) == _shape(eqn.outvars[0]) else None
 
 
 def broadcast_in_dim(eqn: Eqn) -> Rule:
@@ -50,7 +45,7 @@ def broadcast_in_dim(eqn: Eqn) -> Rule:
     for i, d in enumerate(bdims):
         op.append(res[d] if _shape(x)[i] == shape[d] else (n.new(_shape(x)[i]),))
     extra = tuple(() for _ in eqn.invars[1:])
-    return Rule("broadcast", (tuple(op),) + extra, (tuple(res),), n.sizes)
+    return Rule("broadcast", (tuple(op),) + extra, (tuple(res),), n.sizes, late_backward=True)
 
 
 def reshape(eqn: Eqn) -> Optional[Rule]:
@@ -149,7 +144,7 @@ def dot_general(eqn: Eqn) -> Rule:
     lfree = [d for d in range(len(ls)) if d not in lb and d not in lc]
     rfree = [d for d in range(len(rs)) if d not in rb and d not in rc]
     out = tuple(lhs[a] for a in lb) + tuple(lhs[d] for d in lfree) + tuple(rhs[d] for d in rfree)
-    return Rule("dot_general", (tuple(lhs), tuple(rhs)), (out,), n.sizes, reductions=red)
+    return Rule("dot_general", (tuple(lhs), tuple(rhs)), (out,), n.sizes, reductions=red, rings=True)
 
 
 def iota(eqn: Eqn) -> Rule:
@@ -344,40 +339,3 @@ def trailing(eqn: Eqn) -> Rule:
     rep = frozenset(f for (f,) in ea + eb)
     extra = tuple(_shape(x) and tuple(shared[: len(_shape(x))]) or () for x in eqn.invars[1:])
     return Rule(eqn.name, (tuple(shared + ea),) + extra, (tuple(shared + eb),), n.sizes, replicated=rep)
-
-
-RULES: dict[str, Callable[[Eqn], Optional[Rule]]] = {
-    **{name: trailing for name in ("random_seed", "random_clone", "random_split", "random_wrap", "random_unwrap",
-                                   "random_fold_in")},
-    "broadcast_in_dim": broadcast_in_dim,
-    "reshape": reshape,
-    "transpose": transpose,
-    "squeeze": squeeze,
-    "dot_general": dot_general,
-    "iota": iota,
-    **{name: reduction for name in _REDUCE_KINDS},
-    **{name: cumulative for name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")},
-    "sort": along_axis,
-    "top_k": top_k,
-    "dynamic_slice": dynamic_slice_rule,
-    "dynamic_update_slice": lambda eqn: reorder.update_rule(eqn, dynamic_update_slice_rule),
-    "stack": stack_rule,
-    "unstack": unstack_rule,
-    "gather": gather_rule,
-    "scatter-add": scatter_rule,
-    "scatter_add": scatter_rule,
-    "scatter": scatter_rule,
-    "random_bits": random_bits_rule,
-    **windowed.RULES,
-    **reorder.RULES,
-}
-
-
-def rule_for(eqn: Eqn) -> Optional[Rule]:
-    """The factor rule of an equation, or None when the op has none (it then runs replicated)."""
-    if eqn.name in ELEMENTWISE:
-        return elementwise(eqn)
-    if eqn.name == "bitcast_convert_type" and _shape(eqn.invars[0]) == _shape(eqn.outvars[0]):
-        return elementwise(eqn)
-    builder = RULES.get(eqn.name)
-    return builder(eqn) if builder else None

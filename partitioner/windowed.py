@@ -432,9 +432,3 @@ def scatter_hook(ctx, ins, params, bind):
         window = jnp.where(valid, window, jnp.asarray(never, window.dtype))
     (y,) = bind(source, window, **dict(params, padding=tuple(padding)))
     return list(back(y))
-
-
-RULES = {CONV: conv_rule, SCATTER: scatter_rule, GATHER: gather_rule, GENERIC: generic_pool_rule, "pad": pool_rule, "slice": pool_rule,
-         **{name: pool_rule for name in POOLS}}
-HOOKS = {CONV: conv_hook, SCATTER: scatter_hook, GATHER: gather_hook, GENERIC: generic_pool_hook, "pad": pad_hook, "slice": slice_hook,
-         **{name: pool_hook for name in POOLS}}
