@@ -51,42 +51,29 @@ def _loss(fn):
 
 
 @pytest.mark.parametrize("mode,permutes", [("unidirectional", 7), ("bidirectional", 14)])
-def test_all_gather_ring_replaces_the_gather_of_a_free_dim(mode, permutes):
+@pytest.mark.parametrize("fn,shapes,plain,ring", [
+    (_sp, [(256, 128), (128, 512)], {"all-gather": 1}, "all-gather of operand 0 dim 0 over model"),
+    (_rp, [(256, 512), (512, 128)], {"reduce-scatter": 1}, "reduce-scatter of the result dim 0 over model"),
+], ids=["all-gather ring (free dim)", "reduce-scatter ring"])
+def test_ring_replaces_the_plans_collective(fn, shapes, plain, ring, mode, permutes):
     mesh = gs.make_mesh({"model": 8})
     rng = np.random.default_rng(0)
-    x, w1 = randn(rng, 256, 128), randn(rng, 128, 512)
-    f = gs.partition(_sp, mesh, collective_matmul=mode)
-    assert_close(f(x, w1), _sp(x, w1), rtol=1e-5, atol=1e-4)
-    stats = hlo_stats(f, x, w1)
+    args = [randn(rng, *s) for s in shapes]
+    off = gs.partition(fn, mesh, collective_matmul="off")
+    assert _kinds(hlo_stats(off, *args)) == plain
+    f = gs.partition(fn, mesh, collective_matmul=mode)
+    assert_close(f(*args), fn(*args), rtol=1e-4, atol=1e-3)
+    stats = hlo_stats(f, *args)
     assert _kinds(stats) == {"collective-permute": permutes}
-    report = gs.explain(_sp, mesh, x, w1, collective_matmul=mode)
+    report = gs.explain(fn, mesh, *args, collective_matmul=mode)
     assert_report_matches_hlo(report, stats)
-    assert _rings(report) and f"({mode}, 7 steps)" in _rings(report)[0]
-    # The ring sends each piece on once per step: 7/8 of x's bytes, as the all-gather it replaces.
-    assert stats["collective-permute"]["payload_bytes"] == 7 * 256 * 128 * 4 // 8
-    plain = gs.partition(_sp, mesh, collective_matmul="off")
-    assert _kinds(hlo_stats(plain, x, w1)) == {"all-gather": 1}
-    ours = f.lower(x, w1).compile().memory_analysis().temp_size_in_bytes
-    gathered = plain.lower(x, w1).compile().memory_analysis().temp_size_in_bytes
-    assert ours <= gathered
-
-
-@pytest.mark.parametrize("mode,permutes", [("unidirectional", 7), ("bidirectional", 14)])
-def test_reduce_scatter_ring_replaces_the_reduce_scatter_of_the_result(mode, permutes):
-    mesh = gs.make_mesh({"model": 8})
-    rng = np.random.default_rng(1)
-    h, w2 = randn(rng, 256, 512), randn(rng, 512, 128)
-    plain = gs.partition(_rp, mesh, collective_matmul="off")
-    assert _kinds(hlo_stats(plain, h, w2)) == {"reduce-scatter": 1}
-    f = gs.partition(_rp, mesh, collective_matmul=mode)
-    assert_close(f(h, w2), _rp(h, w2), rtol=1e-4, atol=1e-3)
-    stats = hlo_stats(f, h, w2)
-    assert _kinds(stats) == {"collective-permute": permutes}
-    report = gs.explain(_rp, mesh, h, w2, collective_matmul=mode)
-    assert_report_matches_hlo(report, stats)
-    assert "reduce-scatter of the result dim 0" in _rings(report)[0]
-    ours = f.lower(h, w2).compile().memory_analysis().temp_size_in_bytes
-    assert ours <= plain.lower(h, w2).compile().memory_analysis().temp_size_in_bytes
+    (row,) = _rings(report)
+    assert f"({mode}, 7 steps): {ring}" in row
+    # Each step sends on one piece (or accumulator) of an eighth: 7/8 of the plain collective's payload.
+    piece = (shapes[0][0] // 8) * (shapes[0][1] if fn is _sp else shapes[1][1]) * 4
+    assert stats["collective-permute"]["payload_bytes"] == 7 * piece
+    ours = f.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    assert ours <= off.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.parametrize("mode", ["unidirectional", "bidirectional"])
