@@ -1,7 +1,9 @@
 """Collective matmul against the plain all-gather / reduce-scatter and against XLA's partitioner, in one run.
 
-Per program: collectives and payload bytes per device from the compiled HLO,
-temp memory from memory_analysis(), max abs difference from the unpartitioned
+Per program: collectives and payload bytes per device from the compiled HLO
+(as it lists them: a ring's loop body once), the bytes sent per call (ours:
+explain()'s per-call totals, the loop's permutes times its trips; XLA's
+programs here have no loops), temp memory from memory_analysis(), max abs difference from the unpartitioned
 function, and the median step time (all variants timed alternately) with its
 ratio to XLA's. Variants: ours with the ring (bidirectional and
 unidirectional), ours without it (collective_matmul="off"), XLA's partitioner,
@@ -84,10 +86,17 @@ def variants(fn, mesh):
 
 
 def compile_all(fn, mesh, args):
-    compiled = {name: part.lower(*args).compile() for name, part in variants(fn, mesh).items()}
+    """{variant: (compiled, payload bytes per call or None where the HLO's static count is the figure)}."""
+    compiled = {}
+    for name, part in variants(fn, mesh).items():
+        per_call = None
+        if name.startswith("ours"):
+            totals = gs.explain(fn, mesh, *args, collective_matmul=name.split()[1]).totals(dynamic=True)
+            per_call = sum(v["payload_bytes"] for v in totals.values())
+        compiled[name] = (part.lower(*args).compile(), per_call)
     if jax.default_backend() == "gpu":
         xla = gs.partition(fn, mesh, backend="xla")
-        compiled["xla windowed einsum"] = xla.lower(*args).compile(compiler_options=WINDOWED_EINSUM)
+        compiled["xla windowed einsum"] = (xla.lower(*args).compile(compiler_options=WINDOWED_EINSUM), None)
     return compiled
 
 
@@ -101,22 +110,24 @@ def main() -> int:
     only = set(ARGS.only.split(",")) if ARGS.only else None
     print(f"# backend={jax.default_backend()} devices={len(jax.devices())} d_model={ARGS.d_model} seq={ARGS.seq} "
           f"dtype={ARGS.dtype} steps={ARGS.steps}")
-    print(f"{'program':<16} {'variant':<22} {'collectives':<34} {'bytes/dev':>12} {'temp MiB':>9} {'maxdiff':>8} "
-          f"{'step ms':>9} {'vs xla':>7}")
+    print(f"{'program':<16} {'variant':<22} {'collectives (HLO)':<34} {'HLO bytes':>11} {'per call':>11} "
+          f"{'temp MiB':>9} {'maxdiff':>8} {'step ms':>9} {'vs xla':>7}")
     for name, (fn, args) in programs().items():
         if only and name not in only:
             continue
         ref = jax.jit(fn)(*args)
         compiled = compile_all(fn, mesh, args)
-        med = median_times({k: (lambda c=c: c(*args)) for k, c in compiled.items()}, ARGS.steps, warmup=2)
-        for variant, c in compiled.items():
+        med = median_times({k: (lambda c=c: c(*args)) for k, (c, _) in compiled.items()}, ARGS.steps, warmup=2)
+        for variant, (c, per_call) in compiled.items():
             stats = collective_stats(c)
             kinds = " ".join(f"{k.replace('collective-permute', 'cp')}:{v['count']}" for k, v in stats.items()
                              if v["count"]) or "none"
             payload = sum(v["payload_bytes"] for v in stats.values())
             temp = c.memory_analysis().temp_size_in_bytes / 2**20
-            print(f"{name:<16} {variant:<22} {kinds:<34} {payload:>12,} {temp:>9.2f} {max_diff(c(*args), ref):>8.1e} "
-                  f"{med[variant] * 1e3:>9.3f} {med[variant] / med['xla']:>7.2f}", flush=True)
+            per_call = payload if per_call is None else per_call
+            print(f"{name:<16} {variant:<22} {kinds:<34} {payload:>11,} {per_call:>11,} {temp:>9.2f} "
+                  f"{max_diff(c(*args), ref):>8.1e} {med[variant] * 1e3:>9.3f} {med[variant] / med['xla']:>7.2f}",
+                  flush=True)
     return 0
 
 

@@ -14,16 +14,16 @@ This is a strategy of lower.py's one choice, not an engine of its own: it is
 offered only where a candidate's plan already has exactly that all-gather or
 reduce-scatter, and costed against it. The cost credits overlap of a step's
 permute with its matmul only where the HardwareProfile says the platform
-overlaps communication with compute. The loop is unrolled (static trip count;
-XLA keeps every permute), and its gradient is differentiated through it: a
-ppermute transposes to a ppermute, so the backward pass of an all-gather ring
-is a reduce-scatter ring and vice versa.
+overlaps communication with compute. The ring is a loop of n - 1 trips (a
+known trip count, one permute per direction a trip), and its gradient is
+differentiated through it: a ppermute transposes to a ppermute, so the
+backward pass of an all-gather ring is a reduce-scatter ring and vice versa.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -104,14 +104,15 @@ def find(rule: Rule, have: Sequence[Sharding], need: Sequence[Sharding], made: S
 
 
 def collectives(ring: Ring, piece_shape: tuple, dtype) -> list[Collective]:
-    """The permutes of the ring: n - 1 per direction, each of a piece (or accumulator) split over the streams."""
+    """The permutes of one trip of the ring (n - 1 trips): one per direction, of a piece (or accumulator) split
+    over the directions."""
     shape = list(piece_shape)
     shape[ring.dim] //= ring.streams
     payload = int(math.prod(shape)) * dtype.itemsize
     what = "operand piece" if ring.kind == "all-gather" else "partial-sum accumulator"
     return [Collective("collective-permute", ring.axes, ring.n, payload, tuple(shape), str(dtype),
-                       f"collective matmul {what}, step {t + 1}")
-            for t in range(ring.n - 1) for _ in range(ring.streams)]
+                       f"collective matmul {what}, {'forward' if s == 0 else 'backward'}")
+            for s in range(ring.streams)]
 
 
 def time(ring: Ring, permutes: Sequence[Collective], compute: float, profile: HardwareProfile) -> float:
@@ -124,7 +125,7 @@ def time(ring: Ring, permutes: Sequence[Collective], compute: float, profile: Ha
     block = compute / ring.n
     if profile.overlap:
         return (ring.n - 1) * max(step_comm, block) + block
-    return (ring.n - 1) * ring.streams * step_comm + compute
+    return (ring.n - 1) * sum(c.time(profile) for c in permutes) + compute
 
 
 def _where(rule: Rule, factor: str) -> tuple[list[Optional[int]], Optional[int]]:
@@ -139,13 +140,12 @@ def _pairs(n: int, step: int) -> list[tuple[int, int]]:
 
 
 def run(ring: Ring, rule: Rule, local_in: list, out_shape: tuple, mesh_shape: Mapping[str, int],
-        bind: Callable, travelled: Optional[list] = None) -> tuple[object, list]:
+        bind: Callable):
     """The ring on local shards: the gathered operand as it is held (all-gather ring) or the result already
     scattered (reduce-scatter ring); every other operand as the candidate needs it.
 
-    Returns the local result and, for an all-gather ring, the pieces held at each step: passed back in as
-    `travelled` for another ring of the same value, they are reused instead of sent again (XLA would merge
-    the identical permutes).
+    A loop of n - 1 trips whose permute is independent of its matmul (so the two can overlap): an unrolled
+    ring lets XLA run every block's matmul first and hold all their partial products, n times the result.
     """
     idx = linear_axis_index(ring.axes, mesh_shape)
     n = ring.n
@@ -159,30 +159,46 @@ def run(ring: Ring, rule: Rule, local_in: list, out_shape: tuple, mesh_shape: Ma
         held = local_in[ring.operand]
         rows = held.shape[ring.dim]
         size = rows // ring.streams
-        if travelled is None:
-            travelled = [[jax.lax.slice_in_dim(held, s * size, (s + 1) * size, axis=ring.dim)
-                          for s in range(ring.streams)]]
-            for _ in range(n - 1):
-                travelled.append([ppermute(p, ring.axes, _pairs(n, dr), mesh_shape)
-                                  for p, dr in zip(travelled[-1], directions)])
-        acc = None
-        for t, pieces in enumerate(travelled):
+
+        def blocks(t, pieces):
             for s, (piece, dr) in enumerate(zip(pieces, directions)):
                 start = ((idx - dr * t) % n) * rows + s * size
-                args = [piece if i == ring.operand else block(x, dims[i], start, size) for i, x in enumerate(local_in)]
-                (y,) = bind(*args)
-                if out_dim is None:
-                    acc = y if acc is None else acc + y
-                else:
-                    acc = jnp.zeros(out_shape, y.dtype) if acc is None else acc
-                    acc = jax.lax.dynamic_update_slice_in_dim(acc, y, start, axis=out_dim)
-        return acc, travelled
+                yield start, [piece if i == ring.operand else block(x, dims[i], start, size)
+                              for i, x in enumerate(local_in)]
+
+        def multiply(t, pieces, acc):
+            if out_dim is None:  # a contracting dim: both directions' blocks in one matmul, one partial product
+                parts = [args for _, args in blocks(t, pieces)]
+                args = [a[0] if len(parts) == 1 or (i != ring.operand and dims[i] is None) else
+                        jnp.concatenate([p[i] for p in parts], axis=ring.dim if i == ring.operand else dims[i])
+                        for i, a in enumerate(zip(*parts))]
+                return acc + bind(*args)[0]
+            for start, args in blocks(t, pieces):
+                acc = jax.lax.dynamic_update_slice_in_dim(acc, bind(*args)[0], start, out_dim)
+            return acc
+
+        def step(t, carry):  # the pieces held go on to the neighbour while they are multiplied
+            acc, pieces = carry
+            sent = [ppermute(p, ring.axes, _pairs(n, dr), mesh_shape) for p, dr in zip(pieces, directions)]
+            return multiply(t, pieces, acc), sent
+
+        pieces = [jax.lax.slice_in_dim(held, s * size, (s + 1) * size, axis=ring.dim) for s in range(ring.streams)]
+        _, first = next(blocks(0, pieces))
+        y = jax.eval_shape(lambda *a: bind(*a)[0], *first)
+        acc = jnp.zeros(y.shape if out_dim is None else out_shape, y.dtype)
+        acc, pieces = jax.lax.fori_loop(0, n - 1, step, (acc, pieces))
+        return multiply(n - 1, pieces, acc)
     rows = out_shape[ring.dim]
     size = rows // ring.streams
-    accs: list = [None] * ring.streams
-    for t in range(n):
+
+    def products(t):
         for s, dr in enumerate(directions):
             start = ((idx + dr * (n - 1 - t)) % n) * rows + s * size
-            (y,) = bind(*[block(x, dims[i], start, size) for i, x in enumerate(local_in)])
-            accs[s] = y if t == 0 else ppermute(accs[s], ring.axes, _pairs(n, dr), mesh_shape) + y
-    return (accs[0] if ring.streams == 1 else jnp.concatenate(accs, axis=ring.dim)), []
+            yield bind(*[block(x, dims[i], start, size) for i, x in enumerate(local_in)])[0]
+
+    def step(t, accs):  # an accumulator goes on to the neighbour while the next block's product is computed
+        return [ppermute(a, ring.axes, _pairs(n, dr), mesh_shape) + y
+                for a, dr, y in zip(accs, directions, products(t))]
+
+    accs = jax.lax.fori_loop(1, n, step, list(products(0)))
+    return accs[0] if ring.streams == 1 else jnp.concatenate(accs, axis=ring.dim)

@@ -558,16 +558,13 @@ class Lowering:
             x = eqn.outvars[0] if ring.kind == "reduce-scatter" else eqn.invars[ring.operand]
             piece = (choice.made[0] if ring.kind == "reduce-scatter" else choice.need[ring.operand]).local_shape(
                 x.shape, self.mesh_shape)
-            key = ("ring", x, ring.dim, ring.axes, ring.streams, choice.need[ring.operand])
-            travelled = self._cache.get(key) if ring.kind == "all-gather" else None
-            if travelled is None:
-                log.extend(CM.collectives(ring, tuple(piece), x.aval.dtype))
+            if self.report is not None:  # the loop's permutes: a row of their own, run n - 1 times per call
+                self._add_row(eqn.index, eqn.source, f"{self._prefix}ring/{eqn.name}", [], [],
+                              f"the ring's loop: {ring.n - 1} trips, a collective-permute per direction each",
+                              CM.collectives(ring, tuple(piece), x.aval.dtype),
+                              None, 0.0, self._trips * (ring.n - 1))
             local_out = choice.made[0].local_shape(eqn.outvars[0].shape, self.mesh_shape)
-            out, travelled = CM.run(ring, rule, local_in, tuple(local_out), self.mesh_shape,
-                                    lambda *xs: bind(*xs, **params), travelled)
-            if ring.kind == "all-gather":
-                self._cache[key] = travelled
-            return [out]
+            return [CM.run(ring, rule, local_in, tuple(local_out), self.mesh_shape, lambda *xs: bind(*xs, **params))]
         ctx = H.OpContext(eqn, rule, choice.fs, choice.made, self.mesh_shape, choice.need, self._cache, self.profile)
         local_in = H.mask_padding(ctx, local_in)
         hook = REG.hook(eqn.name)
