@@ -124,20 +124,21 @@ def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardw
                                  f"it is resharded on entry")
             elif at is not None:
                 seeds[v] = (at, f"placement of {name} (committed NamedSharding)")
-        for v, name, spec in zip(program.outvars, out_names, out_specs):
+        leaving: dict[int, Sharding] = {}  # outputs resharded on exit: an input, another output or a constant
+        for k, (v, name, spec) in enumerate(zip(program.outvars, out_names, out_specs)):
             sh = S.to_sharding(spec, v.shape, f"out_shardings for {name}")
             if sh is None:
                 continue
             if not isinstance(v, Value) or (v in seeds and seeds[v][0] != sh):
-                raise ValueError(f"out_shardings for {name}: {sh} conflicts with the sharding this output already "
-                                 f"has as an input or another output, or it is a constant; return a copy (x + 0) "
-                                 f"or drop one of the two shardings")
+                leaving[k] = sh  # as jax.jit does: the value keeps its own sharding and leaves resharded
+                continue
             seeds[v] = (sh, f"out_shardings for {name}")
         plan = propagate(program, mesh_shape, seeds)
         values = list(program.invars) + [v for v, _ in program.consts]
         entry = [p if p is not None else _without_uneven(plan.sharding(v), v.shape, mesh_shape)
                  for v, p in zip(values, placed + [None] * len(program.consts))]
-        exit_ = [_without_uneven(plan.sharding(v), v.shape, mesh_shape) for v in program.outvars]
+        exit_ = [_without_uneven(leaving.get(k) or plan.sharding(v), v.shape, mesh_shape)
+                 for k, v in enumerate(program.outvars)]
         value_names = names + [f"constant {v}" for v, _ in program.consts]
         lowering = L.Lowering(program, plan, mesh, profile, report, entry, exit_, value_names, out_names,
                               collective_matmul)

@@ -368,10 +368,19 @@ class Lowering:
             if same is not None and same[0] is x:
                 self._cache[key] = same[1]
             else:
-                steps = self.reshard_steps(src, dst, v.shape)
-                log.extend(RS.collectives(steps, v.shape, v.dtype, self.mesh_shape))
-                self._cache[key] = RS.apply(steps, x, self.mesh_shape)
-                self._cache[("array", id(x), src, dst)] = (x, self._cache[key])
+                # Step by step: a sharding on the way that an earlier reshard of v reached is reused (an exit
+                # reshard that starts with the all-gather an op already made sends it once, as XLA's CSE does).
+                y = x
+                for st in self.reshard_steps(src, dst, v.shape):
+                    done = self._cache.get((v, st.after))
+                    if done is None:
+                        log.extend(RS.collectives([st], v.shape, v.dtype, self.mesh_shape))
+                        done = RS.apply([st], y, self.mesh_shape)
+                        if not st.after.partial:
+                            self._cache[(v, st.after)] = done
+                    y = done
+                self._cache[key] = y
+                self._cache[("array", id(x), src, dst)] = (x, y)
             self._resharded.setdefault(v, set()).add(dst)
         return self._cache[key], dst
 

@@ -230,14 +230,62 @@ class Report:
         return "\n".join(lines + self._totals_lines())
 
     def __str__(self) -> str:
-        """The compact view: rows that communicate or fall back, then totals by kind."""
+        """The compact view, a screen whatever the program's size: the inputs and outputs (each one when there
+        are few, else summarised by sharding), the rows that communicate or fall back (in full when there are
+        few, else one line per source and collectives), then totals by kind."""
         shown = [r for r in self.rows if r.collectives or r.fallback]
-        lines = self._header()
+        lines = [self._header()[0]]
+        for what, values in (("inputs", self.inputs), ("outputs", self.outputs)):
+            if len(values) <= FEW_VALUES:
+                lines += [_fit(f"{what[:-1]:<6} {x}", 2) for x in values]
+            elif values:
+                lines.append(_fit(f"{what}: {_summary(values)}", 2))
+        lines += [_fit(f"note: {n}", 2) for n in self.notes]
         lines.append(f"{len(shown)} of {len(self.rows)} rows communicate or fall back "
                      f"(report.table() lists all):")
-        for r in shown:
-            lines += self._row_lines(r)
+        if len(shown) <= FEW_ROWS:
+            for r in shown:
+                lines += self._row_lines(r)
+        else:
+            groups: dict = {}
+            for r in shown:
+                key = (r.primitive, r.source, tuple((c.kind, c.axes, c.payload) for c in r.collectives), r.fallback)
+                groups.setdefault(key, []).append(r)
+            for rs in groups.values():
+                r = rs[0]
+                what = ", ".join(str(c) for c in r.collectives) + (f"; FALLBACK: {r.fallback}" if r.fallback else "")
+                times = f" (x{len(rs)}: rows {', '.join(str(x.index) for x in rs)})" if len(rs) > 1 else ""
+                lines.append(_fit(f"{r.index if r.index >= 0 else '':>4} {r.primitive} at {r.source or '?'}{times}: "
+                                  f"{what}", 0))
         return "\n".join(lines + self._totals_lines())
+
+
+FEW_VALUES = 12  # more inputs (or outputs) than this are summarised by sharding in the compact view
+FEW_ROWS = 10  # more communicating rows than this get a line per source and collectives in the compact view
+
+
+def _summary(values: list[ValueInfo]) -> str:
+    """"63: 40 split over model, 23 replicated (no annotation or sharded neighbour reached it)", with the values
+    that cross the program boundary in another sharding named."""
+    split: collections.Counter = collections.Counter()
+    why: collections.Counter = collections.Counter()
+    for v in values:
+        axes = [a for d in v.planned.dims for a in d]
+        if axes:
+            split["*".join(dict.fromkeys(axes))] += 1
+        else:
+            reason = v.origin.removeprefix("replicated: ").split(" at ")[0] if v.origin else "replicated"
+            why[reason] += 1
+    parts = [f"{n} split over {axes}" for axes, n in split.most_common()]
+    if why:
+        parts.append(f"{sum(why.values())} replicated (" + "; ".join(
+            f"{n}: {reason}" if len(why) > 1 else reason for reason, n in why.most_common()) + ")")
+    crossing = [v.name for v in values if v.boundary != v.planned]
+    text = f"{len(values)}: " + ", ".join(parts)
+    if crossing:
+        text += f"; {len(crossing)} cross the boundary in another sharding: " + ", ".join(crossing[:4]) + \
+            (", ..." if len(crossing) > 4 else "")
+    return text
 
 
 def _fit(text: str, indent: int) -> str:
