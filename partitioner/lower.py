@@ -495,9 +495,12 @@ class Lowering:
         for v, o, m in zip(eqn.outvars, M.run(eqn, local_in), outs):
             self._store(env, v, o, m, log)
         have = [env[x][1] if isinstance(x, Value) else s for x, s in zip(eqn.invars, ins)]
+        auto = M.auto_axes(eqn, self.mesh_shape)
+        manual = [a for a in self.mesh_axes if a not in auto]
         self._record(eqn, list(zip(eqn.invars, have, ins)), outs,
-                     f"manual region over {', '.join(self.mesh_axes)}: {len(eqn.params['jaxpr'].eqns)} ops on local "
-                     f"shards, {len(inner)} collectives of its own", log)
+                     f"manual region over {', '.join(manual)}: {len(eqn.params['jaxpr'].eqns)} ops on local "
+                     f"shards, {len(inner)} collectives of its own"
+                     + (f"; whole along its automatic axes {', '.join(auto)}" if auto else ""), log)
 
     def _eqn(self, eqn: Eqn, env) -> None:
         rule = self.plan.rules.get(eqn)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
+import numpy as np
 from jax._src import core as jcore
+from jax._src.lax import parallel as P
 
 from .cost import Collective
 from .program import Eqn
@@ -22,9 +24,13 @@ from .sharding import Sharding
 PRIMITIVE = "shard_map"
 
 # Collective primitives a body may bind, and the HLO collective each becomes.
-KINDS = {"psum": "all-reduce", "pmax": "all-reduce", "pmin": "all-reduce", "all_gather": "all-gather",
-         "all_to_all": "all-to-all", "ppermute": "collective-permute", "reduce_scatter": "reduce-scatter",
-         "ragged_all_to_all": "all-to-all"}
+# (check_vma=True bodies bind the *_invariant forms; async *_start forms send what their plain forms do.)
+KINDS = {"psum": "all-reduce", "psum_invariant": "all-reduce", "pmax": "all-reduce", "pmin": "all-reduce",
+         "all_gather": "all-gather", "all_gather_invariant": "all-gather", "all_to_all": "all-to-all",
+         "ppermute": "collective-permute", "reduce_scatter": "reduce-scatter", "ragged_all_to_all": "all-to-all",
+         "psum_start": "all-reduce", "psum_invariant_start": "all-reduce", "all_gather_start": "all-gather",
+         "reduce_scatter_start": "reduce-scatter", "all_to_all_start": "all-to-all",
+         "ppermute_start": "collective-permute"}
 
 
 def is_region(eqn: Eqn) -> bool:
@@ -32,18 +38,19 @@ def is_region(eqn: Eqn) -> bool:
 
 
 def check(eqn: Eqn, mesh_shape: Mapping[str, int]) -> None:
-    """The region's mesh must be the partition mesh, manual over all of its axes."""
+    """The region's mesh must be the partition mesh."""
     mesh = eqn.params["mesh"]
     theirs = dict(mesh.shape)
     if theirs != dict(mesh_shape):
         raise ValueError(f"manual region at {eqn.source}: its mesh {theirs} is not the partition mesh "
                          f"{dict(mesh_shape)}; build the region over the mesh given to gs.partition")
+
+
+def auto_axes(eqn: Eqn, mesh_shape: Mapping[str, int]) -> list[str]:
+    """The mesh axes a partial-manual region leaves automatic (jax.shard_map's axis_names a subset): its body
+    sees its operands whole along them (in_specs cannot name them), so they run replicated over those axes."""
     manual = set(eqn.params.get("newly_manual_axes", eqn.params.get("manual_axes", mesh_shape)))
-    auto = sorted(set(mesh_shape) - manual)
-    if auto:
-        raise ValueError(f"manual region at {eqn.source}: manual over {sorted(manual)} only, with {auto} left "
-                         f"automatic; make it manual over every mesh axis (jax.shard_map without axis_names, "
-                         f"or gs.manual)")
+    return [a for a in mesh_shape if a not in manual]
 
 
 def _sharding(spec, rank: int) -> Sharding:
@@ -58,8 +65,68 @@ def specs(eqn: Eqn) -> tuple[list[Sharding], list[Sharding]]:
 
 
 def run(eqn: Eqn, local_args: Sequence) -> list:
-    """The body on local shards, inside the per-device program (its collectives bind by axis name)."""
-    return list(jcore.eval_jaxpr(eqn.params["jaxpr"], (), *local_args))
+    """The body on local shards, inside the per-device program (its collectives bind by axis name).
+
+    The per-device program is a shard_map with check_vma=False, manual over every axis, so a body traced with
+    check_vma=True (jax.shard_map's default) runs as it would have been traced with check_vma=False: its
+    collectives that exist only for the varying-axes types (psum_invariant, pvary, all_gather_invariant) bind
+    as their plain forms, which compute the same values and differentiate as the plain forms do. A
+    partial-manual body sees its operands whole along its automatic axes.
+    """
+    return _eval_plain(eqn.params["jaxpr"], (), local_args, eqn.source)
+
+
+def _psum(x, *, axes):
+    return P.psum_p.bind(x, axes=tuple(axes), axis_index_groups=None)
+
+
+def _all_gather(x, **params):
+    return P.all_gather_p.bind(x, axis_index_groups=None, **params)
+
+
+PLAIN = {"psum_invariant": _psum, "psum_invariant_start": _psum, "pvary": lambda x, *, axes: x,
+         "all_gather_invariant": _all_gather}
+CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
+         "custom_vjp_call": "call_jaxpr"}
+
+
+def _uses_types(jaxpr) -> bool:
+    """Whether a jaxpr (or one nested in it) binds a collective that only exists for varying-axes types."""
+    return any(e.primitive.name in PLAIN or any(_uses_types(j) for j in jcore.jaxprs_in_params(e.params))
+               for e in jaxpr.eqns)
+
+
+def _eval_plain(jaxpr, consts, args, where: str) -> list:
+    """eval_jaxpr with the varying-axes collectives bound as their plain forms; calls are evaluated inline
+    (custom derivative rules then differentiate through their primal body, as elsewhere in the lowering)."""
+    if isinstance(jaxpr, jcore.ClosedJaxpr):
+        jaxpr, consts = jaxpr.jaxpr, jaxpr.consts
+    env: dict = {}
+    # A literal as a plain array: its own type carries the region's mesh, whose automatic axes are manual here.
+    read = lambda v: np.asarray(v.val) if isinstance(v, jcore.Literal) else env[v]
+    for v, x in zip(jaxpr.constvars, consts):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    for e in jaxpr.eqns:
+        ins = [read(v) for v in e.invars]
+        name = e.primitive.name
+        if name in PLAIN:
+            outs = [PLAIN[name](*ins, **e.params)]
+        elif name in CALLS and CALLS[name] in e.params:
+            outs = _eval_plain(e.params[CALLS[name]], (), ins, where)
+        elif any(_uses_types(j) for j in jcore.jaxprs_in_params(e.params)):
+            raise NotImplementedError(
+                f"manual region at {where}: its {name} holds a psum or pvary of the check_vma=True kind, which "
+                f"cannot run inside the per-device program; pass check_vma=False to this jax.shard_map")
+        else:
+            # (Not under the eqn's own context: its mesh types the region's automatic axes, while here every
+            # axis is manual.)
+            outs = e.primitive.bind(*ins, **e.primitive.get_bind_params(e.params))
+            outs = list(outs) if e.primitive.multiple_results else [outs]
+        for v, x in zip(e.outvars, outs):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]
 
 
 def _group(eqn, mesh_shape: Mapping[str, int]) -> int:
