@@ -1,0 +1,230 @@
+"""The strategy choice: for each equation, the cheapest factor sharding its rule allows (DESIGN.md section 5).
+
+Candidates come from what the operands have and what the plan wants for the results; each is costed with the
+alpha-beta model (reshards in, reshards out, the hook's own communication, local compute). A windowed op
+keeps a split windowed dim split where memory matters; a dot_general may take a collective matmul in place of
+its plan's all-gather or reduce-scatter. Choices repeat across a model's layers, so they are memoized.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+from . import collective_matmul as CM
+from . import hooks as H
+from . import registry as REG
+from . import reshard as RS
+from . import factors as F
+from .cost import Collective, compute_time
+from .program import Const, Eqn, Value
+from .sharding import Sharding
+
+@dataclasses.dataclass
+class Choice:
+    fs: F.FactorSharding
+    need: list[Sharding]
+    made: list[Sharding]
+    cost: float
+    ring: Optional[CM.Ring] = None  # a collective matmul in place of the plan's all-gather or reduce-scatter
+    note: str = ""  # why the choice holds a split dim whole, where it does
+
+
+def _merge_fs(dims_fs: Sequence[Optional[F.FactorSharding]]) -> F.FactorSharding:
+    out: F.FactorSharding = {}
+    for d in dims_fs:
+        for f, ax in (d or {}).items():
+            if ax:
+                out.setdefault(f, ax)
+    return out
+
+
+def _choice_key(eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Sharding]) -> Optional[tuple]:
+    """What a strategy choice depends on (None if a param or literal cannot be hashed: no reuse)."""
+    consts = ()
+    for i, x in enumerate(eqn.invars):
+        if isinstance(x, Const):
+            if x.aval.shape:
+                return None  # an array literal: its contents could matter to a hook
+            consts += ((i, x.val.item() if hasattr(x.val, "item") else x.val),)
+    try:
+        key = (eqn.prim, tuple(eqn.params.items()), rule.key, tuple(have), tuple(planned), consts,
+               tuple([x.aval.dtype for x in eqn.invars]), tuple([v.aval.dtype for v in eqn.outvars]))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _materialises_split_dim(rule: F.Rule, have: Sequence[Sharding], need: Sequence[Sharding],
+                            made: Sequence[Sharding], planned: Sequence[Sharding]) -> bool:
+    """Whether a windowed op's candidate holds the whole of a split windowed dim: an operand gathered there, or
+    a result computed whole where the plan splits it (the memory a user split that dim to save)."""
+    tied = set(rule.ties) | set(rule.ties.values())
+    for tensors, big, small in ((rule.operands, have, need), (rule.results, planned, made)):
+        for tf, b, s in zip(tensors, big, small):
+            if any(tied.intersection(fd) and len(s.dims[d]) < len(b.dims[d]) for d, fd in enumerate(tf)
+                   if d < len(b.dims)):
+                return True
+    return False
+
+class Strategy:
+    """The strategy choice of a Lowering (which holds the plan, mesh, profile and the reshards made so far)."""
+
+    def reshard_steps(self, src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple:
+        key = (src, dst, tuple(shape))
+        if key not in self._plans:
+            self._plans[key] = tuple(RS.plan(src, dst, shape, self.mesh_shape, self.mesh_axes))
+        return self._plans[key]
+
+    def reshard_collectives(self, src: Sharding, dst: Sharding, shape, dtype) -> list[Collective]:
+        if src == dst:
+            return []
+        return RS.collectives(self.reshard_steps(src, dst, tuple(shape)), shape, dtype, self.mesh_shape)
+
+    def reshard_time(self, src, dst, shape, dtype) -> float:
+        if src == dst:
+            return 0.0
+        key = (src, dst, tuple(shape), dtype)
+        if key not in self._times:
+            self._times[key] = sum(c.time(self.profile) for c in self.reshard_collectives(src, dst, shape, dtype))
+        return self._times[key]
+
+    def choose(self, eqn: Eqn, rule: F.Rule, have: list[Sharding]) -> Choice:
+        """The cheapest factor sharding for eqn given what its operands have and the plan for its results.
+
+        The choice depends only on the op, its params, dtypes, rule, and those shardings, so equations
+        that repeat (the layers of an unrolled model) are decided once.
+        """
+        planned = [self.plan.sharding(v) for v in eqn.outvars]
+        key = _choice_key(eqn, rule, have, planned)
+        if key is not None:  # operands already resharded (for an earlier op) cost nothing to have that way
+            key += (tuple(frozenset(self._resharded.get(x, ())) for x in eqn.invars if isinstance(x, Value)),)
+        choice = self._choices.get(key) if key is not None else None
+        if choice is None:
+            choice = self._choose(eqn, rule, have, planned)
+            if key is not None:
+                self._choices[key] = choice
+        return choice
+
+    def _choose(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Sharding]) -> Choice:
+        proposals = [_merge_fs(rule.to_factors(tf, s, self.mesh_shape))
+                     for tf, s in zip(rule.results, planned)]
+        proposals += [_merge_fs(rule.to_factors(tf, s, self.mesh_shape))
+                      for tf, s in zip(rule.operands, have)]
+        aligned = self._aligned(eqn, rule, have, planned, proposals)
+        if aligned is not None:
+            return aligned
+        best: Optional[Choice] = None
+        best_whole = False
+        keep_split = bool(rule.ties) and self.profile.memory_matters
+        for fs in F.candidate_factor_shardings(rule, proposals, self.mesh_shape):
+            layout = self._layout(rule, fs)
+            if layout is None:
+                continue
+            need, made = layout
+            whole = keep_split and _materialises_split_dim(rule, self._fresh(eqn, have, need), need, made, planned)
+            if best is not None and whole and not best_whole:
+                continue
+            hook = REG.collectives(H.OpContext(eqn, rule, fs, made, self.mesh_shape, need, profile=self.profile))
+            # A hook that gathers (rows of a base-dilated input out of phase) keeps no exchange either.
+            whole = whole or (keep_split and any(c.kind == "all-gather" for c in hook))
+            cost = 0.0
+            for x, h, n in zip(eqn.invars, have, need):
+                if len(x.shape) and not (isinstance(x, Value) and n in self._resharded.get(x, ())):
+                    cost += self.reshard_time(h, n, x.shape, x.aval.dtype)
+            for v, m, p in zip(eqn.outvars, made, planned):
+                cost += self.reshard_time(m, p, v.shape, v.dtype)
+            cost += sum(c.time(self.profile) for c in hook) + self._compute(rule, fs)
+            if best is None or (best_whole and not whole) or cost < best.cost - 1e-15:
+                best, best_whole = Choice(fs, need, made, cost), whole
+        if best is None:  # the all-replicated candidate always exists unless a rule is inexpressible
+            raise AssertionError(f"no valid factor sharding for {eqn.name} {rule.signature()}")
+        if rule.rings and self.collective_matmul != "off":
+            return self._ring(eqn, rule, have, planned, best)
+        if best_whole:
+            best.note = ("a split windowed dim is held whole: no factor sharding from the operands and the plan "
+                         "keeps it split with a halo exchange (rows that cannot split over those axes, or a "
+                         "base-dilated input whose shards start out of phase)")
+        elif rule.ties and not keep_split and _materialises_split_dim(rule, self._fresh(eqn, have, best.need),
+                                                                      best.need, best.made, planned):
+            best.note = "a split windowed dim is held whole: the profile says memory is no concern"
+        return best
+
+    def _fresh(self, eqn: Eqn, have: list[Sharding], need: list[Sharding]) -> list[Sharding]:
+        """What each operand has, or what it needs where a reshard to that is already materialised (an
+        earlier op gathered it: holding it costs nothing more)."""
+        return [n if isinstance(x, Value) and n in self._resharded.get(x, ()) else h
+                for x, h, n in zip(eqn.invars, have, need)]
+
+    def _ring(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Sharding], best: Choice) -> Choice:
+        """The chosen plan, or a collective matmul in place of its all-gather of an operand or reduce-scatter
+        of the result: the cheaper under "auto", the ring wherever one applies when a direction is forced."""
+        ins = [x for x in eqn.invars]
+        in_steps = [() if not len(x.shape) or h == n or (isinstance(x, Value) and n in self._resharded.get(x, ()))
+                    else self.reshard_steps(h, n, x.shape) for x, h, n in zip(ins, have, best.need)]
+        out = eqn.outvars[0]
+        out_steps = () if best.made[0] == planned[0] else self.reshard_steps(best.made[0], planned[0], out.shape)
+        rings = CM.find(rule, have, best.need, best.made[0], planned[0], in_steps, out_steps,
+                        [tuple(x.shape) for x in ins], tuple(out.shape), self.mesh_shape, self.collective_matmul)
+        compute = self._compute(rule, best.fs)
+        options = [] if self.collective_matmul != "auto" else [best]
+        for ring in rings:
+            if ring.kind == "all-gather":
+                i = ring.operand
+                x = ins[i]
+                replaced = self.reshard_time(have[i], best.need[i], x.shape, x.aval.dtype)
+                piece, dtype = have[i].local_shape(x.shape, self.mesh_shape), x.aval.dtype
+                need = [h if j == i else n for j, (h, n) in enumerate(zip(have, best.need))]
+                made = best.made
+            else:
+                replaced = self.reshard_time(best.made[0], planned[0], out.shape, out.dtype)
+                piece, dtype = planned[0].local_shape(out.shape, self.mesh_shape), out.dtype
+                need, made = best.need, [planned[0]]
+            permutes = CM.collectives(ring, tuple(piece), dtype)
+            cost = best.cost - replaced - compute + CM.time(ring, permutes, compute, self.profile)
+            options.append(Choice(best.fs, need, made, cost, ring))
+        return min(options, key=lambda c: c.cost) if options else best
+
+    def _layout(self, rule: F.Rule, fs: F.FactorSharding) -> Optional[tuple[list[Sharding], list[Sharding]]]:
+        """The operand shardings a factor sharding needs and the results it makes (split sums partial)."""
+        need = [rule.to_tensor(tf, fs, self.mesh_shape) for tf in rule.operands]
+        made = [rule.to_tensor(tf, fs, self.mesh_shape) for tf in rule.results]
+        if any(s is None for s in need + made):
+            return None
+        partial = [a for f, k in rule.reductions.items() if k == "sum" for a in fs.get(f, ())]
+        return need, [m.with_partial(partial) for m in made]
+
+    def _compute(self, rule: F.Rule, fs: F.FactorSharding) -> float:
+        # A tied leader (a windowed op's input rows) is counted through its follower (output or window rows);
+        # a leader of several followers (the pieces of a split or a concatenation) is counted once, for them all.
+        followers = collections.Counter(rule.ties.values())
+        skip = {f for f, n in followers.items() if n == 1} | {f for f, l in rule.ties.items() if followers[l] > 1}
+        work = math.prod(rule.sizes[f] // math.prod(self.mesh_shape[a] for a in fs.get(f, ()))
+                         for f in rule.factors if f not in skip)
+        return compute_time(work * (2 if rule.reductions else 1), self.profile)
+
+    def _aligned(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Sharding],
+                 proposals: list) -> Optional[Choice]:
+        """The choice that moves nothing, when the operands already are what it needs and it makes the plan.
+
+        No reshard in or out and no hook communication: no other candidate can cost less communication,
+        and none computes on smaller shards without resharding a result. Most equations take this path,
+        which skips enumerating candidates.
+        """
+        fs = rule.tie(_merge_fs(proposals))
+        if fs is None:
+            return None
+        used = [a for f, ax in fs.items() if f not in rule.ties for a in ax]
+        if len(used) != len(set(used)) or any(f in rule.replicated for f, ax in fs.items() if ax):
+            return None
+        layout = self._layout(rule, fs)
+        if layout is None:
+            return None
+        need, made = layout
+        if any(len(x.shape) and h != n for x, h, n in zip(eqn.invars, have, need)) or made != planned:
+            return None
+        if REG.collectives(H.OpContext(eqn, rule, fs, made, self.mesh_shape, need, profile=self.profile)):
+            return None
+        return Choice(fs, need, made, self._compute(rule, fs))
