@@ -17,9 +17,10 @@ from . import hooks as H
 from . import registry as REG
 from . import reshard as RS
 from . import factors as F
-from .cost import Collective, compute_time
+from .cost import Collective, _fmt_bytes, compute_time
 from .program import Const, Eqn, Value
 from .sharding import Sharding
+
 
 @dataclasses.dataclass
 class Choice:
@@ -29,6 +30,7 @@ class Choice:
     cost: float
     ring: Optional[CM.Ring] = None  # a collective matmul in place of the plan's all-gather or reduce-scatter
     note: str = ""  # why the choice holds a split dim whole, where it does
+    peak: int = 0  # bytes per device its operands (as it needs them) and results (as it makes them) occupy
 
 
 def _merge_fs(dims_fs: Sequence[Optional[F.FactorSharding]]) -> F.FactorSharding:
@@ -137,20 +139,31 @@ class Strategy:
             for v, m, p in zip(eqn.outvars, made, planned):
                 cost += self.reshard_time(m, p, v.shape, v.dtype)
             cost += sum(c.time(self.profile) for c in hook) + self._compute(rule, fs)
-            if best is None or (best_whole and not whole) or cost < best.cost - 1e-15:
-                best, best_whole = Choice(fs, need, made, cost), whole
+            peak = self._peak(eqn, need, made)
+            # Fewer split dims held whole first (where memory matters), then time, then the bytes it holds.
+            if best is None or (best_whole and not whole) or (whole == best_whole and (
+                    cost < best.cost - 1e-15 or (cost <= best.cost + 1e-15 and peak < best.peak))):
+                best, best_whole = Choice(fs, need, made, cost, peak=peak), whole
         if best is None:  # the all-replicated candidate always exists unless a rule is inexpressible
             raise AssertionError(f"no valid factor sharding for {eqn.name} {rule.signature()}")
         if rule.rings and self.collective_matmul != "off":
             return self._ring(eqn, rule, have, planned, best)
+        held = f" ({_fmt_bytes(best.peak)} per device)"
         if best_whole:
-            best.note = ("a split windowed dim is held whole: no factor sharding from the operands and the plan "
-                         "keeps it split with a halo exchange (rows that cannot split over those axes, or a "
-                         "base-dilated input whose shards start out of phase)")
+            best.note = (f"a split windowed dim is held whole{held}: no factor sharding from the operands and the "
+                         f"plan keeps it split with a halo exchange (rows that cannot split over those axes, or a "
+                         f"base-dilated input whose shards start out of phase)")
         elif rule.ties and not keep_split and _materialises_split_dim(rule, self._fresh(eqn, have, best.need),
                                                                       best.need, best.made, planned):
-            best.note = "a split windowed dim is held whole: the profile says memory is no concern"
+            best.note = f"a split windowed dim is held whole{held}: the profile says memory is no concern"
         return best
+
+    def _peak(self, eqn: Eqn, need: list[Sharding], made: list[Sharding]) -> int:
+        """Bytes per device the candidate's operands (as it needs them) and results (as it makes them) occupy."""
+        return (sum(math.prod(n.local_shape(x.shape, self.mesh_shape)) * x.aval.dtype.itemsize
+                    for x, n in zip(eqn.invars, need) if len(x.shape))
+                + sum(math.prod(m.local_shape(v.shape, self.mesh_shape)) * v.aval.dtype.itemsize
+                      for v, m in zip(eqn.outvars, made)))
 
     def _fresh(self, eqn: Eqn, have: list[Sharding], need: list[Sharding]) -> list[Sharding]:
         """What each operand has, or what it needs where a reshard to that is already materialised (an

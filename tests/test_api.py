@@ -201,12 +201,14 @@ def test_spec_as_list_of_lists_and_mesh_sizes(rng):
         gs.split(x, 0.0, 8)
 
 
-def test_conflicting_out_sharding_is_an_error(rng):
+def test_an_input_returned_with_another_out_sharding_leaves_resharded(rng):
+    """As jax.jit takes it (tests/test_passthrough_outputs.py has more cases)."""
     mesh = gs.make_mesh({"x": 8})
     x = randn(rng, 8)
     assert_close(gs.partition(lambda v: v, mesh, out_shardings=("x",))(x), x)
-    with pytest.raises(ValueError, match="conflicts with the sharding this output already has"):
-        gs.partition(lambda v: v, mesh, in_shardings=((None,),), out_shardings=("x",))(x)
+    y = gs.partition(lambda v: v, mesh, in_shardings=((None,),), out_shardings=("x",))(x)
+    assert_close(y, x)
+    assert y.sharding.spec == jax.sharding.PartitionSpec("x")
 
 
 def test_the_stated_reason_for_replication_is_the_real_one():

@@ -96,4 +96,6 @@ def test_a_profile_without_memory_concerns_may_gather_small_activations():
     assert "all-gather" in _kinds(stats)
     assert_report_matches_hlo(gs.explain(fn, mesh, *args, profile=roomy), stats)
     (row,) = [r for r in gs.explain(fn, mesh, *args, profile=roomy).rows if r.primitive == "conv_general_dilated"]
-    assert "held whole: the profile says memory is no concern" in row.strategy
+    # The row says what it holds: the whole 16x16x4 input and output (4 KiB each) and the 576-byte kernel.
+    assert f"held whole ({(2 * 4096 + 576) / 1024:.1f}KiB per device): the profile says memory is no concern" \
+        in row.strategy
