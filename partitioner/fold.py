@@ -184,6 +184,13 @@ def static_slices(program: Program) -> Program:
     return program
 
 
+def _constant(e: Eqn) -> bool:
+    """A broadcast literal or an iota: free to make in whatever layout each use wants, so never merged (one
+    merged constant would take one use's split and be re-laid for the others: optax's lamb and adafactor
+    broadcast the same ones for every parameter of a shape, row- and column-split alike)."""
+    return e.name in ("broadcast_in_dim", "iota") and not any(isinstance(x, Value) for x in e.invars)
+
+
 def merge_common(program: Program) -> Program:
     """The program with repeated computations merged (in place; each sub-program on its own)."""
     def visit(p: Program, rename: dict, merge: bool) -> None:
@@ -193,7 +200,7 @@ def merge_common(program: Program) -> Program:
             e.invars = [rename.get(x, x) if isinstance(x, Value) else x for x in e.invars]
             for sub in e.subs.values():  # a checkpointed region keeps its recomputation: nothing merged in it
                 visit(sub, rename, merge and e.name != "remat2")
-            if not merge or e.subs or any(word in e.name for word in _NEVER_MERGED):
+            if not merge or e.subs or any(word in e.name for word in _NEVER_MERGED) or _constant(e):
                 kept.append(e)
                 continue
             try:

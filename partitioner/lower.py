@@ -157,8 +157,9 @@ class Lowering(Strategy):
         key = (v, dst)
         if key not in self._cache:
             # Another value may hold the very same local array (an op that is the identity on this device's
-            # block): its reshard is reused, as XLA would merge the two.
-            same = self._cache.get(("array", id(x), src, dst))
+            # block) of the same global shape: its reshard is reused, as XLA would merge the two (a different
+            # global shape pads or cuts differently).
+            same = self._cache.get(("array", id(x), src, dst, tuple(v.shape)))
             if same is not None and same[0] is x:
                 self._cache[key] = same[1]
             else:
@@ -174,7 +175,7 @@ class Lowering(Strategy):
                             self._cache[(v, st.after)] = done
                     y = done
                 self._cache[key] = y
-                self._cache[("array", id(x), src, dst)] = (x, y)
+                self._cache[("array", id(x), src, dst, tuple(v.shape))] = (x, y)
             self._resharded.setdefault(v, set()).add(dst)
         return self._cache[key], dst
 

@@ -5,7 +5,7 @@ import numpy as np
 from jax import lax
 
 import gshard_jax as gs
-from helpers import assert_report_matches_hlo, hlo_stats
+from helpers import assert_report_matches_hlo, hlo_counts, hlo_stats
 
 M222 = {"a": 2, "b": 2, "c": 2}
 M24 = {"a": 2, "b": 4}
@@ -75,3 +75,37 @@ def test_concatenate_and_uneven_split_slice():  # once hung: two all-gathers wit
 def test_per_output_spec_tuples_for_two_outputs():
     same(lambda a, b: (a * 2, b + 1), {"x": 8}, np.arange(16.0), np.arange(8.0), out_shardings=(("x",), ("x",)),
          in_shardings=(("x",), ("x",)))
+
+
+def test_a_constant_shared_by_differently_split_values_is_not_re_laid():
+    """Two uses of the same broadcast constant, one row- and one column-split (optax's lamb and adafactor do
+    this for every parameter of a shape): each makes its own, so nothing moves."""
+    mesh = gs.make_mesh({"data": 2, "model": 4})
+    a, b = np.ones((8, 8), np.float32), np.ones((8, 8), np.float32)
+
+    def fn(a, b):
+        a, b = gs.shard(a, ("model", None)), gs.shard(b, (None, "model"))
+        return gs.shard(jnp.where(a > 0, jnp.ones_like(a), a), ("model", None)), \
+            gs.shard(jnp.where(b > 0, jnp.ones_like(b), b), (None, "model"))
+
+    f = gs.partition(fn, mesh)
+    for got, want in zip(f(a, b), fn(a, b)):
+        np.testing.assert_array_equal(got, want)
+    assert hlo_counts(f, a, b) == {}
+
+
+def test_an_identity_slice_of_another_global_shape_is_resharded_on_its_own():
+    """Random program 100418: a slice that is the identity on a device's block holds the same local array as
+    its operand; their reshards (to leave the program) pad and cut to different global shapes."""
+    mesh = gs.make_mesh({"a": 4, "b": 2})
+
+    def fn(x):
+        v10 = gs.shard(jnp.logical_not(gs.shard(x, (None, "a"))), (None, "b"))
+        v12 = gs.shard(jnp.roll(v10, -5, axis=1), (None, ("b", "a")))
+        return v12[:, :3], v10
+
+    x = np.random.default_rng(0).random((1, 7)) < 0.5
+    got, want = gs.partition(fn, mesh)(x), jax.jit(fn)(x)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_array_equal(g, w)
