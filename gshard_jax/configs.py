@@ -15,6 +15,7 @@ import importlib.util
 import os
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -50,6 +51,9 @@ def train_defaults() -> ConfigDict:
         async_checkpoints=True,  # write checkpoints in the background
         goldfish_k=0,  # goldfish loss: drop ~1/k of target tokens from the loss (0 or 1: off; AxoNN uses 2)
         goldfish_h=13,  # goldfish loss: tokens of context hashed to choose the dropped ones
+        zero_stage=0,  # sharded state over the data-parallel axes: 0 none, 1 optimizer state, 2 + gradients, 3 + params
+        epso=True,  # zero_stage >= 1 with an expert axis: non-expert states over data x expert (seed 001's EPSO)
+        microbatches=1,  # gradient accumulation: the batch split into this many microbatches, one update
     ))
 
 
@@ -64,13 +68,27 @@ def data_defaults() -> ConfigDict:
     ))
 
 
+def mesh_defaults() -> ConfigDict:
+    """The mesh section: axis sizes, outermost first (one may be -1: the devices the others leave); axes of
+    size 1 are left out of the mesh. The models' rules table (model.rules) says what each axis splits."""
+    return ConfigDict(dict(
+        stage=1,  # pipeline stages (reserved: a stage axis > 1 needs the pipeline, not built yet)
+        data=1,  # data parallelism: the batch split, weights replicated (their states sharded under ZeRO)
+        z=1,  # AxoNN's depth axis: the batch split and weights stored split, gathered per layer (FSDP)
+        expert=1,  # expert parallelism: experts split, and the batch with them outside MoE layers
+        y=1,  # tensor axis: heads, FFN units and vocabulary (alone: Megatron's column-then-row layout)
+        x=1,  # tensor axis: the model width (with y: AxoNN's 3D layout, ordinary and transposed layers)
+        model=1,  # another name for y, kept for older configs
+    ))
+
+
 def skeleton(model: ConfigDict, mesh: dict, **train: Any) -> ConfigDict:
     """A full experiment config around a model section."""
     cfg = ConfigDict()
     cfg.model = model
     cfg.train = train_defaults()
     cfg.train.update(train)
-    cfg.mesh = ConfigDict(dict(data=1, expert=1, model=1))  # mesh axis sizes (one may be -1: the rest)
+    cfg.mesh = mesh_defaults()
     cfg.mesh.update(mesh)
     cfg.data = data_defaults()
     cfg.debug = ConfigDict(dict(nan_at_step=-1))  # poison the loss of this step (1-based) with NaN (-1: never)
@@ -92,7 +110,7 @@ def moe_section(num_experts: int = 0, d_ff: int = 0, activation: str = "relu", k
 
 def model_section(kind: str, moe: ConfigDict, **kw: Any) -> ConfigDict:
     """model: architecture ("decoder_lm" or "encoder_decoder") and sizes; see TransformerConfig's fields."""
-    base = {f.name: f.default for f in dataclasses.fields(TransformerConfig) if f.name not in ("moe", "rules")}
+    base = {f.name: f.default for f in dataclasses.fields(TransformerConfig) if f.name != "moe"}
     sec = ConfigDict(dict(kind=kind, **base))
     sec.update(kw)
     sec.moe = moe
@@ -132,6 +150,8 @@ def transformer_config(model: ConfigDict) -> TransformerConfig:
     m = model.to_dict() if isinstance(model, ConfigDict) else dict(model)
     moe = m.pop("moe")
     m.pop("kind")
+    if "rules" in m:  # a table read back from JSON has lists where the config had tuples
+        m["rules"] = tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in m["rules"])
     known = {f.name for f in dataclasses.fields(TransformerConfig)}
     unknown = sorted(set(m) - known)
     if unknown:
@@ -171,7 +191,7 @@ EXPERT_WEIGHTS = ("wi", "wi_gate", "wi_up", "wo")
 def count_params(model: ConfigDict) -> dict:
     """Total parameters and parameters active per token, from shapes alone (jax.eval_shape: nothing allocated)."""
     module = build_model(model)
-    shapes = jax.eval_shape(module.init, jax.random.key(0), *example_inputs(model))
+    shapes = nn.unbox(jax.eval_shape(module.init, jax.random.key(0), *example_inputs(model)))
     total = active = 0
     cfg = module.cfg
     for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:

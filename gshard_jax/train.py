@@ -17,6 +17,7 @@ import os
 import time
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -27,12 +28,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import gshard_jax as gs
 
 from . import configs, data, metrics, optim
+from . import state as sharded
 from .checkpoints import Checkpoints
 from .models.sharding import axes_of, mesh_spec
 from .models.transformer import loss_fn
 
 log = logging.getLogger("gshard_jax")
 NAN_POLICIES = ("halt", "skip")
+METRICS = ("cross_entropy", "aux_loss", "z_loss", "dropped", "router_confidence")  # per step, from loss_fn
 
 
 class NonFiniteStep(RuntimeError):
@@ -60,6 +63,12 @@ def init_devices(cpu_devices: int = 0, coordinator: str = "", num_processes: int
 def mesh_for(cfg: ml_collections.ConfigDict) -> jax.sharding.Mesh:
     """The config's mesh over all devices; axes of size 1 are left out (at least `data` stays)."""
     sizes = dict(cfg.mesh)
+    if sizes.get("stage", 1) != 1:
+        raise ValueError(f"mesh.stage={sizes['stage']}: pipeline stages are not available yet; set "
+                         f"--config.mesh.stage=1")
+    if sizes.get("model", 1) != 1 and sizes.get("y", 1) != 1:
+        raise ValueError(f"mesh.model={sizes['model']} and mesh.y={sizes['y']}: `model` is another name for "
+                         f"`y`; set one of them")
     n = jax.device_count()
     known = math.prod(s for s in sizes.values() if s != -1)
     sizes = {k: (n // known if s == -1 else s) for k, s in sizes.items()}
@@ -68,7 +77,7 @@ def mesh_for(cfg: ml_collections.ConfigDict) -> jax.sharding.Mesh:
         raise ValueError(f"mesh {dict(cfg.mesh)} needs {math.prod(kept.values())} devices but {n} are present "
                          f"({jax.default_backend()}); pass --cpu-devices {math.prod(kept.values())} to simulate "
                          f"them on a CPU, or override the mesh (e.g. --config.mesh.data={n} "
-                         f"--config.mesh.expert=1 --config.mesh.model=1)")
+                         f"--config.mesh.expert=1 --config.mesh.y=1)")
     return gs.make_mesh(kept)
 
 
@@ -92,37 +101,100 @@ class Trainer:
         batch_spec = mesh_spec(("batch", None), self.model.cfg.rules, self.mesh.axis_names)
         self.batch_sharding = NamedSharding(self.mesh, P(*batch_spec))
         shards = math.prod(self.mesh.shape[a] for a in axes_of(batch_spec[0]))
-        if t.batch_size % shards or t.batch_size % jax.process_count():
-            raise ValueError(f"train.batch_size={t.batch_size} must divide by the {shards} batch shards of mesh "
-                             f"{dict(self.mesh.shape)} and by the {jax.process_count()} processes")
-        self.step_fn = gs.partition(self.train_step, self.mesh)
-        self.eval_fn = gs.partition(self.eval_step, self.mesh)
-        self.init_fn = gs.partition(self.init_state, self.mesh)
+        if t.microbatches < 1 or t.batch_size % t.microbatches:
+            raise ValueError(f"train.microbatches={t.microbatches} must be a positive divisor of "
+                             f"train.batch_size={t.batch_size}")
+        if (t.batch_size // t.microbatches) % shards or t.batch_size % jax.process_count():
+            raise ValueError(f"train.batch_size={t.batch_size} over train.microbatches={t.microbatches} must "
+                             f"divide by the {shards} batch shards of mesh {dict(self.mesh.shape)}, and the "
+                             f"batch by the {jax.process_count()} processes")
+        example = configs.example_inputs(cfg.model, 1, t.seq_len)
+        self.layout, self.param_shapes = sharded.of_model(self.model, example, dict(self.mesh.shape),
+                                                          t.zero_stage, t.epso)
+        # bf16 models keep bf16 params (forward, backward and gradient collectives in bf16) and float32
+        # master weights beside AdamW's moments in the optimizer state (seed 001's 16 bytes per parameter).
+        self.mixed = self.model.cfg.compute_dtype != jnp.float32
+        opt_specs = sharded.optimizer_specs(self.opt, jax.eval_shape(self.opt.init, self.param_shapes),
+                                            self.layout.optimizer)
+        if self.mixed:
+            opt_specs = {"master": self.layout.optimizer, "adam": opt_specs}
+        self.state_specs = {"params": self.layout.stored, "opt_state": opt_specs, "step": P()}
+        self.batch_spec = P(*batch_spec)
+        self.step_fn = self.partitioned("train")
+        self.eval_fn = self.partitioned("eval")
+        self.init_fn = self.partitioned("init")
+
+    def partitioned(self, which: str, backend: str = "gshard", **kw):
+        """The train, eval or init step partitioned on the mesh with the state's shardings fixed."""
+        fn, ins, outs = {"train": (self.train_step, (self.state_specs, self.batch_spec), (self.state_specs, None)),
+                         "eval": (self.eval_step, (self.layout.stored, self.batch_spec), None),
+                         "init": (self.init_state, None, self.state_specs)}[which]
+        return gs.partition(fn, self.mesh, in_shardings=ins, out_shardings=outs, backend=backend, **kw)
 
     # ------------------------------------------------------------------ the partitioned functions
     def init_state(self, key: jax.Array) -> dict:
-        params = self.model.init(key, *configs.example_inputs(self.cfg.model, 1, self.cfg.train.seq_len))
-        return {"params": params, "opt_state": self.opt.init(params), "step": jnp.zeros([], jnp.int32)}
+        params = nn.unbox(self.model.init(key, *configs.example_inputs(self.cfg.model, 1, self.cfg.train.seq_len)))
+        opt_state = self.opt.init(params)
+        if self.mixed:
+            opt_state = {"master": params, "adam": opt_state}
+            params = jax.tree.map(lambda p: p.astype(self.model.cfg.compute_dtype), params)
+        return {"params": params, "opt_state": opt_state, "step": jnp.zeros([], jnp.int32)}
+
+    def gradients(self, params: Any, batch: dict, step: jax.Array) -> tuple[jax.Array, dict, Any]:
+        """(loss, metrics, float32 gradients reduced to the layout's gradient spec), summed over
+        train.microbatches in a scan (the accumulator sharded as the optimizer state from zero_stage 2 on)."""
+        t, lo = self.cfg.train, self.layout
+        poison = jnp.where(step == self.cfg.debug.nan_at_step, jnp.nan, 1.0)
+        rng = jax.random.fold_in(jax.random.key(t.seed), step)
+
+        def loss(p, b, key):
+            value, m = loss_fn(self.model, p, b, key)
+            return value * poison, {k: m[k] for k in METRICS}
+
+        def one(b, key, specs):
+            (value, m), g = jax.value_and_grad(loss, has_aux=True)(params, b, key)
+            g = sharded.constrain(g, specs)
+            return value, m, jax.tree.map(lambda x: x.astype(jnp.float32), g)
+
+        k = t.microbatches
+        if k == 1:
+            return one(batch, rng, lo.gradients)
+        # Rows i, i + k, ... form microbatch i: each device's rows split evenly, with no data movement.
+        micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
+        acc_specs = lo.gradients if t.zero_stage >= 2 else lo.stored
+
+        def body(acc, xs):
+            i, b = xs
+            out = one(b, jax.random.fold_in(rng, i), acc_specs)
+            return jax.tree.map(jnp.add, acc, out), None
+
+        zeros = (jnp.zeros([], jnp.float32), {n: jnp.zeros([], jnp.float32) for n in METRICS},
+                 sharded.constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), acc_specs))
+        total, _ = jax.lax.scan(body, zeros, (jnp.arange(k), micro))
+        value, m, g = jax.tree.map(lambda x: x / k, total)
+        return value, m, sharded.constrain(g, lo.gradients)
 
     def train_step(self, state: dict, batch: dict) -> tuple[dict, dict]:
-        t, step = self.cfg.train, state["step"] + 1
+        t, lo, step = self.cfg.train, self.layout, state["step"] + 1
         if t.goldfish_k > 1:
             batch = dict(batch, weights=optim.goldfish_weights(batch["inputs"], t.goldfish_k, t.goldfish_h))
-        poison = jnp.where(step == self.cfg.debug.nan_at_step, jnp.nan, 1.0)
-
-        def loss(params):
-            value, m = loss_fn(self.model, params, batch, jax.random.fold_in(jax.random.key(t.seed), step))
-            return value * poison, m
-
-        (value, m), grads = jax.value_and_grad(loss, has_aux=True)(state["params"])
+        value, m, grads = self.gradients(state["params"], batch, step)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = self.opt.update(grads, state["opt_state"], state["params"])
-        new = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state, "step": step}
+        if self.mixed:
+            master, inner = state["opt_state"]["master"], state["opt_state"]["adam"]
+            updates, inner = self.opt.update(grads, inner, master)
+            master = optax.apply_updates(master, updates)
+            params = jax.tree.map(lambda p: p.astype(self.model.cfg.compute_dtype), master)
+            opt_state = {"master": master, "adam": inner}
+        else:
+            held = sharded.constrain(state["params"], lo.optimizer)  # this device's slice: no communication
+            updates, opt_state = self.opt.update(grads, state["opt_state"], held)
+            params = optax.apply_updates(held, updates)
+        new = {"params": sharded.constrain(params, lo.stored), "opt_state": opt_state, "step": step}
         ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
         if t.nan_policy == "skip":
             new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, dict(state, step=step))
-        out = {"loss": value, "grad_norm": grad_norm, "learning_rate": self.schedule(step - 1), "finite": ok,
-               **{k: m[k] for k in ("cross_entropy", "aux_loss", "z_loss", "dropped", "router_confidence")}}
+        out = {"loss": value, "grad_norm": grad_norm, "learning_rate": self.schedule(step - 1), "finite": ok, **m}
         return new, out
 
     def eval_step(self, params: Any, batch: dict) -> jax.Array:

@@ -23,17 +23,21 @@ def _init(fan_in_axes: tuple[int, ...]):
 
 def weight(module: nn.Module, name: str, shape: tuple[int, ...], logical: tuple, rules: Rules, dtype,
            fan_in_axes: tuple[int, ...] = (0,)) -> jax.Array:
-    """A float32 param, cast to the compute dtype and annotated with its logical axes."""
-    w = module.param(name, _init(fan_in_axes), shape, jnp.float32)
+    """A float32 param (its logical axes recorded for the state's shardings), cast to the compute dtype and
+    annotated with its logical axes where it is used."""
+    w = module.param(name, nn.with_logical_partitioning(_init(fan_in_axes), logical), shape, jnp.float32)
     return constrain(w.astype(dtype), logical, rules)
 
 
 def norm(kind: str, name: str, dtype) -> nn.Module:
-    """Flax's RMSNorm (OLMo, Mula) or LayerNorm (GShard's Transformer)."""
+    """Flax's RMSNorm (OLMo, Mula) or LayerNorm (GShard's Transformer); scale and bias are `embed`-named, so
+    where the feature dim is split their statistics are reduced across its shards."""
+    scale = nn.with_logical_partitioning(nn.initializers.ones, ("embed",))
     if kind == "rmsnorm":
-        return nn.RMSNorm(epsilon=1e-6, dtype=dtype, param_dtype=jnp.float32, name=name)
+        return nn.RMSNorm(epsilon=1e-6, dtype=dtype, param_dtype=jnp.float32, scale_init=scale, name=name)
     if kind == "layernorm":
-        return nn.LayerNorm(epsilon=1e-6, dtype=dtype, param_dtype=jnp.float32, name=name)
+        return nn.LayerNorm(epsilon=1e-6, dtype=dtype, param_dtype=jnp.float32, scale_init=scale,
+                            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), name=name)
     raise ValueError(f"norm={kind!r}; expected 'rmsnorm' or 'layernorm'")
 
 
@@ -62,7 +66,9 @@ class Embed(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     def setup(self):
-        self.table = self.param("embedding", nn.initializers.normal(1.0), (self.vocab, self.d_model), jnp.float32)
+        self.table = self.param("embedding", nn.with_logical_partitioning(nn.initializers.normal(1.0),
+                                                                          ("vocab", "embed")),
+                                (self.vocab, self.d_model), jnp.float32)
 
     def __call__(self, tokens_BL: jax.Array) -> jax.Array:
         table_VD = constrain(self.table.astype(self.dtype), ("vocab", "embed"), self.rules)

@@ -90,7 +90,8 @@ class Router(nn.Module):
         x = x_GSM.astype(jnp.float32)
         if train and self.jitter > 0:
             x = x * jax.random.uniform(self.make_rng("gating"), x.shape, jnp.float32, 1 - self.jitter, 1 + self.jitter)
-        kernel_ME = self.param("kernel", nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
+        kernel_ME = self.param("kernel", nn.with_logical_partitioning(
+            nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"), ("embed", None)),
                                (x.shape[-1], self.num_experts), jnp.float32)
         logits = jnp.einsum("GSM,ME->GSE", x, kernel_ME)
         if self.logit_cap is not None:
@@ -114,7 +115,8 @@ class MoeFFN(nn.Module):
         w = {}
         for n in names:
             shape, logical = ((E, F, M), ("expert", "mlp", "embed")) if n == "wo" else ((E, M, F), ("expert", "embed", "mlp"))
-            w[n] = constrain(self.param(n, _kernel_init(1), shape, jnp.float32).astype(self.dtype), logical, self.rules)
+            init = nn.with_logical_partitioning(_kernel_init(1), logical)
+            w[n] = constrain(self.param(n, init, shape, jnp.float32).astype(self.dtype), logical, self.rules)
         return w
 
     @nn.compact

@@ -27,6 +27,29 @@ source_info_util.register_exclusion(__file__)
 MeshAxes = Union[None, str, tuple[str, ...]]
 Rules = Sequence[tuple[str, MeshAxes]]
 
+# Logical axis -> mesh axes, in priority order (Flax's convention: the first rule whose mesh axes are all
+# still free wins, so "expert" precedes "group" and the dispatched [E, G, C, M] splits G over what E leaves).
+# One table serves every layout: axes a mesh lacks (or has of size 1) drop out, so the same entries give data
+# and expert parallelism, Megatron (y alone), AxoNN's 3D layout (x, y, z) and any mix (docs/models.md has
+# the table of combinations). `model` is another name for `y`. Where weights are *stored* is not here:
+# z, and the data axes under ZeRO-3, are storage axes added by gshard_jax/state.py.
+DEFAULT_RULES: Rules = (
+    # activations
+    ("batch", ("data", "z", "expert")),  # the batch: over every data-parallel axis (z is FSDP's depth axis)
+    ("expert", "expert"),  # the experts of an MoE layer, and their weights' E dim
+    ("group", ("data", "z", "expert")),  # MoE routing groups before dispatch (tokens as the batch is)
+    ("group", ("data", "z")),  # ... and after dispatch, where E holds the expert axis
+    ("length", None),  # sequence positions (not split)
+    # features: ordinary layers map embed -> heads/mlp/vocab (in over x, out over y), transposed layers the
+    # other way, so the residual stream stays [batch, length, embed over x] between layers with no reshard
+    ("embed", "x"),  # model width D: activations and weights (AxoNN's x)
+    ("heads", ("y", "model")),  # attention heads (Megatron's column split; AxoNN's y)
+    ("kv", None),  # per-head dim
+    ("mlp", ("y", "model")),  # FFN hidden units
+    ("vocab", ("y", "model")),  # vocabulary of the embedding table and the LM head
+    ("layers", None),  # the stacked-layers dim of scanned params
+)
+
 
 def for_mesh(rules: Rules, mesh_axes: Optional[Sequence[str]]) -> tuple[tuple[str, MeshAxes], ...]:
     """`rules` with the mesh axes `mesh_axes` lacks removed, so one table serves every mesh shape."""

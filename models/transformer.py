@@ -19,22 +19,7 @@ import jax.numpy as jnp
 
 from . import layers
 from .moe import MoeConfig, MoeFFN
-from .sharding import Rules, constrain
-
-# Logical axis -> mesh axes, in priority order (Flax's convention: the first rule whose mesh axes are still
-# free wins, so "expert" precedes "group" and the dispatched [E, G, C, M] splits G over what E leaves).
-DEFAULT_RULES: Rules = (
-    ("batch", ("data", "expert")),
-    ("expert", "expert"),
-    ("group", ("data", "expert")),
-    ("group", "data"),
-    ("length", None),
-    ("embed", None),
-    ("heads", "model"),
-    ("kv", None),
-    ("mlp", "model"),
-    ("vocab", "model"),
-)
+from .sharding import DEFAULT_RULES, Rules, constrain
 
 REMAT_POLICIES = {
     "none": None,  # no checkpointing
@@ -164,7 +149,8 @@ class Stack(nn.Module):
         n = self.num_layers // c.period
         if c.scan:
             scanned = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True, "gating": True},
-                              in_axes=(nn.broadcast, nn.broadcast), length=n)
+                              in_axes=(nn.broadcast, nn.broadcast), length=n,
+                              metadata_params={nn.PARTITION_NAME: "layers"})
             carry, _ = scanned(c, self.causal, self.cross, self.train, name="layers")(carry, enc_BTD, enc_mask_BT)
         else:
             for i in range(n):

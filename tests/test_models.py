@@ -4,6 +4,7 @@ fallback and explain() equal to the compiled HLO."""
 import dataclasses
 import os
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +35,7 @@ def model_and_batch(name, **overrides):
         params = model.init(jax.random.key(2), batch["source"], batch["inputs"])
     else:
         params = model.init(jax.random.key(2), batch["inputs"])
-    return model, params, batch
+    return model, nn.unbox(params), batch  # the arrays; their logical axes are what gshard_jax.state reads
 
 
 def mesh_of(name):

@@ -2,6 +2,7 @@
 faithfully with the collectives GShard predicts."""
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +23,7 @@ def layer(rng_seed=1, shape=(4, 16, 24), **kw):
     cfg = MoeConfig(num_experts=8, d_ff=32, gating=kw.pop("gating", AMPLE), **kw)
     m = MoeFFN(cfg, RULES)
     x = jax.random.normal(jax.random.key(0), shape)
-    return m, m.init(jax.random.key(rng_seed), x), x
+    return m, nn.unbox(m.init(jax.random.key(rng_seed), x)), x
 
 
 def loss(m):
