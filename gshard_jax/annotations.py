@@ -11,6 +11,7 @@ so cotangents keep the annotation.
 from __future__ import annotations
 
 import contextlib
+import functools
 import contextvars
 import itertools
 import math
@@ -27,27 +28,28 @@ from .partitioner.sharding import Sharding
 # --------------------------------------------------------------------------- the primitive
 
 sharding_annotation_p = core.Primitive("sharding_annotation")
-sharding_annotation_p.def_impl(lambda x, *, sharding, what: x)
-sharding_annotation_p.def_abstract_eval(lambda x, *, sharding, what: x)
-mlir.register_lowering(sharding_annotation_p, lambda ctx, x, *, sharding, what: [x])
+sharding_annotation_p.def_impl(lambda x, **_: x)
+sharding_annotation_p.def_abstract_eval(lambda x, **_: x)
+mlir.register_lowering(sharding_annotation_p, lambda ctx, x, **_: [x])
 
 
-def _transpose(ct, x, *, sharding, what):
-    if type(ct) is ad.Zero:
+def _transpose(ct, x, *, sharding, what, grad=True):
+    """The cotangent is annotated the same way, unless the annotation is forward-only (grad=False)."""
+    if type(ct) is ad.Zero or not grad:
         return [ct]
-    return [sharding_annotation_p.bind(ct, sharding=sharding, what=what)]
+    return [sharding_annotation_p.bind(ct, sharding=sharding, what=what, grad=grad)]
 
 
 ad.deflinear2(sharding_annotation_p, _transpose)
 
 
-def _batch(args, dims, *, sharding, what):
+def _batch(args, dims, *, sharding, what, grad=True):
     (x,), (d,) = args, dims
     if d is batching.not_mapped:
-        return sharding_annotation_p.bind(x, sharding=sharding, what=what), d
+        return sharding_annotation_p.bind(x, sharding=sharding, what=what, grad=grad), d
     dims_ = list(sharding.dims)
     dims_.insert(d, ())
-    return sharding_annotation_p.bind(x, sharding=Sharding(tuple(dims_)), what=what), d
+    return sharding_annotation_p.bind(x, sharding=Sharding(tuple(dims_)), what=what, grad=grad), d
 
 
 batching.primitive_batchers[sharding_annotation_p] = _batch
@@ -73,15 +75,25 @@ def current_mesh() -> "Mesh | None":
     return None if ctx is None else ctx[0]
 
 
-def _annotate(x, resolve, what: str):
+def _annotate(x, resolve, what: str, grad: bool = True):
     ctx = _ACTIVE.get()
     if ctx is None:
         return x
     mesh, backend = ctx
     sharding = resolve(mesh)
     if backend == "xla":
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, sharding.spec()))
-    return sharding_annotation_p.bind(x, sharding=sharding, what=what)
+        named = NamedSharding(mesh, sharding.spec())
+        return jax.lax.with_sharding_constraint(x, named) if grad else _forward_only(x, named)
+    return sharding_annotation_p.bind(x, sharding=sharding, what=what, grad=grad)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _forward_only(x, named):
+    """XLA's sharding constraint on x, none on its cotangent."""
+    return jax.lax.with_sharding_constraint(x, named)
+
+
+_forward_only.defvjp(lambda x, named: (_forward_only(x, named), None), lambda named, _, ct: (ct,))
 
 
 def _rank(x) -> int:
@@ -140,13 +152,16 @@ def axes_for(mesh: Mesh, n: int, what: str = "split") -> tuple[str, ...]:
 SpecLike = Union[PartitionSpec, Sequence[Union[None, str, Sequence[str]]]]
 
 
-def shard(x, device_assignment_or_spec: Union[np.ndarray, SpecLike]):
+def shard(x, device_assignment_or_spec: Union[np.ndarray, SpecLike], grad: bool = True):
     """Annotate `x` with a tile-to-device assignment (GShard A.3) or a spec of mesh axis names.
 
     - an integer array with one entry per tile (rank of x, or rank+1 with a
       trailing replication dim) naming the device id that holds the tile;
     - a PartitionSpec or tuple with, per dim, None, a mesh axis name, or a
       tuple of names (major to minor).
+
+    grad=False annotates only the forward value: its cotangent is left to propagation (a weight used
+    gathered whose gradient should be reduce-scattered, not all-reduced, to where the weight is stored).
     """
     rank = _rank(x)
     arg = device_assignment_or_spec
@@ -164,7 +179,7 @@ def shard(x, device_assignment_or_spec: Union[np.ndarray, SpecLike]):
                              f"(shape {assignment.shape}) but x has rank {rank} (shape {tuple(np.shape(x))}); "
                              f"expected rank {rank}, or {rank + 1} with a trailing replication dim")
         what = f"shard(device_assignment shape {assignment.shape})"
-        return _annotate(x, lambda mesh: from_device_assignment(mesh, assignment, rank), what)
+        return _annotate(x, lambda mesh: from_device_assignment(mesh, assignment, rank), what, grad)
     spec = tuple(tuple(a) if isinstance(a, list) else a for a in arg)
     if len(spec) > rank:
         raise ValueError(f"shard(x, {spec!r}): the spec has {len(spec)} entries but x has rank {rank} "
@@ -177,7 +192,7 @@ def shard(x, device_assignment_or_spec: Union[np.ndarray, SpecLike]):
     def resolve(mesh: Mesh) -> Sharding:
         return Sharding.from_spec(check_spec(spec, mesh, what), rank)
 
-    return _annotate(x, resolve, what)
+    return _annotate(x, resolve, what, grad)
 
 
 def check_spec(spec: tuple, mesh: Mesh, what: str) -> tuple:

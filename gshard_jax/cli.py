@@ -70,7 +70,7 @@ def _explain(args: argparse.Namespace) -> int:
     import gshard_jax as gs
     from . import train
     trainer, state, batch = train.first_step(cfg, args.workdir)
-    report = gs.explain(trainer.train_step, trainer.mesh, state, batch)
+    report = trainer.explain(state, batch)
     print(report.to_json() if args.json else (report.table() if args.table else report))
     return 0
 

@@ -22,7 +22,7 @@ def train_step(cfg: ml_collections.ConfigDict, workdir: str, steps: int = 5) -> 
     ref = float(jax.jit(trainer.train_step)(state, batch)[1]["loss"])
     compiled = {}
     for backend in ("gshard", "xla"):
-        compiled[backend] = gs.partition(trainer.train_step, trainer.mesh, backend=backend).lower(state, batch).compile()
+        compiled[backend] = trainer.partitioned("train", backend).lower(state, batch).compile()
     median_s = median_times({b: functools.partial(c, state, batch) for b, c in compiled.items()}, steps, warmup=1)
     rows = []
     for b, c in compiled.items():

@@ -131,6 +131,16 @@ class Trainer:
                          "init": (self.init_state, None, self.state_specs)}[which]
         return gs.partition(fn, self.mesh, in_shardings=ins, out_shardings=outs, backend=backend, **kw)
 
+    def explain(self, state: dict, batch: dict, compile: bool = True) -> gs.Report:
+        """The train step's partition report, with argument memory by kind (params, optimizer state, batch)
+        and, when compiled, XLA's memory_analysis()."""
+        ins, outs = (self.state_specs, self.batch_spec), (self.state_specs, None)
+        report = gs.explain(self.train_step, self.mesh, state, batch, in_shardings=ins, out_shardings=outs)
+        report.kind_of = state_kind
+        if compile:
+            report.attach_compiled(self.step_fn.lower(state, batch).compile())
+        return report
+
     # ------------------------------------------------------------------ the partitioned functions
     def init_state(self, key: jax.Array) -> dict:
         params = nn.unbox(self.model.init(key, *configs.example_inputs(self.cfg.model, 1, self.cfg.train.seq_len)))
@@ -216,6 +226,14 @@ class Trainer:
     def evaluate(self, tokens: data.TokenData, params: Any) -> float:
         losses = [self.eval_fn(params, self.batch(tokens, "eval", i)) for i in range(self.cfg.train.eval_batches)]
         return float(np.mean([float(x) for x in losses]))
+
+
+def state_kind(name: str) -> str:
+    """The memory kind of a train step's input, by its name: params, optimizer state, batch or step."""
+    for key, kind in (("['params']", "params"), ("['opt_state']", "optimizer"), ("['step']", "step")):
+        if name.startswith("state" + key):
+            return kind
+    return "batch" if name.startswith("batch") else name.split("[")[0]
 
 
 def prepare_data(cfg: ml_collections.ConfigDict, workdir: str) -> data.TokenData:

@@ -26,7 +26,7 @@ def weight(module: nn.Module, name: str, shape: tuple[int, ...], logical: tuple,
     """A float32 param (its logical axes recorded for the state's shardings), cast to the compute dtype and
     annotated with its logical axes where it is used."""
     w = module.param(name, nn.with_logical_partitioning(_init(fan_in_axes), logical), shape, jnp.float32)
-    return constrain(w.astype(dtype), logical, rules)
+    return constrain(w.astype(dtype), logical, rules, grad=False)
 
 
 def norm(kind: str, name: str, dtype) -> nn.Module:
@@ -71,13 +71,13 @@ class Embed(nn.Module):
                                 (self.vocab, self.d_model), jnp.float32)
 
     def __call__(self, tokens_BL: jax.Array) -> jax.Array:
-        table_VD = constrain(self.table.astype(self.dtype), ("vocab", "embed"), self.rules)
+        table_VD = constrain(self.table.astype(self.dtype), ("vocab", "embed"), self.rules, grad=False)
         return constrain(jnp.take(table_VD, tokens_BL, axis=0), ("batch", "length", "embed"), self.rules)
 
     def attend(self, x_BLD: jax.Array) -> jax.Array:
         """Logits against the table, scaled by 1/sqrt(D) (Mesh TensorFlow / T5): the table's entries have unit
         scale for the input side, so unscaled logits would start with a std of sqrt(D)."""
-        table_VD = constrain(self.table.astype(self.dtype), ("vocab", "embed"), self.rules)
+        table_VD = constrain(self.table.astype(self.dtype), ("vocab", "embed"), self.rules, grad=False)
         return jnp.einsum("BLD,VD->BLV", x_BLD, table_VD) * jnp.asarray(self.d_model ** -0.5, self.dtype)
 
 

@@ -116,7 +116,8 @@ class MoeFFN(nn.Module):
         for n in names:
             shape, logical = ((E, F, M), ("expert", "mlp", "embed")) if n == "wo" else ((E, M, F), ("expert", "embed", "mlp"))
             init = nn.with_logical_partitioning(_kernel_init(1), logical)
-            w[n] = constrain(self.param(n, init, shape, jnp.float32).astype(self.dtype), logical, self.rules)
+            w[n] = constrain(self.param(n, init, shape, jnp.float32).astype(self.dtype), logical, self.rules,
+                             grad=False)
         return w
 
     @nn.compact

@@ -78,12 +78,13 @@ def axes_of(entry: MeshAxes) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def constrain(x: jax.Array, names: Sequence[Optional[str]], rules: Rules) -> jax.Array:
-    """Annotate `x` (one logical name per dim) with the mesh axes the rules give those names."""
+def constrain(x: jax.Array, names: Sequence[Optional[str]], rules: Rules, grad: bool = True) -> jax.Array:
+    """Annotate `x` (one logical name per dim) with the mesh axes the rules give those names (grad=False:
+    the forward value only, as for a weight at its use, whose gradient goes where the weight is stored)."""
     if len(names) != x.ndim:
         raise ValueError(f"constrain: {len(names)} logical names {tuple(names)} for an array of shape "
                          f"{tuple(x.shape)}; expected one name (or None) per dim")
     mesh = gs.annotations.current_mesh()
     if mesh is None:
         return x
-    return gs.shard(x, mesh_spec(names, rules, mesh.axis_names))
+    return gs.shard(x, mesh_spec(names, rules, mesh.axis_names), grad=grad)

@@ -62,13 +62,11 @@ def _group_size(rest: str) -> int:
     return 1
 
 
-def collective_stats(compiled: Any) -> dict:
-    """Per collective kind: count, payload_bytes, moved_bytes (per device) in a compiled function or HLO text.
-
-    `compiled` may be the result of ``jax.jit(f).lower(...).compile()``, or its ``as_text()``.
-    """
+def collectives(compiled: Any) -> list[dict]:
+    """Every collective instruction of a compiled function (or its HLO text): kind, payload bytes per device
+    (a reduce-scatter's input, an all-gather's output), group size, and arrays (a combined one holds several)."""
     text = compiled if isinstance(compiled, str) else compiled.as_text()
-    out = {k: {"count": 0, "payload_bytes": 0, "moved_bytes": 0.0} for k in KINDS}
+    out = []
     for line in text.splitlines():
         m = _INSTR.match(line)
         if not m:
@@ -83,11 +81,22 @@ def collective_stats(compiled: Any) -> dict:
         group = _group_size(rest)
         if kind == "collective-permute":
             group = max(group, 2)
-        payload = sum(sizes) * (group if kind == "reduce-scatter" else 1)
-        t = out[kind]
-        t["count"] += 1 if kind == "all-to-all" else len(sizes)
-        t["payload_bytes"] += payload
-        t["moved_bytes"] += moved_bytes(kind, payload, group)
+        out.append({"kind": kind, "payload_bytes": sum(sizes) * (group if kind == "reduce-scatter" else 1),
+                    "group": group, "arrays": 1 if kind == "all-to-all" else len(sizes)})
+    return out
+
+
+def collective_stats(compiled: Any) -> dict:
+    """Per collective kind: count, payload_bytes, moved_bytes (per device) in a compiled function or HLO text.
+
+    `compiled` may be the result of ``jax.jit(f).lower(...).compile()``, or its ``as_text()``.
+    """
+    out = {k: {"count": 0, "payload_bytes": 0, "moved_bytes": 0.0} for k in KINDS}
+    for c in collectives(compiled):
+        t = out[c["kind"]]
+        t["count"] += c["arrays"]
+        t["payload_bytes"] += c["payload_bytes"]
+        t["moved_bytes"] += moved_bytes(c["kind"], c["payload_bytes"], c["group"])
     return out
 
 

@@ -16,8 +16,11 @@ import collections
 import dataclasses
 import html
 import json
+import math
 import textwrap
-from typing import Optional
+from typing import Any, Callable, Optional
+
+import numpy as np
 
 from .cost import Collective, HardwareProfile, KINDS, _fmt_bytes
 from .sharding import Sharding
@@ -111,6 +114,11 @@ class Row:
                 "trips": self.trips}
 
 
+def _argument(name: str) -> str:
+    """The top-level argument a flat input belongs to: "state['params']['w']" -> "state"."""
+    return name.split("[")[0].split(".")[0]
+
+
 @dataclasses.dataclass
 class Report:
     mesh: dict
@@ -119,6 +127,37 @@ class Report:
     inputs: list[ValueInfo] = dataclasses.field(default_factory=list)
     outputs: list[ValueInfo] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    kind_of: Callable[[str], str] = _argument  # groups inputs into kinds for memory (default: the argument)
+    compiled_memory: Optional[dict] = None  # XLA's memory_analysis() of the compiled program (attach_compiled)
+
+    def argument_bytes(self) -> dict:
+        """Predicted bytes per device of the program's arguments, by kind (and "total"), from the shardings
+        they arrive in: what ``memory_analysis().argument_size_in_bytes`` counts."""
+        out: dict = collections.Counter()
+        for v in self.inputs:
+            local = [-(-n // math.prod(self.mesh.get(a, 1) for a in axes))
+                     for n, axes in zip(v.shape, v.boundary.dims + ((),) * (len(v.shape) - len(v.boundary.dims)))]
+            out[self.kind_of(v.name)] += math.prod(local) * np.dtype(v.dtype).itemsize
+        return dict(out, total=sum(out.values()))
+
+    def attach_compiled(self, compiled: Any) -> "Report":
+        """Record XLA's memory_analysis() of the compiled program this report describes."""
+        m = compiled.memory_analysis()
+        self.compiled_memory = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in MEMORY_FIELDS}
+        return self
+
+    @property
+    def memory(self) -> dict:
+        """{"predicted": argument bytes per device by kind, "compiled": memory_analysis() (or None)}."""
+        return {"predicted": self.argument_bytes(), "compiled": self.compiled_memory}
+
+    def _memory_line(self) -> str:
+        pred = self.argument_bytes()
+        text = "memory per device: arguments " + ", ".join(
+            f"{k} {_fmt_bytes(v)}" for k, v in pred.items() if k != "total") + f" = {_fmt_bytes(pred['total'])}"
+        if self.compiled_memory:
+            text += "; compiled " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in self.compiled_memory.items())
+        return text
 
     @property
     def collectives(self) -> list[Collective]:
@@ -157,6 +196,7 @@ class Report:
             "mesh": self.mesh, "profile": dataclasses.asdict(self.profile),
             "inputs": [v.to_dict() for v in self.inputs], "outputs": [v.to_dict() for v in self.outputs],
             "notes": self.notes, "rows": [r.to_dict() for r in self.rows], "totals": self.totals(),
+            "memory": self.memory,
             "totals_per_call": self.totals(dynamic=True),
             "predicted_comm_time_s": self.comm_time, "predicted_compute_time_s": self.compute_time,
             "fallbacks": [r.index for r in self.fallbacks]}, default=str, **kw)
@@ -212,6 +252,8 @@ class Report:
             lines.append("  no communication")
         lines.append(f"  predicted communication {self.comm_time * 1e6:.3g}us, compute "
                      f"{self.compute_time * 1e6:.3g}us per call; fallbacks: {len(self.fallbacks)}")
+        if self.inputs:
+            lines.append(_fit(self._memory_line(), 2))
         return lines
 
     def _header(self) -> list[str]:
@@ -260,6 +302,7 @@ class Report:
         return "\n".join(lines + self._totals_lines())
 
 
+MEMORY_FIELDS = ("argument", "output", "temp", "alias", "generated_code")  # memory_analysis()'s *_size_in_bytes
 FEW_VALUES = 12  # more inputs (or outputs) than this are summarised by sharding in the compact view
 FEW_ROWS = 10  # more communicating rows than this get a line per source and collectives in the compact view
 
