@@ -67,7 +67,6 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _explain(args: argparse.Namespace) -> int:
     cfg = _setup(args)
-    import gshard_jax as gs
     from . import train
     trainer, state, batch = train.first_step(cfg, args.workdir)
     report = trainer.explain(state, batch)

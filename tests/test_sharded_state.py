@@ -1,0 +1,227 @@
+"""Sharded training state (gshard_jax/state.py): ZeRO stages 0-3, EPSO, AxoNN's x/y/z layout, gradient
+accumulation, bf16 master weights, and memory in explain(), on 8 simulated devices.
+
+Every sharded run is compared with the same train step run unpartitioned (one device, annotations off)."""
+import itertools
+import os
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gshard_jax import configs, train
+from gshard_jax import state as S
+from gshard_jax.checkpoints import Checkpoints
+from gshard_jax.partitioner.hlo import collectives
+from helpers import assert_report_matches_hlo, hlo_stats
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MESHES = {"d8": dict(data=8), "d2e4": dict(data=2, expert=4), "d2z2y2": dict(data=2, z=2, y=2),
+          "x2y2z2": dict(x=2, y=2, z=2)}
+STEPS = 5
+
+
+def make(mesh="d8", dense=False, **train_kw):
+    """A Trainer of a small tiny_moe_lm (2 layers, vocab 256, 16 x 16 tokens) on one of MESHES."""
+    cfg = configs.load(os.path.join(ROOT, "experiments", "tiny_moe_lm.py"))
+    cfg.mesh.update({**dict(data=1, expert=1), **MESHES[mesh]})
+    dtype = train_kw.pop("dtype", "float32")
+    cfg.model.update(dict(num_layers=2, vocab_size=256, dtype=dtype, **train_kw.pop("model", {})))
+    if dense:
+        cfg.model.moe.num_experts = 0
+    cfg.train.update(dict(batch_size=16, seq_len=16, warmup_steps=2, **train_kw))
+    return train.Trainer(cfg, "/nonexistent")
+
+
+def batches(trainer, n=STEPS):
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        toks = rng.integers(0, 256, (16, 17))
+        out.append({"inputs": jnp.asarray(toks[:, :-1], jnp.int32), "targets": jnp.asarray(toks[:, 1:], jnp.int32)})
+    return out
+
+
+def run(trainer, partitioned=True, state=None, data=None):
+    """(losses, final state) of STEPS steps, partitioned on the trainer's mesh or unpartitioned."""
+    step = trainer.step_fn if partitioned else jax.jit(trainer.train_step)
+    if state is None:
+        key = jax.random.key(trainer.cfg.train.seed)
+        state = trainer.init_fn(key) if partitioned else jax.jit(trainer.init_state)(key)
+    losses = []
+    for b in data or batches(trainer):
+        if partitioned:
+            b = jax.device_put(b, trainer.batch_sharding)
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    return losses, state
+
+
+def assert_same_run(got, want, rtol):
+    np.testing.assert_allclose(got[0], want[0], rtol=rtol)
+    for a, b in zip(jax.tree.leaves(got[1]["params"]), jax.tree.leaves(want[1]["params"])):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol, atol=rtol)
+
+
+ALL = list(itertools.product(MESHES, (0, 1, 2, 3), (True, False), ("float32", "bfloat16")))
+DEFAULT = [("d8", 3, True, "float32"), ("d2e4", 1, True, "float32"), ("d2e4", 2, False, "float32"),
+           ("d2z2y2", 3, True, "float32"), ("x2y2z2", 1, True, "float32"), ("d2e4", 3, True, "bfloat16")]
+
+
+@pytest.mark.parametrize("mesh,stage,epso,dtype", [
+    pytest.param(*c, marks=() if c in DEFAULT else pytest.mark.slow) for c in ALL if c[2] or c[0] == "d2e4"],
+    ids=lambda v: str(v))
+def test_sharded_state_trains_as_the_unsharded_step(mesh, stage, epso, dtype):
+    """Five optimizer steps of every ZeRO stage, with and without EPSO, f32 and bf16, equal the unpartitioned
+    step's (f32 to 1e-5; bf16 to its own precision), with microbatches from stage 2 on."""
+    trainer = make(mesh, zero_stage=stage, epso=epso, dtype=dtype, microbatches=2 if stage == 2 else 1)
+    assert_same_run(run(trainer), run(trainer, partitioned=False), 1e-5 if dtype == "float32" else 2e-2)
+
+
+def test_gradient_accumulation_equals_the_large_batch():
+    """train.microbatches=2 and 4 (a scan of gradient sums, one update) gives the one-batch step's losses, and
+    its gradient equals the large batch's."""
+    whole = make("d2z2y2", dense=True)
+    big = run(whole, partitioned=False)
+    np.testing.assert_allclose(run(make("d2z2y2", dense=True, microbatches=2, zero_stage=2))[0], big[0], rtol=1e-5)
+    np.testing.assert_allclose(run(make("d8", dense=True, microbatches=2))[0], big[0], rtol=1e-5)
+    micro = make("d2z2y2", dense=True, microbatches=4)
+    params = jax.jit(whole.init_state)(jax.random.key(0))["params"]
+    b, one = batches(whole, 1)[0], jnp.ones([], jnp.int32)
+    want, got = jax.jit(whole.gradients)(params, b, one), jax.jit(micro.gradients)(params, b, one)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-6)
+    for a, c in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2])):
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-7)
+
+
+def formula(stage, P, N, dtype):
+    """Seed 002's persistent bytes per device (REFERENCE section D): bf16 params and gradients of 2 bytes,
+    K = 12 of float32 master weights and moments; float32 runs have no master copy (4 + 4 + 8)."""
+    p = g = 2 if dtype == "bfloat16" else 4
+    k = 12 if dtype == "bfloat16" else 8
+    return {0: (p + g + k) * P, 1: (p + g) * P + k * P / N, 2: p * P + (g + k) * P / N,
+            3: (p + g + k) * P / N}[stage]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_argument_bytes_follow_the_zero_formulas_and_memory_analysis(dtype):
+    """Dense model on {data 8}: explain()'s predicted argument bytes equal memory_analysis()'s, and params +
+    gradients + optimizer state per device follow 16P, 4P + 12P/N, 2P + 14P/N, 16P/N (bf16)."""
+    for stage in (0, 1, 2, 3):
+        trainer = make("d8", dense=True, zero_stage=stage, dtype=dtype)
+        state = trainer.init_fn(jax.random.key(0))
+        batch = jax.device_put(batches(trainer, 1)[0], trainer.batch_sharding)
+        report = trainer.explain(state, batch)
+        pred = report.memory["predicted"]
+        assert pred["total"] == report.memory["compiled"]["argument"], report.memory
+        assert pred["batch"] == 2 * 16 * 16 * 4 // 8
+        P = sum(x.size for x in jax.tree.leaves(trainer.param_shapes))
+        grad_dtype = trainer.model.cfg.compute_dtype
+        grads = S.bytes_per_device(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, grad_dtype),
+                                                trainer.param_shapes),
+                                   trainer.layout.gradients if stage >= 2 else trainer.layout.stored,
+                                   dict(trainer.mesh.shape))
+        persistent = pred["params"] + pred["optimizer"] + grads
+        counters = 3 * 4  # AdamW's and the clip's step counts: replicated int32 scalars
+        assert persistent - counters == pytest.approx(formula(stage, P, 8, dtype), rel=1e-9), (stage, pred)
+        assert "memory per device: arguments" in str(report) and "compiled argument" in str(report)
+
+
+def group_bytes(compiled, kind):
+    """{group size: payload bytes} of one collective kind in a compiled program."""
+    out = Counter()
+    for c in collectives(compiled):
+        if c["kind"] == kind:
+            out[c["group"]] += c["payload_bytes"]
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_sharded_steps_reduce_scatter_gradients_and_gather_params_over_data(stage):
+    """Stage >= 1 on {data 8}: every weight gradient is reduce-scattered over the 8 data ranks, the params
+    all-gathered over them, and no gradient-sized all-reduce is left (only the loss and norm scalars)."""
+    trainer = make("d8", dense=True, zero_stage=stage)
+    state = trainer.init_fn(jax.random.key(0))
+    compiled = trainer.step_fn.lower(state, jax.device_put(batches(trainer, 1)[0], trainer.batch_sharding)).compile()
+    param_bytes = 4 * sum(x.size for x in jax.tree.leaves(trainer.param_shapes))
+    rs, ag, ar = (group_bytes(compiled, k) for k in ("reduce-scatter", "all-gather", "all-reduce"))
+    assert rs[8] >= param_bytes, rs  # (stage 3 gathers and scatters again inside the backward pass)
+    assert ag[8] >= param_bytes, ag
+    assert sum(ar.values()) < 1024, ar
+
+
+def test_epso_reduces_non_expert_gradients_over_data_times_expert():
+    """{data 2, expert 4}, stage 1: with EPSO the non-expert gradients are reduce-scattered over all 8 devices
+    and the expert ones over data (2); without it the non-expert states are held once per expert shard."""
+    def step(epso):
+        trainer = make("d2e4", zero_stage=1, epso=epso)
+        state = trainer.init_fn(jax.random.key(0))
+        batch = jax.device_put(batches(trainer, 1)[0], trainer.batch_sharding)
+        return trainer, trainer.explain(state, batch), trainer.step_fn.lower(state, batch).compile()
+
+    (t1, r1, c1), (t0, r0, c0) = step(True), step(False)
+    flat = jax.tree_util.tree_flatten_with_path(t1.param_shapes)[0]
+    expert = {jax.tree_util.keystr(p) for p, _ in flat if "['moe']['w" in jax.tree_util.keystr(p)}
+    assert expert and all(t1.layout.zero_axes[k] == ("data",) for k in expert)
+    assert all(t1.layout.zero_axes[jax.tree_util.keystr(p)] == ("data", "expert") for p, _ in flat
+               if jax.tree_util.keystr(p) not in expert)
+    rs1, rs0 = group_bytes(c1, "reduce-scatter"), group_bytes(c0, "reduce-scatter")
+    assert rs1[8] > 0 and rs1[2] > 0 and rs0[8] == 0, (rs1, rs0)
+    assert r1.memory["predicted"]["optimizer"] < r0.memory["predicted"]["optimizer"]
+    assert r1.memory["predicted"]["params"] == r0.memory["predicted"]["params"]
+
+
+def test_axonn_3d_layout_gives_algorithm_1s_collectives():
+    """{x 2, y 2, z 2}, dense layers with embed on x and heads/mlp on y: each weight is all-gathered over z
+    and its gradient reduce-scattered over z; ordinary layers all-reduce their output over x and their input
+    gradient over y (transposed ones the other way); nothing is re-laid between layers (no all-to-all or
+    permute). explain() equals the compiled program."""
+    trainer = make("x2y2z2", dense=True)
+    state = trainer.init_fn(jax.random.key(0))
+    batch = jax.device_put(batches(trainer, 1)[0], trainer.batch_sharding)
+    report = trainer.explain(state, batch)
+    assert_report_matches_hlo(report, hlo_stats(trainer.step_fn, state, batch))
+    kinds = Counter((c.kind, c.axes) for c in report.collectives)
+    assert kinds[("all-gather", ("z",))] >= 8 and kinds[("reduce-scatter", ("z",))] >= 8, kinds
+    assert kinds[("all-reduce", ("x",))] >= 4 and kinds[("all-reduce", ("y",))] >= 4, kinds
+    assert not any(k in ("all-to-all", "collective-permute") for k, _ in kinds), kinds
+    # the FFN's up projection, ordinary: stored as AxoNN's [in: x, out: (y, z)]
+    spec = trainer.layout.stored["params"]["decoder"]["period_0"]["block_0"]["mlp"]["wi_gate"]
+    assert tuple(spec) == ("x", ("y", "z"))
+
+
+def test_a_resume_across_zero_stage_and_mesh_continues_the_same_losses(tmp_path):
+    """Checkpoint after 2 steps at stage 0 on {data 2, expert 4}; restore onto stage 3 on {data 8} and run 3
+    more: the losses are the uninterrupted run's."""
+    data = batches(make(), STEPS)
+    first = make("d2e4", zero_stage=0)
+    want, _ = run(first, data=data)
+    got, state = run(first, data=data[:2])
+    ckpt = Checkpoints(str(tmp_path), 1, 100, async_save=False)
+    ckpt.save(2, state, force=True)
+    second = make("d8", zero_stage=3)
+    step, restored = ckpt.restore_latest(second.fresh_state())
+    ckpt.close()
+    assert step == 2
+    table = restored["params"]["params"]["embed"]["embedding"]
+    stored = jax.sharding.NamedSharding(second.mesh, second.layout.stored["params"]["embed"]["embedding"])
+    assert table.sharding.is_equivalent_to(stored, 2)
+    assert "data" in jax.tree.leaves(tuple(table.sharding.spec))  # stage 3: stored split over data
+    rest, _ = run(second, state=restored, data=data[2:])
+    np.testing.assert_allclose(got + rest, want, rtol=1e-5)
+
+
+def test_layout_places_zero_axes_where_they_divide():
+    """add_axes: new axes go after those on a dim, on the dim with the most elements per shard, never on the
+    stacked-layers dim, one at a time when no dim takes them all, and not at all where nothing divides."""
+    mesh = {"data": 2, "expert": 4, "x": 2}
+    assert S.add_axes(("x", None), (16, 6), ("data",), mesh) == (("x", "data"), None)
+    assert S.add_axes(("x", None), (8, 6), ("data",), mesh) == ("x", "data")  # 6 per shard beats 4
+    assert S.add_axes((None, None), (4, 64), ("data", "expert"), mesh) == (None, ("data", "expert"))
+    assert S.add_axes((None, None), (4, 64), ("data", "expert"), mesh, avoid=(1,)) == ("data", None)
+    assert S.add_axes((None, None), (6, 10), ("data", "expert"), mesh) == (None, "data")
+    assert S.add_axes((None,), (3,), ("data",), mesh) == (None,)
+    with pytest.raises(ValueError, match="zero_stage=4"):
+        S.layout({}, {}, (), mesh, zero_stage=4)
