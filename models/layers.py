@@ -29,14 +29,15 @@ def weight(module: nn.Module, name: str, shape: tuple[int, ...], logical: tuple,
     return constrain(w.astype(dtype), logical, rules, grad=False)
 
 
-def norm(kind: str, name: str, dtype) -> nn.Module:
+def norm(kind: str, name: str, dtype, remat: bool = False) -> nn.Module:
     """Flax's RMSNorm (OLMo, Mula) or LayerNorm (GShard's Transformer); scale and bias are `embed`-named, so
     where the feature dim is split their statistics are reduced across its shards."""
     scale = nn.with_logical_partitioning(nn.initializers.ones, ("embed",))
+    wrap = nn.remat if remat else (lambda cls: cls)  # remat: recomputed in the backward pass, not stored
     if kind == "rmsnorm":
-        return nn.RMSNorm(epsilon=1e-6, dtype=dtype, param_dtype=jnp.float32, scale_init=scale, name=name)
+        return wrap(nn.RMSNorm)(epsilon=1e-6, dtype=dtype, param_dtype=jnp.float32, scale_init=scale, name=name)
     if kind == "layernorm":
-        return nn.LayerNorm(epsilon=1e-6, dtype=dtype, param_dtype=jnp.float32, scale_init=scale,
+        return wrap(nn.LayerNorm)(epsilon=1e-6, dtype=dtype, param_dtype=jnp.float32, scale_init=scale,
                             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), name=name)
     raise ValueError(f"norm={kind!r}; expected 'rmsnorm' or 'layernorm'")
 

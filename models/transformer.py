@@ -46,6 +46,7 @@ class TransformerConfig:
     tie_embeddings: bool = False  # logits from the input embedding (True) or an untied unembedding (OLMo)
     scan: bool = False  # run the layer periods as one nn.scan
     remat: str = "none"  # checkpoint policy per period: "none" | "full" | "dots" | "dots_saveable"
+    remat_modules: tuple = ()  # modules checkpointed each on its own (seed 001): any of REMAT_MODULES
     dtype: str = "float32"  # compute dtype ("bfloat16" for mixed precision; params stay float32)
     rules: Rules = DEFAULT_RULES  # logical axis -> mesh axes table
     aux_loss_weight: float = 0.01  # weight of the summed MoE aux (load-balancing) loss in the training loss
@@ -60,10 +61,17 @@ class TransformerConfig:
         return jnp.dtype(self.dtype)
 
 
+REMAT_MODULES = ("norm", "attention", "ffn", "moe")  # selective activation checkpointing by module
+
+
 def check(cfg: TransformerConfig, decoder_only: bool) -> None:
     """A ValueError naming the first bad field of `cfg`."""
     if cfg.remat not in REMAT_POLICIES:
         raise ValueError(f"TransformerConfig.remat={cfg.remat!r}; expected one of {tuple(REMAT_POLICIES)}")
+    bad = [m for m in cfg.remat_modules if m not in REMAT_MODULES]
+    if bad or isinstance(cfg.remat_modules, str):
+        raise ValueError(f"TransformerConfig.remat_modules={cfg.remat_modules!r}; expected a tuple of any of "
+                         f"{REMAT_MODULES}, e.g. ('attention', 'moe')")
     if cfg.moe is not None and cfg.moe_every < 1:
         raise ValueError(f"TransformerConfig.moe_every={cfg.moe_every!r}; expected a positive int")
     counts = [("num_layers", cfg.num_layers)] + ([] if decoder_only else [("num_decoder_layers", cfg.num_decoder_layers)])
@@ -94,22 +102,26 @@ class Block(nn.Module):
         decoder's cross-attention read only those."""
         c, r, dt = self.cfg, self.cfg.rules, self.cfg.compute_dtype
         attn = dict(num_heads=c.num_heads, head_dim=c.head_dim, rules=r, dtype=dt)
-        h = layers.norm(c.norm, "pre_attention_norm", dt)(x_BLD)
+        own = lambda cls, module: nn.remat(cls, static_argnums=(2,) if module == "moe" else ()) \
+            if module in c.remat_modules else cls  # checkpointed on its own: recomputed in the backward pass
+        norm = lambda name: layers.norm(c.norm, name, dt, remat="norm" in c.remat_modules)
+        Attention = own(layers.Attention, "attention")
+        h = norm("pre_attention_norm")(x_BLD)
         self_mask_BT = None if self.cross else enc_mask_BT
-        x_BLD = x_BLD + layers.Attention(causal=self.causal, use_rope=c.rope, name="attention", **attn)(
+        x_BLD = x_BLD + Attention(causal=self.causal, use_rope=c.rope, name="attention", **attn)(
             h, None, self_mask_BT)
         if self.cross:
-            h = layers.norm(c.norm, "pre_cross_norm", dt)(x_BLD)
-            x_BLD = x_BLD + layers.Attention(name="cross_attention", **attn)(h, enc_BTD, enc_mask_BT)
-        h = layers.norm(c.norm, "pre_ffn_norm", dt)(x_BLD)
+            h = norm("pre_cross_norm")(x_BLD)
+            x_BLD = x_BLD + Attention(name="cross_attention", **attn)(h, enc_BTD, enc_mask_BT)
+        h = norm("pre_ffn_norm")(x_BLD)
         if self.moe:
-            y, losses, stats = MoeFFN(c.moe, r, dt, name="moe")(h, self.train)
+            y, losses, stats = own(MoeFFN, "moe")(c.moe, r, dt, name="moe")(h, self.train)
             acc = {"aux_loss": acc["aux_loss"] + losses["aux_loss"], "z_loss": acc["z_loss"] + losses["z_loss"],
                    "dropped": acc["dropped"] + stats["dropped"],
                    "router_confidence": acc["router_confidence"] + stats["router_confidence"],
                    "moe_layers": acc["moe_layers"] + 1.0}
         else:
-            y = layers.Mlp(c.d_ff, r, c.ffn_activation, dt, name="mlp")(h)
+            y = own(layers.Mlp, "ffn")(c.d_ff, r, c.ffn_activation, dt, name="mlp")(h)
         return constrain(x_BLD + y, ("batch", "length", "embed"), r), acc
 
 

@@ -240,6 +240,9 @@ def test_explain_compare_and_plot_subcommands(data_dir, tmp_path):
     assert len(cli("explain", *common, "--table").stdout.splitlines()) > len(short.splitlines())  # every op
     report = json.loads(cli("explain", *common, "--json").stdout.strip().splitlines()[-1])
     assert report["fallbacks"] == [] and report["totals"]["all-to-all"]["count"] > 0, report["totals"]
+    memory = report["memory"]  # argument bytes per device by kind, predicted and from memory_analysis()
+    assert {"params", "optimizer", "batch", "total"} <= set(memory["predicted"])
+    assert memory["predicted"]["total"] == memory["compiled"]["argument"] and memory["compiled"]["temp"] > 0
     rows_ = json.loads(cli("compare", *common, "--steps", "2", "--json").stdout.strip().splitlines()[-1])
     ours, xla = rows_
     assert (ours["backend"], xla["backend"]) == ("gshard", "xla")
@@ -256,6 +259,15 @@ def test_explain_compare_and_plot_subcommands(data_dir, tmp_path):
     assert out.stat().st_size > 1000
     p = cli("plot", str(tmp_path / "missing"), "--out", str(out), check=False)
     assert p.returncode == 2 and "has no metrics.jsonl" in p.stderr
+
+
+def test_zero_stage_1_with_epso_trains_to_stage_0s_losses(data_dir, tmp_path):
+    """The tiny MoE LM on {data 2, expert 4} with sharded optimizer state (EPSO: non-expert states over all 8
+    devices) trains to the losses of the replicated optimizer."""
+    train(tmp_path / "zero0", data_dir, 4)
+    train(tmp_path / "zero1", data_dir, 4, "--config.train.zero_stage=1", "--config.train.epso=true")
+    got, want = rows(tmp_path / "zero1"), rows(tmp_path / "zero0")
+    assert [x["loss"] for x in got] == pytest.approx([x["loss"] for x in want], rel=1e-5)
 
 
 @pytest.mark.slow  # 35 s: three training runs

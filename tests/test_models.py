@@ -170,3 +170,20 @@ def test_source_padding_changes_nothing_the_encoder_decoder_computes():
     apply = jax.jit(model.apply)
     want, got = apply(params, source, target)[0], apply(params, padded, target)[0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_remat_modules_checkpoint_each_module_and_compute_the_same():
+    """model.remat_modules (seed 001's selective checkpointing): each named module is its own checkpointed
+    region (a remat in the gradient's program per module use), with the same loss and gradients."""
+    model, params, batch = model_and_batch("tiny_moe_lm", num_layers=2)
+    grad = lambda m: jax.value_and_grad(lambda p: loss_fn(m, p, batch)[0])
+    want = jax.jit(grad(model))(params)
+    # 2 layers: one attention, two norms and one MoE FFN each (every FFN of the tiny MoE LM is MoE)
+    for modules, regions in (((), 0), (("attention",), 2), (("norm", "moe"), 2 * 2 + 2), (("ffn",), 0)):
+        sel, _, _ = model_and_batch("tiny_moe_lm", num_layers=2, remat_modules=modules)
+        assert str(jax.make_jaxpr(grad(sel))(params)).count("remat2[") == regions, modules
+        got = jax.jit(grad(sel))(params)
+        np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-6)
+        assert_close(got[1], want[1])
+    with pytest.raises(ValueError, match="remat_modules"):
+        bad, _, _ = model_and_batch("tiny_moe_lm", remat_modules=("mlp",))
