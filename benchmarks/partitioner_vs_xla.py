@@ -45,7 +45,7 @@ from gshard_jax.models import cnn, lm  # noqa: E402
 from gshard_jax import configs, data  # noqa: E402
 from gshard_jax.models.gating import GatingConfig  # noqa: E402
 from gshard_jax.models.moe import MoeConfig, MoeFFN, expert_einsums  # noqa: E402
-from gshard_jax.models.transformer import DEFAULT_RULES, loss_fn  # noqa: E402
+from gshard_jax.models.sharding import DEFAULT_RULES, loss_fn  # noqa: E402
 from gshard_jax.partitioner.hlo import collective_stats  # noqa: E402
 from gshard_jax.timing import median_times  # noqa: E402
 

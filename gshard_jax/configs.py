@@ -96,14 +96,14 @@ def skeleton(model: ConfigDict, mesh: dict, **train: Any) -> ConfigDict:
 
 
 def moe_section(num_experts: int = 0, d_ff: int = 0, activation: str = "relu", k: int = 2, **kw: Any) -> ConfigDict:
-    """model.moe: the MoE FFN and its gating (num_experts = 0: dense model)."""
-    sec = ConfigDict(dict(
-        num_experts=num_experts, d_ff=d_ff, activation=activation, k=k,
-        capacity_factor=2.0, eval_capacity_factor=0.0, min_capacity=4, second_policy="random",
-        second_threshold=0.0, normalize="before_drop", balance="top1", routing="token_choice",
-        group_size=0, num_groups=0, dispatch="einsum", exchange="all_to_all", grouped_matmul="auto",
-        peer_bound=0.0,
-        router_jitter=0.0, router_logit_cap=0.0))
+    """model.moe: every field of MoeConfig and of its GatingConfig, flat, with their defaults (one place
+    declares each: the dataclasses); num_experts = 0 gives a dense model. None turns an optional field off."""
+    fields = {f.name: f.default for f in dataclasses.fields(MoeConfig) if f.name != "gating"}
+    fields.update({f.name: f.default for f in dataclasses.fields(GatingConfig)})
+    sec = ConfigDict(dict(fields, num_experts=num_experts, d_ff=d_ff, activation=activation, k=k))
+    unknown = sorted(set(kw) - set(fields))
+    if unknown:
+        raise ValueError(f"moe_section: unknown fields {unknown}; MoeConfig and GatingConfig have {sorted(fields)}")
     sec.update(kw)
     return sec
 
@@ -141,10 +141,6 @@ def mula(num_layers: int, d_model: int, num_heads: int, d_ff: int, num_experts: 
 
 # --------------------------------------------------------------------------- config -> model
 
-def _or_none(v, off=0):
-    return None if v == off else v
-
-
 def transformer_config(model: ConfigDict) -> TransformerConfig:
     """The TransformerConfig a config's model section describes."""
     m = model.to_dict() if isinstance(model, ConfigDict) else dict(model)
@@ -158,16 +154,11 @@ def transformer_config(model: ConfigDict) -> TransformerConfig:
         raise ValueError(f"model config has unknown fields {unknown}; TransformerConfig has {sorted(known)}")
     moe_cfg = None
     if moe["num_experts"]:
-        g = GatingConfig(k=moe["k"], capacity_factor=moe["capacity_factor"],
-                         eval_capacity_factor=_or_none(moe["eval_capacity_factor"]),
-                         min_capacity=moe["min_capacity"], second_policy=moe["second_policy"],
-                         second_threshold=moe["second_threshold"], normalize=moe["normalize"],
-                         balance=moe["balance"], routing=moe["routing"])
-        moe_cfg = MoeConfig(num_experts=moe["num_experts"], d_ff=moe["d_ff"], activation=moe["activation"], gating=g,
-                            group_size=_or_none(moe["group_size"]), num_groups=_or_none(moe["num_groups"]),
-                            dispatch=moe["dispatch"], exchange=moe["exchange"],
-                            grouped_matmul=moe["grouped_matmul"], peer_bound=_or_none(moe["peer_bound"]),
-                            router_jitter=moe["router_jitter"], router_logit_cap=_or_none(moe["router_logit_cap"]))
+        gating = {f.name for f in dataclasses.fields(GatingConfig)}
+        moe_cfg = MoeConfig(gating=GatingConfig(**{k: v for k, v in moe.items() if k in gating}),
+                            **{k: v for k, v in moe.items() if k not in gating})
+    if isinstance(m.get("remat_modules"), list):
+        m["remat_modules"] = tuple(m["remat_modules"])
     return TransformerConfig(moe=moe_cfg, **m)
 
 

@@ -12,10 +12,10 @@ import gshard_jax as gs
 from gshard_jax.models.gating import GatingConfig
 from gshard_jax.models.grouped import block_rows, grouped_matmul
 from gshard_jax.models.moe import MoeConfig, MoeFFN
+from gshard_jax.models.sharding import DEFAULT_RULES
 from helpers import assert_close, assert_report_matches_hlo, hlo_stats
 
-RULES = (("batch", ("data", "expert")), ("expert", "expert"), ("group", ("data", "expert")), ("group", "data"),
-         ("embed", None), ("mlp", "model"))
+RULES = DEFAULT_RULES  # the models' own table: axes these meshes lack drop out of it
 AMPLE = GatingConfig(k=2, capacity_factor=8.0, min_capacity=1, second_policy="all")
 
 
