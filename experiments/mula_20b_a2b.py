@@ -4,5 +4,8 @@ from gshard_jax.configs import mula
 
 def get_config():
     cfg = mula(num_layers=32, d_model=2048, num_heads=16, d_ff=1024, num_experts=96)
-    cfg.mesh.update(dict(data=-1, expert=8))  # expert parallelism over 8 devices, data parallel beyond
+    # seed 001 on Aurora: expert parallelism within a node of 12 tiles, data parallel across nodes, ZeRO-1 with
+    # its expert-parallel-aware sharded optimizer (non-expert states over data x expert)
+    cfg.mesh.update(dict(data=-1, expert=12))
+    cfg.train.update(dict(zero_stage=1, epso=True))
     return cfg

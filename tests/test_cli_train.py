@@ -283,3 +283,13 @@ def test_a_run_resumes_on_a_different_mesh(data_dir, tmp_path):
     got, want = {x["step"]: x["loss"] for x in rows(moved)}, {x["step"]: x["loss"] for x in rows(stay)}
     for step in (9, 10):
         assert got[step] == pytest.approx(want[step], rel=1e-4), step
+
+
+def test_the_tiny_3d_layout_lm_trains_through_the_cli(data_dir, tmp_path):
+    """experiments/tiny_3d_lm.py (AxoNN's x/y/z layout on 8 simulated devices) trains: its loss falls."""
+    run = tmp_path / "run"
+    cli("train", "--config", os.path.join(ROOT, "experiments", "tiny_3d_lm.py"), "--cpu-devices", "8",
+        "--workdir", str(run), "--no-progress", f"--config.data.dir={data_dir}", "--config.train.num_steps=12",
+        *SMALL)
+    r = rows(run)
+    assert len(r) == 12 and r[-1]["loss"] < r[0]["loss"] - 0.5, [x["loss"] for x in r]
