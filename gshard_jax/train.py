@@ -125,8 +125,9 @@ class Trainer:
         self.init_fn = self.partitioned("init")
 
     def partitioned(self, which: str, backend: str = "gshard", **kw):
-        """The train, eval or init step partitioned on the mesh with the state's shardings fixed."""
+        """The train, optimizer-update, eval or init step partitioned on the mesh with the state's shardings fixed."""
         fn, ins, outs = {"train": (self.train_step, (self.state_specs, self.batch_spec), (self.state_specs, None)),
+                         "update": (self.update, (self.state_specs, self.layout.gradients), self.state_specs),
                          "eval": (self.eval_step, (self.layout.stored, self.batch_spec), None),
                          "init": (self.init_state, None, self.state_specs)}[which]
         return gs.partition(fn, self.mesh, in_shardings=ins, out_shardings=outs, backend=backend, **kw)
@@ -184,12 +185,10 @@ class Trainer:
         value, m, g = jax.tree.map(lambda x: x / k, total)
         return value, m, sharded.constrain(g, lo.gradients)
 
-    def train_step(self, state: dict, batch: dict) -> tuple[dict, dict]:
-        t, lo, step = self.cfg.train, self.layout, state["step"] + 1
-        if t.goldfish_k > 1:
-            batch = dict(batch, weights=optim.goldfish_weights(batch["inputs"], t.goldfish_k, t.goldfish_h))
-        value, m, grads = self.gradients(state["params"], batch, step)
-        grad_norm = optax.tree.norm(grads)
+    def update(self, state: dict, grads: Any) -> dict:
+        """The optimizer step: float32 gradients (in the layout's gradient spec) -> the next state. The moments
+        (and master weights) are updated where they are sharded; the new params are gathered to their spec."""
+        lo = self.layout
         if self.mixed:
             master, inner = state["opt_state"]["master"], state["opt_state"]["adam"]
             updates, inner = self.opt.update(grads, inner, master)
@@ -200,7 +199,15 @@ class Trainer:
             held = sharded.constrain(state["params"], lo.optimizer)  # this device's slice: no communication
             updates, opt_state = self.opt.update(grads, state["opt_state"], held)
             params = optax.apply_updates(held, updates)
-        new = {"params": sharded.constrain(params, lo.stored), "opt_state": opt_state, "step": step}
+        return {"params": sharded.constrain(params, lo.stored), "opt_state": opt_state, "step": state["step"] + 1}
+
+    def train_step(self, state: dict, batch: dict) -> tuple[dict, dict]:
+        t, step = self.cfg.train, state["step"] + 1
+        if t.goldfish_k > 1:
+            batch = dict(batch, weights=optim.goldfish_weights(batch["inputs"], t.goldfish_k, t.goldfish_h))
+        value, m, grads = self.gradients(state["params"], batch, step)
+        grad_norm = optax.tree.norm(grads)
+        new = self.update(state, grads)
         ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
         if t.nan_policy == "skip":
             new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, dict(state, step=step))

@@ -225,3 +225,35 @@ def test_layout_places_zero_axes_where_they_divide():
     assert S.add_axes((None,), (3,), ("data",), mesh) == (None,)
     with pytest.raises(ValueError, match="zero_stage=4"):
         S.layout({}, {}, (), mesh, zero_stage=4)
+
+
+def docs_layout_table():
+    """{mesh dict: Counter of (kind, axis)} from docs/models.md's table of FFN collectives per layout."""
+    import re
+    with open(os.path.join(ROOT, "docs", "models.md")) as f:
+        text = f.read()
+    table = text[text.index("| mesh | layout | FFN collectives per layer |"):].split("\n\n")[0]
+    out = {}
+    for line in table.splitlines()[2:]:
+        mesh_cell, _, cell = [c.strip() for c in line.strip("|").split("|")]
+        mesh = {k: int(v) for k, v in re.findall(r"(\w+) (\d+)", mesh_cell)}
+        out[tuple(mesh.items())] = Counter({(k, a): int(n) for k, a, n in re.findall(r"([\w-]+) (\w+) ×(\d+)", cell)})
+    return out
+
+
+def test_the_layout_table_in_the_docs_is_what_explain_reports():
+    """docs/models.md's table: per mesh, the collectives explain() puts on the rows of a dense SwiGLU FFN
+    (one layer of tiny_dense_lm, zero_stage 0)."""
+    table = docs_layout_table()
+    assert len(table) == 6
+    for mesh, want in table.items():
+        cfg = configs.load(os.path.join(ROOT, "experiments", "tiny_dense_lm.py"))
+        cfg.mesh.update({**{k: 1 for k in cfg.mesh}, **dict(mesh)})
+        cfg.model.update(dict(num_layers=1, vocab_size=256))
+        cfg.train.update(dict(batch_size=16, seq_len=16))
+        trainer = train.Trainer(cfg, "/nonexistent")
+        state = trainer.fresh_state()
+        report = trainer.explain(state, jax.device_put(batches(trainer, 1)[0], trainer.batch_sharding),
+                                 compile=False)
+        got = Counter((c.kind, "*".join(c.axes)) for r in report.rows if "/mlp" in r.source for c in r.collectives)
+        assert got == want, (mesh, got, want)
