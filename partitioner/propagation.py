@@ -173,9 +173,12 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
             # The value it annotates is the op's result the user sharded: it takes the user's sharding, which
             # outranks what the op would propagate forward from its operands (Shardy's priorities put user
             # shardings first). in/out_shardings and an earlier annotation of the same value win. It is not
-            # read before other values: its op's operands still take their own fixed splits first.
+            # read before other values: its op's operands still take their own fixed splits first. A
+            # forward-only annotation (grad=False: a stored weight at its use) says how the value is used, not
+            # where it lives, so its input keeps its own sharding (e.g. a scanned layer's slice of a stack
+            # stored split: gathered per layer inside the loop, not as a whole stack before it).
             x = e.invars[0]
-            if isinstance(x, Value) and x not in fixed:
+            if isinstance(x, Value) and x not in fixed and e.params.get("grad", True):
                 shardings[x] = shardings[v]
                 origins[x] = f"user annotation {e.params['what']} at {e.source} (the value it annotates)"
                 fixed.add(x)
