@@ -161,7 +161,7 @@ def test_epso_reduces_non_expert_gradients_over_data_times_expert():
         batch = jax.device_put(batches(trainer, 1)[0], trainer.batch_sharding)
         return trainer, trainer.explain(state, batch), trainer.step_fn.lower(state, batch).compile()
 
-    (t1, r1, c1), (t0, r0, c0) = step(True), step(False)
+    (t1, r1, c1), (_, r0, c0) = step(True), step(False)
     flat = jax.tree_util.tree_flatten_with_path(t1.param_shapes)[0]
     expert = {jax.tree_util.keystr(p) for p, _ in flat if "['moe']['w" in jax.tree_util.keystr(p)}
     assert expert and all(t1.layout.zero_axes[k] == ("data",) for k in expert)
