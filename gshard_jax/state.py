@@ -106,6 +106,7 @@ def layout(logical: Any, shapes: Any, rules: Rules, mesh: Mapping[str, int], zer
         compute.append(P(*c))
         stored.append(P(*s))
         optimizer.append(P(*o))
+
     def un(leaves):
         return jax.tree_util.tree_unflatten(tree, leaves)
     return Layout(un(compute), un(stored), un(optimizer), zero_stage, given)
