@@ -25,6 +25,7 @@ from jax._src.ad_checkpoint import remat_p
 from jax._src.interpreters import partial_eval as pe
 
 from . import collective_matmul as CM
+from . import control_flow as CF
 from . import hooks as H
 from . import registry as REG
 from . import manual as M
@@ -36,11 +37,6 @@ from .propagation import Plan
 from .report import Operand, Report, Result, Row
 from .sharding import Sharding
 from .strategy import Choice, Strategy
-
-
-def _stacked(s: Sharding) -> Sharding:
-    """The sharding of a scan's stacked value whose slices are sharded as s (scan dim whole)."""
-    return Sharding(((),) + s.dims, s.partial, frozenset(d + 1 for d in s.padded))
 
 
 def checkpoint_region(fn, args: list, params: dict, positions: list[int]) -> list:
@@ -222,63 +218,13 @@ class Lowering(Strategy):
                      f"prevent_cse={eqn.params['prevent_cse']})", log)
 
     def _control_flow(self, eqn: Eqn, env) -> None:
+        """A loop or branch (control_flow.FORMS): its bodies run on local shards, results stored to the plan."""
         log: list[Collective] = []
-        plan = self.plan.sharding
-        if eqn.name == "scan":
-            body = eqn.subs["body"]
-            nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
-            ins = [(self._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[: nc + nk], body.invars)]
-            stacked = [_stacked(plan(b)) for b in body.invars[nc + nk:]]
-            xs = [self._read(env, x, s, log) for x, s in zip(eqn.invars[nc + nk:], stacked)]
-            carry_sh = [plan(b) for b in body.invars[nc: nc + nk]]
-            y_sh = [plan(b) for b in body.outvars[nk:]]
-
-            def step(carry, x):
-                outs = self._body(body, env, ins[:nc] + list(zip(carry, carry_sh)) + list(zip(x, [plan(b) for b in body.invars[nc + nk:]])),
-                                  carry_sh + y_sh, log, "scan", eqn.params["length"])
-                return tuple(outs[:nk]), tuple(outs[nk:])
-
-            carry, ys = jax.lax.scan(step, tuple(a for a, _ in ins[nc:]), tuple(xs), length=eqn.params["length"],
-                                     reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
-            results = list(zip(carry, carry_sh)) + [(y, _stacked(s)) for y, s in zip(ys, y_sh)]
-            strategy = f"scan x{eqn.params['length']}: carry {' '.join(map(str, carry_sh)) or '-'}"
-        elif eqn.name == "while":
-            cond, body = eqn.subs["cond"], eqn.subs["body"]
-            cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-            cconsts = [(self._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[:cn], cond.invars)]
-            bconsts = [(self._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[cn:cn + bn], body.invars)]
-            carry_sh = [plan(b) for b in body.invars[bn:]]
-            init = [self._read(env, x, s, log) for x, s in zip(eqn.invars[cn + bn:], carry_sh)]
-
-            def cond_fn(carry):
-                (pred,) = self._body(cond, env, cconsts + list(zip(carry, carry_sh)), [Sharding(())], log, "while.cond", 1)
-                return pred
-
-            def body_fn(carry):
-                return tuple(self._body(body, env, bconsts + list(zip(carry, carry_sh)), carry_sh, log, "while.body", 1))
-
-            carry = jax.lax.while_loop(cond_fn, body_fn, tuple(init))
-            results = list(zip(carry, carry_sh))
-            strategy = f"while: carry {' '.join(map(str, carry_sh)) or '-'} (predicate replicated)"
-        elif eqn.name == "cond":
-            branches = list(eqn.subs.values())
-            index = self._read(env, eqn.invars[0], Sharding(()), log)
-            ops = [(self._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[1:], branches[0].invars)]
-            out_sh = [plan(v) for v in eqn.outvars]
-
-            def branch_fn(i, br):
-                return lambda *xs: tuple(self._body(br, env, list(zip(xs, [s for _, s in ops])), out_sh, log,
-                                                    f"cond.branch{i}", 1))
-
-            outs = jax.lax.switch(index, [branch_fn(i, b) for i, b in enumerate(branches)], *[x for x, _ in ops])
-            results = list(zip(outs, out_sh))
-            strategy = f"cond over {len(branches)} branches (index replicated)"
-        else:  # pragma: no cover
-            raise AssertionError(eqn.name)
+        results, strategy = CF.FORMS[eqn.name].lower(self, eqn, env, log)
         for v, (x, have) in zip(eqn.outvars, results):
             self._store(env, v, x, have, log)
         self._record(eqn, [(x, env[x][1], env[x][1]) for x in eqn.invars if isinstance(x, Value)],
-                     [plan(v) for v in eqn.outvars], strategy, log)
+                     [self.plan.sharding(v) for v in eqn.outvars], strategy, log)
 
     def _manual(self, eqn: Eqn, env) -> None:
         """A manual region: operands resharded to its in_specs, the body on local shards, results as declared."""

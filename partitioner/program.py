@@ -6,8 +6,8 @@ decision is made with the whole program in view. Custom derivative rules are
 not needed here: differentiation happens before partitioning
 (``partition(jax.grad(f))``) or on the per-device program.
 
-Bodies that must stay regions become sub-programs (Eqn.subs): scan, while
-and cond bodies, and checkpointed regions (``remat2``, from jax.checkpoint /
+Bodies that must stay regions become sub-programs (Eqn.subs): the bodies of
+the control-flow forms (control_flow.FORMS: scan, while, cond), and checkpointed regions (``remat2``, from jax.checkpoint /
 nn.remat). A checkpointed region is *aliased*, not linked: its sub-program's
 inputs are the caller's values and its results are the equation's results,
 so propagation sees exactly the inlined program, while lowering re-emits the
@@ -21,6 +21,8 @@ from typing import Any
 
 from jax._src import source_info_util
 from jax.extend import core
+
+from .control_flow import FORMS
 
 # Primitives whose body is inlined, and the param holding it.
 CALL_PRIMITIVES = {
@@ -99,18 +101,6 @@ class Program:
             yield e
             for sub in e.subs.values():
                 yield from sub.all_eqns()
-
-
-# Primitives whose bodies are partitioned as sub-programs: sub-program name -> body.
-def _control_flow_subs(eqn) -> dict:
-    p = eqn.params
-    if eqn.primitive.name == "scan":
-        return {"body": p["jaxpr"]}
-    if eqn.primitive.name == "while":
-        return {"cond": p["cond_jaxpr"], "body": p["body_jaxpr"]}
-    if eqn.primitive.name == "cond":
-        return {f"branch{i}": b for i, b in enumerate(p["branches"])}
-    return {}
 
 
 def _source(source_info, scope: str = "") -> str:
@@ -195,7 +185,8 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
             for var, out in zip(eqn.outvars, outs):
                 if not isinstance(var, core.DropVar):
                     env[var] = out
-            bodies = _control_flow_subs(eqn)
+            form = FORMS.get(eqn.primitive.name)
+            bodies = form.bodies(eqn.params) if form else {}
             inner = _scope(eqn.source_info, scope) if bodies else ""
             subs = {name: sub_program(j, inner) for name, j in bodies.items()}
             eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), (eqn.source_info, scope), len(eqns), subs))

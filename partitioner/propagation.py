@@ -21,6 +21,7 @@ import dataclasses
 import math
 from typing import Callable, Mapping, Optional, Sequence
 
+from . import control_flow as CF
 from . import manual as M
 from . import factors as F
 from . import registry as REG
@@ -73,38 +74,11 @@ def _link(a, b, name: str, where: object, stacked: int = 0, stacked_b: bool = Fa
 
 
 def control_flow_links(e: Eqn) -> tuple[list[Constraint], list[Constraint]]:
-    """Links into the bodies (before them in propagation order) and out of them (after)."""
-    into: list[Constraint] = []
-    out: list[Constraint] = []
-    tag = e.name
-    if e.name == "scan":
-        body = e.subs["body"]
-        nc, nk = e.params["num_consts"], e.params["num_carry"]
-        for i, (a, b) in enumerate(zip(e.invars, body.invars)):
-            into.append(_link(a, b, tag, e, stacked=int(i >= nc + nk)))
-        for k in range(nk):
-            cin, cout = body.invars[nc + k], body.outvars[k]
-            out.append(_link(cout, cin, tag + " carry", e))
-            out.append(_link(cout, e.outvars[k], tag, e))
-        for y_body, y_out in zip(body.outvars[nk:], e.outvars[nk:]):
-            if isinstance(y_body, Value):
-                out.append(_link(y_body, y_out, tag, e, stacked=1, stacked_b=True))
-    elif e.name == "while":
-        cond, body = e.subs["cond"], e.subs["body"]
-        cn, bn = e.params["cond_nconsts"], e.params["body_nconsts"]
-        consts_c, consts_b, init = e.invars[:cn], e.invars[cn:cn + bn], e.invars[cn + bn:]
-        into += [_link(a, b, tag, e) for a, b in zip(consts_c, cond.invars[:cn])]
-        into += [_link(a, b, tag, e) for a, b in zip(consts_b, body.invars[:bn])]
-        into += [_link(a, b, tag, e) for a, b in zip(init, body.invars[bn:])]
-        into += [_link(a, b, tag, e) for a, b in zip(init, cond.invars[cn:])]
-        for cout, cin, ccond, final in zip(body.outvars, body.invars[bn:], cond.invars[cn:], e.outvars):
-            out += [_link(cout, cin, tag + " carry", e), _link(cout, ccond, tag, e),
-                    _link(cout, final, tag, e)]
-    elif e.name == "cond":
-        for br in e.subs.values():
-            into += [_link(a, b, tag, e) for a, b in zip(e.invars[1:], br.invars)]
-            out += [_link(b, a, tag, e) for a, b in zip(e.outvars, br.outvars) if isinstance(b, Value)]
-    return into, out
+    """Links into the bodies (before them in propagation order) and out of them (after); see control_flow.py."""
+    form = CF.FORMS.get(e.name)
+    into, out = form.links(e) if form else ([], [])  # a checkpointed region is aliased: nothing to link
+    return ([_link(a, b, tag, e, st, sb) for a, b, tag, st, sb in into],
+            [_link(a, b, tag, e, st, sb) for a, b, tag, st, sb in out])
 
 
 def constraints(program: Program, rules: Mapping[Eqn, Optional[F.Rule]]) -> list[Constraint]:

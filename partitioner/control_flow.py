@@ -1,0 +1,140 @@
+"""The control-flow forms (scan, while, cond) as one table read by every pass.
+
+Each form says three things about a primitive with bodies: which bodies it
+has (program.py turns them into sub-programs), how values flow between the
+caller and the bodies (propagation.py turns these into identity links), and
+how to run it on local shards (lower.py). Adding a loop form means adding a
+row here, never touching the three passes. A pipeline is a scan over its
+schedule table (gshard_jax/pipeline.py), so it needs no row of its own.
+
+Links are (a, b, tag, stacked, stacked_b): a's sharding flows to b; stacked=1
+gives the stacked side (a, or b if stacked_b) an extra leading dim kept whole.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+from .sharding import Sharding
+
+Link = tuple  # (a, b, tag, stacked, stacked_b)
+
+
+def _is_value(v) -> bool:
+    """A program Value (a body result may also be a Const, which links nothing)."""
+    return not hasattr(v, "val")
+
+
+def stacked(s: Sharding) -> Sharding:
+    """The sharding of a scan's stacked value whose slices are sharded as s (scan dim whole)."""
+    return Sharding(((),) + s.dims, s.partial, frozenset(d + 1 for d in s.padded))
+
+
+@dataclasses.dataclass(frozen=True)
+class Form:
+    bodies: Callable[[dict], dict]  # params -> {sub-program name: jaxpr}
+    links: Callable[[Any], tuple[list[Link], list[Link]]]  # eqn -> (into the bodies, out of them)
+    lower: Callable[[Any, Any, Any, list], tuple[list, str]]  # (lowering, eqn, env, log) -> (results, strategy)
+
+
+# ---------------------------------------------------------------------------------------------------- scan
+def _scan_links(e):
+    body, tag = e.subs["body"], e.name
+    nc, nk = e.params["num_consts"], e.params["num_carry"]
+    into = [(a, b, tag, int(i >= nc + nk), False) for i, (a, b) in enumerate(zip(e.invars, body.invars))]
+    out = []
+    for k in range(nk):
+        cin, cout = body.invars[nc + k], body.outvars[k]
+        out += [(cout, cin, tag + " carry", 0, False), (cout, e.outvars[k], tag, 0, False)]
+    out += [(y_body, y_out, tag, 1, True) for y_body, y_out in zip(body.outvars[nk:], e.outvars[nk:])
+            if _is_value(y_body)]
+    return into, out
+
+
+def _scan_lower(lo, eqn, env, log):
+    plan = lo.plan.sharding
+    body = eqn.subs["body"]
+    nc, nk, length = eqn.params["num_consts"], eqn.params["num_carry"], eqn.params["length"]
+    ins = [(lo._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[: nc + nk], body.invars)]
+    x_sh = [plan(b) for b in body.invars[nc + nk:]]
+    xs = [lo._read(env, x, stacked(s), log) for x, s in zip(eqn.invars[nc + nk:], x_sh)]
+    carry_sh = [plan(b) for b in body.invars[nc: nc + nk]]
+    y_sh = [plan(b) for b in body.outvars[nk:]]
+
+    def step(carry, x):
+        outs = lo._body(body, env, ins[:nc] + list(zip(carry, carry_sh)) + list(zip(x, x_sh)),
+                        carry_sh + y_sh, log, "scan", length)
+        return tuple(outs[:nk]), tuple(outs[nk:])
+
+    carry, ys = jax.lax.scan(step, tuple(a for a, _ in ins[nc:]), tuple(xs), length=length,
+                             reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
+    results = list(zip(carry, carry_sh)) + [(y, stacked(s)) for y, s in zip(ys, y_sh)]
+    return results, f"scan x{length}: carry {' '.join(map(str, carry_sh)) or '-'}"
+
+
+# --------------------------------------------------------------------------------------------------- while
+def _while_links(e):
+    cond, body, tag = e.subs["cond"], e.subs["body"], e.name
+    cn, bn = e.params["cond_nconsts"], e.params["body_nconsts"]
+    consts_c, consts_b, init = e.invars[:cn], e.invars[cn:cn + bn], e.invars[cn + bn:]
+    into = [(a, b, tag, 0, False) for a, b in
+            [*zip(consts_c, cond.invars[:cn]), *zip(consts_b, body.invars[:bn]), *zip(init, body.invars[bn:]),
+             *zip(init, cond.invars[cn:])]]
+    out = []
+    for cout, cin, ccond, final in zip(body.outvars, body.invars[bn:], cond.invars[cn:], e.outvars):
+        out += [(cout, cin, tag + " carry", 0, False), (cout, ccond, tag, 0, False), (cout, final, tag, 0, False)]
+    return into, out
+
+
+def _while_lower(lo, eqn, env, log):
+    plan = lo.plan.sharding
+    cond, body = eqn.subs["cond"], eqn.subs["body"]
+    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    cconsts = [(lo._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[:cn], cond.invars)]
+    bconsts = [(lo._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[cn:cn + bn], body.invars)]
+    carry_sh = [plan(b) for b in body.invars[bn:]]
+    init = [lo._read(env, x, s, log) for x, s in zip(eqn.invars[cn + bn:], carry_sh)]
+
+    def cond_fn(carry):
+        (pred,) = lo._body(cond, env, cconsts + list(zip(carry, carry_sh)), [Sharding(())], log, "while.cond", 1)
+        return pred
+
+    def body_fn(carry):
+        return tuple(lo._body(body, env, bconsts + list(zip(carry, carry_sh)), carry_sh, log, "while.body", 1))
+
+    carry = jax.lax.while_loop(cond_fn, body_fn, tuple(init))
+    return list(zip(carry, carry_sh)), f"while: carry {' '.join(map(str, carry_sh)) or '-'} (predicate replicated)"
+
+
+# ---------------------------------------------------------------------------------------------------- cond
+def _cond_links(e):
+    into, out = [], []
+    for br in e.subs.values():
+        into += [(a, b, e.name, 0, False) for a, b in zip(e.invars[1:], br.invars)]
+        out += [(b, a, e.name, 0, False) for a, b in zip(e.outvars, br.outvars)
+                if _is_value(b)]
+    return into, out
+
+
+def _cond_lower(lo, eqn, env, log):
+    plan = lo.plan.sharding
+    branches = list(eqn.subs.values())
+    index = lo._read(env, eqn.invars[0], Sharding(()), log)
+    ops = [(lo._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[1:], branches[0].invars)]
+    out_sh = [plan(v) for v in eqn.outvars]
+
+    def branch_fn(i, br):
+        return lambda *xs: tuple(lo._body(br, env, list(zip(xs, [s for _, s in ops])), out_sh, log,
+                                          f"cond.branch{i}", 1))
+
+    outs = jax.lax.switch(index, [branch_fn(i, b) for i, b in enumerate(branches)], *[x for x, _ in ops])
+    return list(zip(outs, out_sh)), f"cond over {len(branches)} branches (index replicated)"
+
+
+FORMS: dict[str, Form] = {
+    "scan": Form(lambda p: {"body": p["jaxpr"]}, _scan_links, _scan_lower),
+    "while": Form(lambda p: {"cond": p["cond_jaxpr"], "body": p["body_jaxpr"]}, _while_links, _while_lower),
+    "cond": Form(lambda p: {f"branch{i}": b for i, b in enumerate(p["branches"])}, _cond_links, _cond_lower),
+}
