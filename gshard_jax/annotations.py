@@ -43,16 +43,24 @@ def _transpose(ct, x, *, sharding, what, grad=True):
 ad.deflinear2(sharding_annotation_p, _transpose)
 
 
-def _batch(args, dims, *, sharding, what, grad=True):
+def _batch(axis_data, args, dims, *, sharding, what, grad=True):
+    """Under vmap the new dim is split over vmap's spmd_axis_name (gs.pipeline's stage axis), else whole."""
     (x,), (d,) = args, dims
     if d is batching.not_mapped:
         return sharding_annotation_p.bind(x, sharding=sharding, what=what, grad=grad), d
+    spmd = axis_data.spmd_name
+    spmd = () if spmd is None else (spmd,) if isinstance(spmd, str) else tuple(spmd)
+    clash = set(spmd) & set(sharding.axes)
+    if clash:
+        raise ValueError(f"{what} inside vmap(spmd_axis_name={spmd}) names {sorted(clash)}, the axis the vmapped "
+                         f"dim is split over (a pipeline's stage axis); annotate the other dims only")
     dims_ = list(sharding.dims)
-    dims_.insert(d, ())
-    return sharding_annotation_p.bind(x, sharding=Sharding(tuple(dims_)), what=what, grad=grad), d
+    dims_.insert(d, spmd)
+    moved = Sharding(tuple(dims_), sharding.partial, frozenset(q + (q >= d) for q in sharding.padded))
+    return sharding_annotation_p.bind(x, sharding=moved, what=what, grad=grad), d
 
 
-batching.primitive_batchers[sharding_annotation_p] = _batch
+batching.fancy_primitive_batchers[sharding_annotation_p] = _batch
 
 # --------------------------------------------------------------------------- the active partitioner
 

@@ -16,6 +16,7 @@ from .partitioner import lower as L
 from .partitioner.collective_matmul import check_mode
 from .partitioner.cost import HardwareProfile, default_profile
 from .partitioner.fold import fold_pads, merge_common, static_slices
+from .partitioner.roll import fold_rolls
 from .partitioner.program import Value, from_jaxpr
 from .partitioner.propagation import propagate
 from .partitioner.report import Report, ValueInfo
@@ -112,7 +113,7 @@ def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardw
         single = out_shardings if wrapped else (out_shardings,)
         out_specs = S.flat_specs(out_shardings if multiple or out_shardings is None else single,
                                  outputs, mesh, "out_shardings", top, out_names)
-        program = fold_pads(merge_common(static_slices(from_jaxpr(closed))))
+        program = fold_pads(fold_rolls(merge_common(static_slices(from_jaxpr(closed)))))
         seeds, notes = {}, []
         placed = [S.to_sharding(p, v.shape, f"placement of {n}") for v, p, n in zip(program.invars, placements, names)]
         for v, name, spec, at in zip(program.invars, names, in_specs, placed):

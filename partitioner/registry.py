@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from . import hooks as H
 from . import reorder as RO
+from . import roll as RL
 from . import rules as R
 from . import windowed as W
 from .cost import Collective
@@ -88,6 +89,7 @@ OPS: dict[str, Op] = {
     "reshape": Op(R.reshape),
     "reshard": Op(R.elementwise, H.identity_hook),  # jax.sharding.reshard: a global-view identity
     "rev": Op(RO.rev_rule, RO.rev_hook, RO.rev_collectives),
+    "roll": Op(RL.roll_rule, RL.roll_hook, RL.roll_collectives),
     "scatter": _SCATTER,
     "scatter-add": _SCATTER,
     "select_and_gather_add": Op(W.gather_rule, W.gather_hook, W.collectives),

@@ -1,0 +1,404 @@
+"""Pipeline parallelism in global view: stages stacked on a dim split over the `stage` mesh axis.
+
+Every tick runs all stages at once (``vmap`` over the stage dim, each
+device running its own stage) and moves activations one stage on by a
+roll of that dim, which the partitioner lowers to one collective-permute.
+Which microbatch each stage runs is read from the schedule's table
+(schedules.py); bubble slots run on zeros and their results and gradients
+are cut off by ``where``, so nothing in a bubble can leak into the loss.
+
+``pipeline`` is the forward (GPipe, circular): differentiate through it and
+autodiff's backward stores every tick's residuals (memory grows with m).
+``pipeline_value_and_grad`` also runs the 1F1B schedules, which own their
+backward: the per-stage ``jax.vjp`` residuals that depend on the activation
+wait in a ring buffer of 2 r p - 1 slots (those that depend on the weights
+alone are recomputed), so memory is bounded whatever m is.
+
+The stage function's own annotations (over data, x/y/z, expert) apply
+inside each stage: under the pipeline's vmap they gain the stage axis on
+the stacked dim.
+"""
+from __future__ import annotations
+
+import contextvars
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax._src.interpreters import partial_eval as pe
+from jax.extend import core
+
+from . import annotations as A
+from . import schedules as S
+
+PyTree = Any
+
+# Schedules traced while a partitioned program is built: explain() reports them.
+TRACED: contextvars.ContextVar = contextvars.ContextVar("gshard_jax_pipelines", default=None)
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _stages(params: PyTree, repeats: int) -> int:
+    sizes = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(params)}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(f"pipeline params: every leaf must lead with the same stacked dim (stages * repeats); "
+                         f"got leading sizes {sorted(map(str, sizes))}")
+    (n,) = sizes
+    if n % repeats:
+        raise ValueError(f"pipeline params lead with {n} layer chunks, not a multiple of repeats={repeats}")
+    return n // repeats
+
+
+def _axis(axis: str, stages: int) -> Optional[str]:
+    """The mesh axis the stage dim is split over, or None outside gs.partition (or on a mesh without it)."""
+    mesh = A.current_mesh()
+    if mesh is None or axis not in mesh.axis_names:
+        return None
+    if mesh.shape[axis] != stages:
+        raise ValueError(f"pipeline: {stages} stages on mesh axis {axis!r} of size {mesh.shape[axis]}; the "
+                         f"stacked params must lead with stages * repeats = {mesh.shape[axis]} * repeats chunks")
+    return axis
+
+
+def _shard(tree: PyTree, lead: tuple, specs: Optional[PyTree], axis: Optional[str]) -> PyTree:
+    """Annotate every leaf with `lead` (stage on the stacked dim) then its spec from `specs`."""
+    if axis is None:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    spec_leaves = [()] * len(leaves) if specs is None else treedef.flatten_up_to(specs)
+    return treedef.unflatten([A.shard(x, (*lead, *tuple(s or ()))) for x, s in zip(leaves, spec_leaves)])
+
+
+def microbatches(x: PyTree, m: int) -> PyTree:
+    """[B, ...] -> [m, B/m, ...]: rows i, i + m, ... form microbatch i (each device's rows split evenly)."""
+    def one(a):
+        if a.shape[0] % m:
+            raise ValueError(f"pipeline: batch dim {a.shape[0]} is not a multiple of num_microbatches={m}")
+        return a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)
+    return jax.tree.map(one, x)
+
+
+def unmicrobatch(y: PyTree) -> PyTree:
+    """The inverse of `microbatches`."""
+    return jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:]), y)
+
+
+def _where(ok, a, b):
+    return jax.tree.map(lambda u, v: jnp.where(_mask(ok, u), u, v), a, b)
+
+
+def _zero_unless(ok, tree):
+    return jax.tree.map(lambda u: jnp.where(_mask(ok, u), u, jnp.zeros((), u.dtype)), tree)
+
+
+def _take(tree, idx):
+    """Per stage s, leaf[s, idx[s]] (a stage-local read)."""
+    return jax.tree.map(lambda a: jax.vmap(lambda b, i: b[i])(a, jnp.maximum(idx, 0)), tree)
+
+
+def _put(tree, idx, value, ok):
+    """Per stage s where ok[s], leaf[s, idx[s]] = value[s] (a stage-local write)."""
+    def one(a, v):
+        return jax.vmap(lambda b, i, u, o: b.at[i].set(jnp.where(o, u, b[i])))(a, jnp.maximum(idx, 0), v, ok)
+    return jax.tree.map(one, tree, value)
+
+
+def _chunk(params_rp: PyTree, repeat: jax.Array, r: int) -> PyTree:
+    """Per stage s, the layer chunk of repeat[s]: params_rp[repeat[s], s] ([r, p, ...] -> [p, ...])."""
+    if r == 1:
+        return jax.tree.map(lambda a: a[0], params_rp)
+    return jax.tree.map(lambda a: jax.vmap(lambda b, k: b[k], in_axes=(1, 0))(a, jnp.maximum(repeat, 0)), params_rp)
+
+
+class _Run:
+    """What one pipeline call shares between its ticks: the schedule, the stage function, the axes."""
+
+    def __init__(self, stage_fn: Callable, has_aux: bool, schedule: S.Schedule, axis: Optional[str],
+                 x_spec: Optional[PyTree]):
+        self.fn, self.has_aux, self.sc, self.axis, self.x_spec = stage_fn, has_aux, schedule, axis, x_spec
+        p = schedule.stages
+        self.stage_ids = jnp.arange(p)
+
+    def vmap(self, f, **kw):
+        return jax.vmap(f, spmd_axis_name=self.axis, **kw)
+
+    def call(self, w, x):
+        out = self.fn(w, x)
+        return out if self.has_aux else (out, {})
+
+    def state(self, tree):
+        return _shard(tree, (self.axis,), self.x_spec, self.axis)
+
+    def rows(self, wave: S.Wave, ticks: range) -> tuple:
+        sl = slice(ticks.start, ticks.stop)
+        return jnp.asarray(wave.microbatch[sl]), jnp.asarray(wave.repeat[sl]), jnp.asarray(wave.slot[sl])
+
+    def inject(self, xs, state, mb, rep):
+        """Stage 0's input at the first repeat is the next microbatch; every other input rolled in."""
+        first = (self.stage_ids == 0) & (rep == 0)
+        fresh = jax.tree.map(lambda a: jnp.take(a, jnp.maximum(mb, 0), axis=0), xs)
+        return self.state(_where(first, fresh, state))
+
+    def roll(self, tree, shift: int):
+        return self.state(jax.tree.map(lambda a: jnp.roll(a, shift, axis=0), tree))
+
+
+# ------------------------------------------------------------------------------------------------ forward
+def pipeline(stage_fn: Callable, params: PyTree, x: PyTree, *, num_microbatches: int, schedule: str = "gpipe",
+             repeats: int = 1, has_aux: bool = False, axis: str = "stage", x_spec: Optional[PyTree] = None,
+             param_specs: Optional[PyTree] = None):
+    """Run `stage_fn(chunk_params, x_mb) -> y_mb` (or (y_mb, aux) with has_aux) as a pipeline over x's batch.
+
+    params: a pytree whose leaves lead with stages * repeats layer chunks; chunk k * stages + s runs on
+    stage s in repeat k (so stage s holds chunks s, s + p, ...). x: leaves [B, ...], split into
+    num_microbatches microbatches of rows i, i + m, ...; y has x's structure and shapes. aux (a pytree of
+    scalars) is summed over microbatches and stages. x_spec / param_specs: each leaf's PartitionSpec-like
+    tuple over the other mesh axes (one microbatch / one chunk), for the annotations the pipeline makes.
+    The 1F1B schedules run their forward order here; their backward needs `pipeline_value_and_grad`.
+    """
+    p = _stages(params, repeats)
+    S.check(schedule, p, num_microbatches, repeats)
+    name = {"1f1b": "gpipe", "interleaved_1f1b": "circular"}.get(schedule, schedule)
+    sc = S.make(name, p, num_microbatches, repeats)
+    _trace(sc)
+    ax = _axis(axis, p)
+    run = _Run(stage_fn, has_aux, sc, ax, x_spec)
+    params_rp = _stacked(params, repeats, p, ax, param_specs)
+    xs = microbatches(x, num_microbatches)
+    y0 = run.state(jax.tree.map(lambda a: jnp.zeros((p,) + a.shape[1:], a.dtype), xs))
+    out0 = jax.tree.map(lambda a: jnp.zeros((p,) + a.shape, a.dtype), xs)
+    aux0 = _aux_zeros(run, params_rp, y0)
+
+    def tick(carry, row):
+        state, out, aux = carry
+        mb, rep, _ = row
+        valid = mb >= 0
+        inp = run.inject(xs, state, mb, rep)
+        y, a = run.vmap(lambda w, u, ok: run.call(w, _zero_unless(ok, u)))(_chunk(params_rp, rep, repeats), inp, valid)
+        last = valid & (run.stage_ids == p - 1) & (rep == repeats - 1)
+        out = _put(out, mb, y, last)
+        aux = jax.tree.map(jnp.add, aux, _zero_unless(valid, a))
+        return (run.roll(y, 1), out, aux), None
+
+    with jax.named_scope(f"pipeline.{name}"):
+        (_, out, aux), _ = jax.lax.scan(tick, (y0, out0, aux0), run.rows(sc.forward, range(sc.ticks)))
+    y = unmicrobatch(_from_stage(out, p - 1))
+    aux = jax.tree.map(lambda a: a.sum(0), aux)
+    return (y, aux) if has_aux else y
+
+
+def _from_stage(tree, s: int):
+    """leaf[s] of stage-stacked leaves, as a masked sum over the stage dim (one all-reduce, not a gather)."""
+    return jax.tree.map(lambda a: jnp.where(_mask(jnp.arange(a.shape[0]) == s, a), a, 0).sum(0).astype(a.dtype),
+                        tree)
+
+
+def _mask(ok, a):
+    return jnp.reshape(ok, ok.shape + (1,) * (a.ndim - ok.ndim))
+
+
+def _stacked(params, r, p, axis, specs):
+    """[r p, ...] -> [r, p, ...] with the stage dim split over the stage axis."""
+    params_rp = jax.tree.map(lambda a: a.reshape(r, p, *a.shape[1:]), params)
+    return _shard(params_rp, (None, axis), specs, axis)
+
+
+def _aux_zeros(run, params_rp, state):
+    w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params_rp)
+    s = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    _, aux = jax.eval_shape(lambda w, s: run.vmap(run.call)(w, s), w, s)
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux)
+
+
+def _trace(sc: S.Schedule) -> None:
+    seen = TRACED.get()
+    if seen is not None:
+        seen.append(sc)
+
+
+# ------------------------------------------------------------------------------------------ value and grad
+def pipeline_value_and_grad(stage_fn: Callable, params: PyTree, x: PyTree, loss_fn: Callable, loss_params: PyTree,
+                            targets: PyTree, *, num_microbatches: int, schedule: str = "1f1b", repeats: int = 1,
+                            has_aux: bool = False, aux_weights: Optional[PyTree] = None, axis: str = "stage",
+                            x_spec: Optional[PyTree] = None, param_specs: Optional[PyTree] = None):
+    """The pipeline with a loss on its output, and the gradients: ((loss, aux), (d params, d x, d loss_params)).
+
+    loss_fn(loss_params, y_mb, targets_mb) -> scalar is summed over microbatches; with has_aux the stage's
+    aux (summed as in `pipeline`) adds sum(aux_weights * aux) to the objective (aux_weights: a pytree like
+    aux of weights, 0 for statistics; None: aux is not differentiated). Gradients are float32 for floating
+    leaves. GPipe and circular differentiate `pipeline`; 1F1B and interleaved 1F1B run their own backward
+    wave, holding per stage at most 2 r p - 1 microbatches' residuals.
+    """
+    p = _stages(params, repeats)
+    S.check(schedule, p, num_microbatches, repeats)
+    if schedule not in S.OWN_BACKWARD:
+        def objective(params, x, loss_params):
+            y, aux = pipeline(stage_fn, params, x, num_microbatches=num_microbatches, schedule=schedule,
+                              repeats=repeats, has_aux=True if has_aux else False, axis=axis, x_spec=x_spec,
+                              param_specs=param_specs) if has_aux else (
+                pipeline(stage_fn, params, x, num_microbatches=num_microbatches, schedule=schedule, repeats=repeats,
+                         axis=axis, x_spec=x_spec, param_specs=param_specs), {})
+            ys, ts = microbatches(y, num_microbatches), microbatches(targets, num_microbatches)
+            loss = jax.lax.map(lambda yt: loss_fn(loss_params, *yt), (ys, ts)).sum()
+            return loss + _weighted(aux, aux_weights), (loss, aux)
+
+        (_, (loss, aux)), grads = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(params, x, loss_params)
+        return (loss, aux), _f32(grads)
+    return _one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, num_microbatches, schedule, repeats,
+                        has_aux, aux_weights, axis, x_spec, param_specs)
+
+
+def _weighted(aux, weights):
+    if weights is None:
+        return 0.0
+    return sum(jnp.sum(a * w) for a, w in zip(jax.tree.leaves(aux), jax.tree.leaves(weights)))
+
+
+def _f32(tree):
+    return jax.tree.map(lambda g: g.astype(jnp.float32) if jnp.issubdtype(g.dtype, jnp.floating) else g, tree)
+
+
+class _Residuals:
+    """A stage's jax.vjp residuals, split into those that depend on the activation (stashed per microbatch)
+    and those that depend on the weights alone (recomputed at the backward: a weight, its cast or transpose,
+    is never stashed once per microbatch)."""
+
+    def __init__(self, run: _Run, w_shape, x_shape):
+        def leaves(w, x):
+            out, vjp = jax.vjp(run.call, w, x)
+            flat, self.treedef = jax.tree.flatten(vjp)
+            return flat
+
+        closed = jax.make_jaxpr(leaves)(w_shape, x_shape)
+        jaxpr, self.consts = pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
+        n_w = len(self.consts) + len(jax.tree.leaves(w_shape))
+        self.on_x = _depends(jaxpr, n_w)
+        weights_only, self.used_in = pe.dce_jaxpr(jaxpr, [not d for d in self.on_x])
+        assert not any(self.used_in[n_w:]), "weight-only residuals read the activation"
+        self.weights_only = core.ClosedJaxpr(weights_only, [])
+        self.stashed = [v.aval for v, d in zip(jaxpr.outvars, self.on_x) if d]
+
+    def split(self, flat):
+        return [f for f, d in zip(flat, self.on_x) if d]
+
+    def rebuild(self, w, stashed):
+        """The vjp function of a stage from its weights and its stashed residuals."""
+        args = [a for a, u in zip(self.consts + jax.tree.leaves(w), self.used_in) if u]
+        recomputed = iter(core.jaxpr_as_fun(self.weights_only)(*args))
+        stashed = iter(stashed)
+        flat = [next(stashed) if d else next(recomputed) for d in self.on_x]
+        return jax.tree.unflatten(self.treedef, flat)
+
+
+def _depends(jaxpr, n_w: int) -> list[bool]:
+    """For each output of jaxpr, whether it depends on the inputs after the first n_w."""
+    dep = {v: i >= n_w for i, v in enumerate(jaxpr.invars)}
+    for e in jaxpr.eqns:
+        d = any(dep.get(v, False) for v in e.invars if not isinstance(v, core.Literal))
+        for o in e.outvars:
+            dep[o] = d
+    return [(not isinstance(v, core.Literal)) and dep.get(v, False) for v in jaxpr.outvars]
+
+
+def _one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedule, r, has_aux, aux_weights, axis,
+                 x_spec, param_specs):
+    sc = S.make(schedule, p, m, r)
+    _trace(sc)
+    ax = _axis(axis, p)
+    run = _Run(stage_fn, has_aux, sc, ax, x_spec)
+    ids = run.stage_ids
+    params_rp = _stacked(params, r, p, ax, param_specs)
+    xs, ts = microbatches(x, m), microbatches(targets, m)
+    res = _Residuals(run, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), params_rp),
+                     jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs))
+    zeros_state = run.state(jax.tree.map(lambda a: jnp.zeros((p,) + a.shape[1:], a.dtype), xs))
+    aux0 = _aux_zeros(run, params_rp, zeros_state)
+    weights = jax.tree.map(jnp.zeros_like, jax.tree.map(lambda a: a[0], aux0)) if aux_weights is None else aux_weights
+    carry = {
+        "f": zeros_state,  # activations moving up a stage per tick
+        "b": zeros_state,  # their gradients moving down
+        "stash": [jnp.zeros((p, sc.stash) + tuple(a.shape), a.dtype) for a in res.stashed],
+        "loss": jnp.zeros((p,), jnp.float32),
+        "aux": aux0,
+        "dw": _shard(jax.tree.map(lambda a: jnp.zeros(a.shape, _acc_dtype(a)), params_rp), (None, ax), param_specs, ax),
+        "dl": jax.tree.map(lambda a: jnp.zeros((p,) + jnp.shape(a), _acc_dtype(a)), loss_params),
+        "dx": jax.tree.map(lambda a: jnp.zeros((p,) + a.shape, a.dtype), xs),
+    }
+
+    def forward(c, row):
+        mb, rep, slot = row
+        valid = mb >= 0
+        inp = run.inject(xs, c["f"], mb, rep)
+
+        def stage(w, u, ok):
+            (y, a), vjp = jax.vjp(run.call, w, _zero_unless(ok, u))
+            return y, _zero_unless(ok, a), res.split(jax.tree.leaves(vjp))
+
+        y, a, saved = run.vmap(stage)(_chunk(params_rp, rep, r), inp, valid)
+        c = dict(c, f=run.roll(y, 1), aux=jax.tree.map(jnp.add, c["aux"], a),
+                 stash=_put(c["stash"], slot, saved, valid))
+        return c, y, valid & (ids == p - 1) & (rep == r - 1), mb
+
+    def loss(c, y, last, mb):
+        def one(lp, y, t, ok):
+            value, vjp = jax.vjp(lambda lp, y: loss_fn(lp, y, t), lp, y)
+            dl, dy = vjp(jnp.ones_like(value))
+            return jnp.where(ok, value, 0).astype(jnp.float32), _zero_unless(ok, _f32(dl)), _zero_unless(ok, dy)
+
+        value, dl, dy = run.vmap(one, in_axes=(None, 0, 0, 0))(loss_params, y, _take_rows(ts, mb), last)
+        return dict(c, loss=c["loss"] + value, dl=jax.tree.map(jnp.add, c["dl"], dl)), dy
+
+    def backward(c, row, fresh=None):
+        mb, rep, slot = row
+        valid = mb >= 0
+        g = c["b"] if fresh is None else _where(valid & (ids == p - 1) & (rep == r - 1), fresh, c["b"])
+
+        def stage(w, saved, g, ok):
+            vjp = res.rebuild(w, saved)
+            dw, dx = vjp((_zero_unless(ok, g), jax.tree.map(lambda u: jnp.where(ok, u, 0).astype(u.dtype), weights)))
+            return _zero_unless(ok, _f32(dw)), _zero_unless(ok, dx)
+
+        saved = [jax.vmap(lambda b, i: b[i])(a, jnp.maximum(slot, 0)) for a in c["stash"]]
+        dw, dx = run.vmap(stage)(_chunk(params_rp, rep, r), saved, g, valid)
+        if r == 1:
+            acc = jax.tree.map(lambda G, d: G + d[None].astype(G.dtype), c["dw"], dw)
+        else:
+            acc = jax.tree.map(lambda G, d: jax.vmap(lambda Gs, k, ds: Gs.at[k].add(ds.astype(Gs.dtype)),
+                                                     in_axes=(1, 0, 0), out_axes=1)(G, jnp.maximum(rep, 0), d),
+                               c["dw"], dw)
+        first = valid & (ids == 0) & (rep == 0)
+        return dict(c, b=run.roll(dx, -1), dw=acc, dx=_put(c["dx"], mb, dx, first))
+
+    def warm(c, row):
+        return forward(c, row)[0], None
+
+    def steady(c, rows):
+        c, y, last, mb = forward(c, rows[0])
+        c, dy = loss(c, y, last, mb)
+        return backward(c, rows[1], dy), None
+
+    def cool(c, row):
+        return backward(c, row), None
+
+    w_ticks, s_ticks, c_ticks = sc.phases
+    with jax.named_scope(f"pipeline.{schedule}"):
+        with jax.named_scope("warmup"):
+            carry, _ = jax.lax.scan(warm, carry, run.rows(sc.forward, w_ticks))
+        with jax.named_scope("steady"):
+            carry, _ = jax.lax.scan(steady, carry, (run.rows(sc.forward, s_ticks), run.rows(sc.backward, s_ticks)))
+        with jax.named_scope("cooldown"):
+            carry, _ = jax.lax.scan(cool, carry, run.rows(sc.backward, c_ticks))
+    aux = jax.tree.map(lambda a: a.sum(0), carry["aux"])
+    d_params = jax.tree.map(lambda a: a.reshape(r * p, *a.shape[2:]), carry["dw"])
+    d_loss_params = jax.tree.map(lambda a: a.sum(0), carry["dl"])
+    d_x = unmicrobatch(_from_stage(carry["dx"], 0))
+    return (carry["loss"].sum(), aux), (d_params, _f32(d_x), d_loss_params)
+
+
+def _acc_dtype(a):
+    return jnp.float32 if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype
+
+
+def _take_rows(tree, idx):
+    """Per stage s, leaf[idx[s]] of microbatch-stacked leaves (each stage reads its own microbatch)."""
+    return jax.tree.map(lambda a: jnp.take(a, jnp.maximum(idx, 0), axis=0), tree)
