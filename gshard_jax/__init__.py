@@ -20,7 +20,8 @@ from .annotations import replicate, shard, split
 from .api import explain, partition
 from .manual import manual
 from .mesh import make_mesh
+from .pipelining import pipeline, pipeline_value_and_grad
 
 __all__ = ["make_mesh", "replicate", "split", "shard", "manual", "partition", "explain", "Report", "Sharding",
-           "HardwareProfile", "collective_stats"]
+           "HardwareProfile", "collective_stats", "pipeline", "pipeline_value_and_grad"]
 __version__ = "0.1.0"

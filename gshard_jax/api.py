@@ -11,6 +11,7 @@ from jax._src.interpreters import partial_eval as pe
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from . import annotations as A
+from . import pipelining as PL
 from . import specs as S
 from .partitioner import lower as L
 from .partitioner.collective_matmul import check_mode
@@ -97,8 +98,13 @@ def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardw
             a, kw = jax.tree_util.tree_unflatten(in_tree, flat)
             return fn(*a, **kw)
 
-        with A.active(mesh, "gshard"):
-            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
+        traced_pipelines = []
+        token = PL.TRACED.set(traced_pipelines)
+        try:
+            with A.active(mesh, "gshard"):
+                closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
+        finally:
+            PL.TRACED.reset(token)
         # Plan the program XLA will run: values nothing uses (e.g. the forward loss inside jax.grad) are
         # dropped first, so no collective is planned or reported for them, and there is less to partition.
         jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
@@ -146,6 +152,7 @@ def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardw
         if report is not None:
             report.rows.clear()
             report.notes = notes
+            report.pipelines = [sc.summary() for sc in traced_pipelines]
             report.inputs = [ValueInfo(n, tuple(v.shape), str(v.dtype), plan.sharding(v), e,
                                        plan.origins.get(v, "")) for n, v, e in zip(names, program.invars, entry)]
             report.outputs = [ValueInfo(n, tuple(v.shape), str(v.aval.dtype), plan.sharding(v), x,

@@ -91,6 +91,12 @@ class Schedule:
             return warm
         return range(warm.start, steady.stop) if wave is self.forward else range(steady.start, cool.stop)
 
+    def summary(self) -> dict:
+        """The schedule as explain() reports it."""
+        return {"schedule": self.name, "stages": self.stages, "microbatches": self.microbatches,
+                "repeats": self.repeats, "ticks": self.ticks, "bubble": self.bubble, "stash": self.stash,
+                "text": self.describe()}
+
     def describe(self) -> str:
         p, m, r = self.stages, self.microbatches, self.repeats
         return (f"{self.name}: {p} stages, {m} microbatches" + (f", {r} repeats" if r > 1 else "")

@@ -129,6 +129,7 @@ class Report:
     notes: list[str] = dataclasses.field(default_factory=list)
     kind_of: Callable[[str], str] = _argument  # groups inputs into kinds for memory (default: the argument)
     compiled_memory: Optional[dict] = None  # XLA's memory_analysis() of the compiled program (attach_compiled)
+    pipelines: list[dict] = dataclasses.field(default_factory=list)  # gs.pipeline schedules traced (Schedule.summary)
 
     def argument_bytes(self) -> dict:
         """Predicted bytes per device of the program's arguments, by kind (and "total"), from the shardings
@@ -196,7 +197,7 @@ class Report:
             "mesh": self.mesh, "profile": dataclasses.asdict(self.profile),
             "inputs": [v.to_dict() for v in self.inputs], "outputs": [v.to_dict() for v in self.outputs],
             "notes": self.notes, "rows": [r.to_dict() for r in self.rows], "totals": self.totals(),
-            "memory": self.memory,
+            "memory": self.memory, "pipelines": self.pipelines,
             "totals_per_call": self.totals(dynamic=True),
             "predicted_comm_time_s": self.comm_time, "predicted_compute_time_s": self.compute_time,
             "fallbacks": [r.index for r in self.fallbacks]}, default=str, **kw)
@@ -261,7 +262,10 @@ class Report:
         lines += [_fit(f"input  {x}", 2) for x in self.inputs]
         lines += [_fit(f"output {x}", 2) for x in self.outputs]
         lines += [_fit(f"note: {n}", 2) for n in self.notes]
-        return lines
+        return lines + self._pipeline_lines()
+
+    def _pipeline_lines(self) -> list[str]:
+        return [_fit(f"pipeline {p['text']}", 2) for p in self.pipelines]
 
     def table(self) -> str:
         """Every row, with the origin of each result's sharding."""
@@ -283,6 +287,7 @@ class Report:
             elif values:
                 lines.append(_fit(f"{what}: {_summary(values)}", 2))
         lines += [_fit(f"note: {n}", 2) for n in self.notes]
+        lines += self._pipeline_lines()
         lines.append(f"{len(shown)} of {len(self.rows)} rows communicate or fall back "
                      f"(report.table() lists all):")
         if len(shown) <= FEW_ROWS:

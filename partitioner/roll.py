@@ -14,9 +14,10 @@ from __future__ import annotations
 import math
 
 import jax
+from jax._src import source_info_util
 import jax.numpy as jnp
 from jax.extend import core
-from jax.interpreters import mlir
+from jax.interpreters import ad, batching, mlir
 
 from .cost import Collective
 from .factors import FactorNames, Rule
@@ -25,11 +26,30 @@ from .halo import gather_collectives, gather_rows, ppermute
 from .program import Eqn, Program, Value
 from .reshard import linear_axis_index
 
+# Report the caller of roll(), not this module.
+source_info_util.register_exclusion(__file__)
+
 roll_p = core.Primitive("roll")
 roll_p.def_impl(lambda x, *, shift, axis: jnp.roll(x, shift, axis))
 roll_p.def_abstract_eval(lambda x, **_: x)
 mlir.register_lowering(roll_p, mlir.lower_fun(lambda x, *, shift, axis: jnp.roll(x, shift, axis),
                                               multiple_results=False))
+ad.deflinear2(roll_p, lambda ct, x, *, shift, axis: [ct if type(ct) is ad.Zero else
+                                                      roll_p.bind(ct, shift=-shift, axis=axis)])
+
+
+def _roll_batch(args, dims, *, shift, axis):
+    (x,), (d,) = args, dims
+    return roll_p.bind(x, shift=shift, axis=axis + (d <= axis)), d
+
+
+batching.primitive_batchers[roll_p] = _roll_batch
+
+
+def roll(x, shift: int, axis: int):
+    """jnp.roll(x, shift, axis) as one equation (its transpose is a roll back), so a split axis is permuted
+    both ways; outside gs.partition it is jnp.roll."""
+    return roll_p.bind(x, shift=int(shift), axis=int(axis) % x.ndim)
 
 
 # ------------------------------------------------------------------------------------------------- folding

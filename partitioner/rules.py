@@ -8,6 +8,7 @@ rules: there is no per-op code path.
 from __future__ import annotations
 
 import math
+import jax
 from typing import Optional, Sequence
 
 from .factors import FactorNames, Rule
@@ -263,9 +264,11 @@ def gather_rule(eqn: Eqn) -> Rule:
     for od, ibd in zip(dn.operand_batching_dims, dn.start_indices_batching_dims):
         op[od] = idx[ibd]
     offset_operand = [d for d in range(len(os)) if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    # A whole-dim window starts at 0 whatever its index when starts are clamped (a vmapped dynamic_slice).
+    clamped = eqn.params["mode"] in (jax.lax.GatherScatterMode.CLIP, jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
     for k, d in enumerate(offset_operand):
         od = dn.offset_dims[k]
-        if sizes_[d] == os[d] and d not in dn.start_index_map:
+        if sizes_[d] == os[d] and (d not in dn.start_index_map or clamped):
             op[d] = out[od] = (n.new(os[d]),)
         else:
             op[d], out[od] = (n.new(os[d]),), (n.new(out_shape[od]),)
@@ -302,9 +305,11 @@ def scatter_rule(eqn: Eqn) -> Optional[Rule]:
     idx[-1] = (n.new(is_[-1]),)
     rep.add(idx[-1][0])
     window_operand = [d for d in range(len(os)) if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+    # A whole-dim window lands at 0 whatever its index when indices are clamped (a vmapped update slice).
+    clamped = eqn.params["mode"] in (jax.lax.GatherScatterMode.CLIP, jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
     for k, d in enumerate(window_operand):
         ud = dn.update_window_dims[k]
-        if us[ud] == os[d] and d not in dn.scatter_dims_to_operand_dims:
+        if us[ud] == os[d] and (d not in dn.scatter_dims_to_operand_dims or clamped):
             upd[ud] = op[d]
         else:
             upd[ud] = (n.new(us[ud]),)
@@ -318,7 +323,6 @@ def scatter_rule(eqn: Eqn) -> Optional[Rule]:
 
 def random_bits_rule(eqn: Eqn) -> Optional[Rule]:
     """Partitionable threefry bits are a function of the global position: every dim may split (hook)."""
-    import jax
     if _shape(eqn.invars[0]) != () or not jax.config.jax_threefry_partitionable:
         return None
     if "fry" not in str(eqn.invars[0].aval.dtype):

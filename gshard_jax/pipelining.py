@@ -30,6 +30,7 @@ from jax.extend import core
 
 from . import annotations as A
 from . import schedules as S
+from .partitioner.roll import roll
 
 PyTree = Any
 
@@ -39,14 +40,14 @@ TRACED: contextvars.ContextVar = contextvars.ContextVar("gshard_jax_pipelines", 
 
 # ----------------------------------------------------------------------------------------------- helpers
 def _stages(params: PyTree, repeats: int) -> int:
-    sizes = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(params)}
-    if len(sizes) != 1 or None in sizes:
-        raise ValueError(f"pipeline params: every leaf must lead with the same stacked dim (stages * repeats); "
-                         f"got leading sizes {sorted(map(str, sizes))}")
-    (n,) = sizes
-    if n % repeats:
-        raise ValueError(f"pipeline params lead with {n} layer chunks, not a multiple of repeats={repeats}")
-    return n // repeats
+    """The stage count p: leaves lead with [p] (repeats == 1) or [repeats, p] (repeats > 1)."""
+    lead = 1 if repeats == 1 else 2
+    shapes = {tuple(x.shape[:lead]) if x.ndim >= lead else None for x in jax.tree.leaves(params)}
+    want = "[stages]" if repeats == 1 else f"[repeats={repeats}, stages]"
+    if len(shapes) != 1 or None in shapes or (repeats > 1 and next(iter(shapes))[0] != repeats):
+        raise ValueError(f"pipeline params: every leaf must lead with the same stacked dims {want}; got leading "
+                         f"dims {sorted(map(str, shapes))}")
+    return next(iter(shapes))[-1]
 
 
 def _axis(axis: str, stages: int) -> Optional[str]:
@@ -140,7 +141,7 @@ class _Run:
         return self.state(_where(first, fresh, state))
 
     def roll(self, tree, shift: int):
-        return self.state(jax.tree.map(lambda a: jnp.roll(a, shift, axis=0), tree))
+        return self.state(jax.tree.map(lambda a: roll(a, shift, 0), tree))
 
 
 # ------------------------------------------------------------------------------------------------ forward
@@ -149,8 +150,8 @@ def pipeline(stage_fn: Callable, params: PyTree, x: PyTree, *, num_microbatches:
              param_specs: Optional[PyTree] = None):
     """Run `stage_fn(chunk_params, x_mb) -> y_mb` (or (y_mb, aux) with has_aux) as a pipeline over x's batch.
 
-    params: a pytree whose leaves lead with stages * repeats layer chunks; chunk k * stages + s runs on
-    stage s in repeat k (so stage s holds chunks s, s + p, ...). x: leaves [B, ...], split into
+    params: a pytree whose leaves lead with [stages] (repeats == 1) or [repeats, stages] (MaxText's
+    layout): leaf[k, s] is the layer chunk stage s runs in repeat k, so in layer order chunk k * p + s. x: leaves [B, ...], split into
     num_microbatches microbatches of rows i, i + m, ...; y has x's structure and shapes. aux (a pytree of
     scalars) is summed over microbatches and stages. x_spec / param_specs: each leaf's PartitionSpec-like
     tuple over the other mesh axes (one microbatch / one chunk), for the annotations the pipeline makes.
@@ -198,8 +199,8 @@ def _mask(ok, a):
 
 
 def _stacked(params, r, p, axis, specs):
-    """[r p, ...] -> [r, p, ...] with the stage dim split over the stage axis."""
-    params_rp = jax.tree.map(lambda a: a.reshape(r, p, *a.shape[1:]), params)
+    """[p, ...] or [r, p, ...] -> [r, p, ...] with the stage dim split over the stage axis."""
+    params_rp = jax.tree.map(lambda a: a[None], params) if r == 1 else params
     return _shard(params_rp, (None, axis), specs, axis)
 
 
@@ -313,7 +314,8 @@ def _one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, sched
                      jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs))
     zeros_state = run.state(jax.tree.map(lambda a: jnp.zeros((p,) + a.shape[1:], a.dtype), xs))
     aux0 = _aux_zeros(run, params_rp, zeros_state)
-    weights = jax.tree.map(jnp.zeros_like, jax.tree.map(lambda a: a[0], aux0)) if aux_weights is None else aux_weights
+    weights = jax.tree.map(lambda a, w: jnp.broadcast_to(jnp.asarray(w, a.dtype), a.shape[1:]), aux0,
+                           jax.tree.map(lambda a: 0.0, aux0) if aux_weights is None else aux_weights)
     carry = {
         "f": zeros_state,  # activations moving up a stage per tick
         "b": zeros_state,  # their gradients moving down
@@ -355,7 +357,7 @@ def _one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, sched
 
         def stage(w, saved, g, ok):
             vjp = res.rebuild(w, saved)
-            dw, dx = vjp((_zero_unless(ok, g), jax.tree.map(lambda u: jnp.where(ok, u, 0).astype(u.dtype), weights)))
+            dw, dx = vjp((_zero_unless(ok, g), _zero_unless(ok, weights)))
             return _zero_unless(ok, _f32(dw)), _zero_unless(ok, dx)
 
         saved = [jax.vmap(lambda b, i: b[i])(a, jnp.maximum(slot, 0)) for a in c["stash"]]
@@ -389,7 +391,7 @@ def _one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, sched
         with jax.named_scope("cooldown"):
             carry, _ = jax.lax.scan(cool, carry, run.rows(sc.backward, c_ticks))
     aux = jax.tree.map(lambda a: a.sum(0), carry["aux"])
-    d_params = jax.tree.map(lambda a: a.reshape(r * p, *a.shape[2:]), carry["dw"])
+    d_params = jax.tree.map(lambda a: a[0], carry["dw"]) if r == 1 else carry["dw"]
     d_loss_params = jax.tree.map(lambda a: a.sum(0), carry["dl"])
     d_x = unmicrobatch(_from_stage(carry["dx"], 0))
     return (carry["loss"].sum(), aux), (d_params, _f32(d_x), d_loss_params)

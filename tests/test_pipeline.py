@@ -1,0 +1,250 @@
+"""gs.pipeline: schedule tables as data, equivalence with the unpipelined function, collectives."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gshard_jax as gs
+from gshard_jax import schedules as S
+from helpers import hlo_stats, assert_report_matches_hlo
+
+L, D, B = 8, 16, 16
+
+
+# ------------------------------------------------------------------------------------------ tables as data
+def _cases():
+    for name in S.SCHEDULES:
+        for p in (1, 2, 4, 8):
+            for r in ((1,) if name in ("gpipe", "1f1b") else (1, 2, 3)):
+                for m in (p, 2 * p, 4 * p, 8 * p) + ((1, 3) if r == 1 else ()):
+                    yield name, p, m, r
+
+
+def _slots(wave, sc):
+    got = {}
+    for t in range(sc.ticks):
+        for s in range(sc.stages):
+            if wave.microbatch[t, s] >= 0:
+                key = (int(wave.microbatch[t, s]), int(wave.repeat[t, s]), s)
+                assert key not in got, f"{key} runs twice"
+                got[key] = t
+    return got
+
+
+@pytest.mark.parametrize("name,p,m,r", list(_cases()))
+def test_schedule_table_runs_every_chunk_once_in_dependency_order(name, p, m, r):
+    sc = S.make(name, p, m, r)
+    f = _slots(sc.forward, sc)
+    assert len(f) == m * r * p
+    for (i, k, s), t in f.items():  # each input is the previous stage's (or repeat's) output, one tick earlier
+        if s > 0:
+            assert f[(i, k, s - 1)] == t - 1
+        elif k > 0:
+            assert f[(i, k - 1, p - 1)] == t - 1
+    assert sc.bubble == pytest.approx(sc.theory, abs=1e-12)  # (p - 1) / (m r + p - 1)
+    if sc.backward is None:
+        assert sc.ticks == m * r + p - 1 and sc.stash == 0
+        return
+    b = _slots(sc.backward, sc)
+    assert len(b) == m * r * p
+    live = np.zeros((sc.ticks, p), int)
+    for (i, k, s), t in b.items():
+        assert t >= f[(i, k, s)]
+        if s < p - 1:
+            assert b[(i, k, s + 1)] == t - 1  # the gradient comes down one stage per tick
+        elif k < r - 1:
+            assert b[(i, k + 1, 0)] == t - 1
+        else:
+            assert t == f[(i, k, s)]  # the last virtual stage: forward, loss and backward in one tick
+        assert sc.backward.slot[t, s] == sc.forward.slot[f[(i, k, s)], s]  # reads what its forward stashed
+        live[f[(i, k, s)]:t + 1, s] += 1
+    assert live.max() <= 2 * r * p - 1 == sc.stash  # the stash bound, whatever m is
+    warm, steady, cool = sc.phases
+    assert (len(warm), len(cool)) == (r * p - 1, r * p - 1) and len(steady) == m * r + p - r * p
+
+
+def test_one_f_one_b_stash_does_not_grow_with_microbatches():
+    assert {S.make("1f1b", 4, m).stash for m in (4, 8, 16, 32)} == {7}
+    assert S.make("interleaved_1f1b", 4, 8, 2).bubble == pytest.approx(S.make("1f1b", 4, 8).bubble / 2, rel=0.25)
+
+
+@pytest.mark.parametrize("args,match", [
+    (("zigzag", 4, 8, 1), "expected one of"),
+    (("1f1b", 4, 8, 2), "repeats=1"),
+    (("circular", 4, 6, 2), "multiple of 4"),
+    (("gpipe", 4, 0, 1), "num_microbatches=0"),
+])
+def test_bad_schedules_say_what_would_work(args, match):
+    with pytest.raises(ValueError, match=match):
+        S.make(*args)
+
+
+# ---------------------------------------------------------------------------------- against the reference
+def _problem(seed=0):
+    k = jax.random.split(jax.random.key(seed), 4)
+    return (jax.random.normal(k[0], (L, D, D)) / 4, jax.random.normal(k[1], (B, D)),
+            jax.random.normal(k[2], (D, 3)), jax.random.normal(k[3], (B, 3)))
+
+
+def _layer(w, h):
+    return jnp.tanh(h @ w)
+
+
+def _stage(w, h):
+    for i in range(w.shape[0]):
+        h = _layer(w[i], h)
+    return h, {"sq": jnp.sum(h ** 2), "count": jnp.float32(1.0)}
+
+
+def _loss(hp, y, t):
+    return jnp.sum((y @ hp - t) ** 2)
+
+
+def _reference(W, x, H, t, m):
+    """The unpipelined model, microbatched as the pipeline microbatches (rows i, i + m, ...)."""
+    def objective(W, x, H):
+        total = 0.0
+        for i in range(m):
+            h = x[i::m]
+            for w in W:
+                h = _layer(w, h)
+            total += _loss(H, h, t[i::m])
+        return total
+
+    return jax.value_and_grad(objective, argnums=(0, 1, 2))(W, x, H)
+
+
+def _chunked(W, p, r):
+    """[L, ...] layer order -> [p, L/p, ...] or [r, p, L/(p r), ...]: chunk k p + s at [k, s]."""
+    n = L // (p * r)
+    return W.reshape(p, n, D, D) if r == 1 else W.reshape(r, p, n, D, D)
+
+
+def _unchunked(g):
+    return g.reshape(L, D, D)
+
+
+def _piped(schedule, p, r, m, x_spec=None):
+    def f(W, x, H, t):
+        (loss, aux), (gw, gx, gh) = gs.pipeline_value_and_grad(
+            _stage, _chunked(W, p, r), x, _loss, H, t, num_microbatches=m, schedule=schedule, repeats=r,
+            has_aux=True, aux_weights={"sq": 0.0, "count": 0.0}, x_spec=x_spec)
+        return loss, aux, _unchunked(gw), gx, gh
+    return f
+
+
+@pytest.mark.parametrize("schedule,r", [("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved_1f1b", 2)])
+@pytest.mark.parametrize("k", [1, 2])
+def test_every_schedule_equals_the_unpipelined_function(schedule, r, k):
+    W, x, H, t = _problem()
+    p = 4 if r == 1 else 2
+    m = k * p
+    loss, aux, gw, gx, gh = _piped(schedule, p, r, m)(W, x, H, t)
+    ref_loss, (rw, rx, rh) = _reference(W, x, H, t, m)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for a, b in ((gw, rw), (gx, rx), (gh, rh)):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+    assert float(aux["count"]) == m * p * r  # one per microbatch and chunk: bubbles add nothing
+
+
+def test_forward_pipeline_equals_the_layers_and_sums_aux():
+    W, x, _, _ = _problem()
+    y, aux = gs.pipeline(_stage, _chunked(W, 2, 2), x, num_microbatches=4, schedule="circular", repeats=2,
+                         has_aux=True)
+    h = x
+    for l in range(L):
+        h = _layer(W[l], h)
+    np.testing.assert_allclose(y, h, atol=1e-6)
+    assert float(aux["count"]) == 4 * 4
+
+
+def test_aux_weights_enter_the_gradient():
+    W, x, H, t = _problem()
+
+    def with_aux(W):
+        (loss, aux), (gw, _, _) = gs.pipeline_value_and_grad(
+            _stage, _chunked(W, 4, 1), x, _loss, H, t, num_microbatches=4, schedule="1f1b", has_aux=True,
+            aux_weights={"sq": 0.5, "count": 0.0})
+        return loss + 0.5 * aux["sq"], gw
+
+    def plain(W):
+        y, aux = gs.pipeline(_stage, _chunked(W, 4, 1), x, num_microbatches=4, has_aux=True)
+        ys, ts = y.reshape(B // 4, 4, -1).swapaxes(0, 1), t.reshape(B // 4, 4, -1).swapaxes(0, 1)
+        return sum(_loss(H, ys[i], ts[i]) for i in range(4)) + 0.5 * aux["sq"]
+
+    value, gw = with_aux(W)
+    ref, rw = jax.value_and_grad(plain)(W)
+    np.testing.assert_allclose(value, ref, rtol=1e-5)
+    np.testing.assert_allclose(gw, _chunked(rw, 4, 1), atol=1e-4)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_nan_in_bubble_inputs_cannot_leak(schedule, monkeypatch):
+    """Bubble slots start from NaN instead of zeros: the loss and gradients are finite and unchanged."""
+    from gshard_jax import pipelining as PL
+    W, x, H, t = _problem()
+    clean = _piped(schedule, 4, 1, 4)(W, x, H, t)
+    real = PL._Run.state
+
+    def poisoned(self, tree):
+        return real(self, jax.tree.map(lambda a: jnp.where(jnp.isfinite(a) & (a == 0), jnp.nan, a), tree))
+
+    monkeypatch.setattr(PL._Run, "state", poisoned)
+    dirty = _piped(schedule, 4, 1, 4)(W, x, H, t)
+    for a, b in zip(jax.tree.leaves(clean), jax.tree.leaves(dirty)):
+        assert np.all(np.isfinite(b))
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------- partitioned
+# collective-permutes the compiled step needs: one roll per loop (GPipe: the forward scan and its
+# transpose; 1F1B: forward in warmup and steady, backward in steady and cooldown)
+PERMUTES = {"gpipe": 2, "circular": 2, "1f1b": 4, "interleaved_1f1b": 4}
+
+
+@pytest.mark.parametrize("schedule,r", [("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved_1f1b", 2)])
+def test_partitioned_pipeline_permutes_and_never_gathers_the_stages(schedule, r):
+    W, x, H, t = _problem()
+    mesh = gs.make_mesh({"stage": 4, "data": 2})
+    Win = _chunked(W, 4, r)  # as a model stores them: [stages, ...] or [repeats, stages, ...]
+
+    def f(Wc, x, H, t):
+        (loss, _), (gw, gx, gh) = gs.pipeline_value_and_grad(
+            lambda w, h: _stage(w, h)[0], Wc, x, _loss, H, t, num_microbatches=8, schedule=schedule, repeats=r,
+            x_spec=(("data",),))
+        return loss, gw, gx, gh
+
+    jitted = gs.partition(f, mesh)
+    got = jitted(Win, x, H, t)
+    want = f(Win, x, H, t)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+    stats = hlo_stats(jitted, Win, x, H, t)
+    assert stats["collective-permute"]["count"] == PERMUTES[schedule]
+    assert stats["all-gather"]["count"] == 0  # the stacked parameters stay on their stages
+    report = gs.explain(f, mesh, Win, x, H, t)
+    assert_report_matches_hlo(report, stats)
+    (pl,) = report.pipelines
+    assert (pl["schedule"], pl["stages"], pl["microbatches"], pl["repeats"]) == (schedule, 4, 8, r)
+    assert f"pipeline {schedule}: 4 stages" in str(report)
+    xla = hlo_stats(gs.partition(f, mesh, backend="xla"), Win, x, H, t)
+    for kind in ("all-reduce", "all-gather", "collective-permute", "all-to-all", "reduce-scatter"):
+        assert stats[kind]["payload_bytes"] <= xla[kind]["payload_bytes"], kind
+
+
+def test_roll_of_a_split_dim_is_one_permute_both_ways():
+    mesh = gs.make_mesh({"stage": 8})
+    x = jnp.arange(16.0 * 3).reshape(16, 3)
+
+    def f(x):
+        x = gs.shard(x, ("stage",))
+        return gs.shard(jnp.roll(x, 2, axis=0) * 2.0, ("stage",))
+
+    jitted = gs.partition(f, mesh)
+    np.testing.assert_array_equal(jitted(x), f(x))
+    assert hlo_stats(jitted, x)["collective-permute"]["count"] == 1
+    odd = gs.partition(lambda x: gs.shard(jnp.roll(gs.shard(x, ("stage",)), 3, axis=0), ("stage",)), mesh)
+    np.testing.assert_array_equal(odd(x), jnp.roll(x, 3, axis=0))
+    assert hlo_stats(odd, x)["collective-permute"]["count"] == 2  # a block and a half: two pieces
+    g = gs.partition(jax.grad(lambda x: jnp.sum(f(x) * jnp.arange(16.0)[:, None])), mesh)
+    np.testing.assert_allclose(g(x), jax.grad(lambda x: jnp.sum(f(x) * jnp.arange(16.0)[:, None]))(x))
