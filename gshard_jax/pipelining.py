@@ -249,10 +249,22 @@ def pipeline_value_and_grad(stage_fn: Callable, params: PyTree, x: PyTree, loss_
                         has_aux, aux_weights, axis, x_spec, param_specs)
 
 
-def _weighted(aux, weights):
+def _weights_like(aux, weights):
+    """aux_weights as a tree like aux: None is all zeros; a dict may name only the keys that are weighted."""
     if weights is None:
-        return 0.0
-    return sum(jnp.sum(a * w) for a, w in zip(jax.tree.leaves(aux), jax.tree.leaves(weights)))
+        return jax.tree.map(lambda a: 0.0, aux)
+    if isinstance(aux, dict) and isinstance(weights, dict):
+        unknown = set(weights) - set(aux)
+        if unknown and aux:
+            raise ValueError(f"aux_weights names {sorted(unknown)}, which the stage's aux {sorted(aux)} lacks")
+        return {k: _weights_like(v, weights.get(k, 0.0)) if isinstance(v, dict) else weights.get(k, 0.0)
+                for k, v in aux.items()}
+    return weights
+
+
+def _weighted(aux, weights):
+    return sum((jnp.sum(a * w) for a, w in zip(jax.tree.leaves(aux), jax.tree.leaves(_weights_like(aux, weights)))),
+               0.0)
 
 
 def _f32(tree):
@@ -315,7 +327,7 @@ def _one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, sched
     zeros_state = run.state(jax.tree.map(lambda a: jnp.zeros((p,) + a.shape[1:], a.dtype), xs))
     aux0 = _aux_zeros(run, params_rp, zeros_state)
     weights = jax.tree.map(lambda a, w: jnp.broadcast_to(jnp.asarray(w, a.dtype), a.shape[1:]), aux0,
-                           jax.tree.map(lambda a: 0.0, aux0) if aux_weights is None else aux_weights)
+                           _weights_like(aux0, aux_weights))
     carry = {
         "f": zeros_state,  # activations moving up a stage per tick
         "b": zeros_state,  # their gradients moving down

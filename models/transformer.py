@@ -3,10 +3,11 @@
 Every ``moe_every``-th FFN is an MoE layer (GShard: every other one; OLMoE:
 all). Layers come in periods of ``moe_every`` blocks (the last one MoE); with
 ``scan=True`` the periods are one ``nn.scan`` (stacked params, one traced
-body), and ``remat`` checkpoints each period with a chosen policy. The MoE
-losses (aux, z) and routing statistics are carried through the stack and
-returned with the output, summed (losses) and averaged (statistics) over MoE
-layers. Sharding is the config's ``rules`` table (logical axis -> mesh axes).
+body), and ``remat`` checkpoints each period with a chosen policy. Each block
+returns its MoE losses (aux, z) and routing statistics as outputs (a scan's
+per-period outputs, a pipeline's aux), summed (losses) and averaged
+(statistics) over MoE layers. With ``pipeline`` set, the periods are split
+over the ``stage`` mesh axis (models/pipelined.py). Sharding is the config's ``rules`` table (logical axis -> mesh axes).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 
 from . import layers
 from .moe import MoeConfig, MoeFFN
+from .pipelined import PipelineConfig, pipelined, pipelined_loss
 from .sharding import DEFAULT_RULES, Rules, constrain
 
 REMAT_POLICIES = {
@@ -49,6 +51,7 @@ class TransformerConfig:
     remat_modules: tuple = ()  # modules checkpointed each on its own (seed 001): any of REMAT_MODULES
     dtype: str = "float32"  # compute dtype ("bfloat16" for mixed precision; params stay float32)
     rules: Rules = DEFAULT_RULES  # logical axis -> mesh axes table
+    pipeline: Optional[PipelineConfig] = None  # periods split over the `stage` mesh axis (None: no pipeline)
     aux_loss_weight: float = 0.01  # weight of the summed MoE aux (load-balancing) loss in the training loss
     z_loss_weight: float = 0.001  # weight of the summed router z-loss
 
@@ -81,11 +84,26 @@ def check(cfg: TransformerConfig, decoder_only: bool) -> None:
                              f"layers come in periods of moe_every blocks (the last one MoE)")
 
 
-ZERO_METRICS = ("aux_loss", "z_loss", "dropped", "router_confidence", "moe_layers")
+MOE_LOSSES = ("aux_loss", "z_loss")  # summed over MoE layers (and microbatches, stages) into the training loss
+MOE_STATS = ("dropped", "router_confidence")  # routing statistics, averaged over MoE layers
+MOE_METRICS = MOE_LOSSES + MOE_STATS
 
 
-def _zeros() -> dict:
-    return {k: jnp.zeros((), jnp.float32) for k in ZERO_METRICS}
+def _sum(*trees: dict) -> dict:
+    """Metrics dicts added key by key (a dense block's is empty)."""
+    out: dict = {}
+    for t in trees:
+        for k, v in t.items():
+            out[k] = out[k] + v if k in out else v
+    return out
+
+
+def _metrics(*parts: dict) -> dict:
+    """The model's MoE metrics from the stacks' summed layer outputs: losses summed, statistics averaged."""
+    total = _sum(*parts)
+    layers_ = jnp.maximum(total.pop("moe_layers", 0.0), 1.0)
+    return {k: jnp.asarray(total.get(k, 0.0), jnp.float32) / (1.0 if k in MOE_LOSSES else layers_)
+            for k in MOE_METRICS}
 
 
 class Block(nn.Module):
@@ -97,9 +115,10 @@ class Block(nn.Module):
     train: bool = False
 
     @nn.compact
-    def __call__(self, x_BLD, acc, enc_BTD=None, enc_mask_BT=None):
-        """enc_mask_BT: which source tokens are real; the encoder's self-attention (no `cross`) and the
-        decoder's cross-attention read only those."""
+    def __call__(self, x_BLD, enc_BTD=None, enc_mask_BT=None):
+        """-> (x, metrics: the MoE layer's losses and statistics, {} for a dense block). enc_mask_BT: which
+        source tokens are real; the encoder's self-attention (no `cross`) and the decoder's cross-attention
+        read only those."""
         c, r, dt = self.cfg, self.cfg.rules, self.cfg.compute_dtype
         attn = dict(num_heads=c.num_heads, head_dim=c.head_dim, rules=r, dtype=dt)
         own = lambda cls, module: nn.remat(cls, static_argnums=(2,) if module == "moe" else ()) \
@@ -116,13 +135,11 @@ class Block(nn.Module):
         h = norm("pre_ffn_norm")(x_BLD)
         if self.moe:
             y, losses, stats = own(MoeFFN, "moe")(c.moe, r, dt, name="moe")(h, self.train)
-            acc = {"aux_loss": acc["aux_loss"] + losses["aux_loss"], "z_loss": acc["z_loss"] + losses["z_loss"],
-                   "dropped": acc["dropped"] + stats["dropped"],
-                   "router_confidence": acc["router_confidence"] + stats["router_confidence"],
-                   "moe_layers": acc["moe_layers"] + 1.0}
+            metrics = {**losses, **{k: stats[k] for k in MOE_STATS}, "moe_layers": jnp.float32(1.0)}
         else:
             y = own(layers.Mlp, "ffn")(c.d_ff, r, c.ffn_activation, dt, name="mlp")(h)
-        return constrain(x_BLD + y, ("batch", "length", "embed"), r), acc
+            metrics = {}
+        return constrain(x_BLD + y, ("batch", "length", "embed"), r), metrics
 
 
 class Period(nn.Module):
@@ -133,17 +150,52 @@ class Period(nn.Module):
     train: bool = False
 
     @nn.compact
-    def __call__(self, carry, enc_BTD=None, enc_mask_BT=None):
-        x, acc = carry
+    def __call__(self, x, enc_BTD=None, enc_mask_BT=None):
+        """-> (x, the period's metrics): x is the scan carry, the metrics its per-period output."""
+        metrics = []
         for j in range(self.cfg.period):
             moe = self.cfg.moe is not None and j == self.cfg.period - 1
-            x, acc = Block(self.cfg, self.causal, self.cross, moe, self.train, name=f"block_{j}")(
-                x, acc, enc_BTD, enc_mask_BT)
-        return (x, acc), None
+            x, m = Block(self.cfg, self.causal, self.cross, moe, self.train, name=f"block_{j}")(
+                x, enc_BTD, enc_mask_BT)
+            metrics.append(m)
+        return x, _sum(*metrics)
+
+
+def _period_body(cfg: TransformerConfig):
+    """Period, checkpointed as cfg.remat says."""
+    if cfg.remat == "none":
+        return Period
+    return nn.remat(Period, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan)
+
+
+def scanned_periods(cfg: TransformerConfig, length: int):
+    """`length` periods as one nn.scan: params stacked on a leading "layers" dim, metrics summed."""
+    return nn.scan(_period_body(cfg), variable_axes={"params": 0}, split_rngs={"params": True, "gating": True},
+                   in_axes=(nn.broadcast, nn.broadcast), length=length,
+                   metadata_params={nn.PARTITION_NAME: "layers"})
+
+
+def _looped(stack: "Stack", n: int, x, enc, mask):
+    body = _period_body(stack.cfg)
+    outs = [None] * n
+    for i in range(n):
+        x, outs[i] = body(stack.cfg, stack.causal, stack.cross, stack.train, name=f"period_{i}")(x, enc, mask)
+    return x, _sum(*outs)
+
+
+def _scanned(stack: "Stack", n: int, x, enc, mask):
+    x, ys = scanned_periods(stack.cfg, n)(stack.cfg, stack.causal, stack.cross, stack.train, name="layers")(
+        x, enc, mask)
+    return x, jax.tree.map(lambda a: a.sum(0), ys)
+
+
+# How a Stack runs its periods (MaxText's decoders.py swaps its pipeline in the same way): each takes the
+# Stack, the period count and (x, encoder output, encoder mask) and returns (x, summed metrics).
+PERIOD_FACTORIES = {"loop": _looped, "scan": _scanned, "pipeline": pipelined}
 
 
 class Stack(nn.Module):
-    """num_layers blocks as num_layers / period periods, scanned and checkpointed as configured."""
+    """num_layers blocks as num_layers / period periods, looped, scanned or pipelined as configured."""
     cfg: TransformerConfig
     num_layers: int
     causal: bool
@@ -151,30 +203,14 @@ class Stack(nn.Module):
     train: bool = False
 
     @nn.compact
-    def __call__(self, x_BLD, enc_BTD=None, enc_mask_BT=None):
+    def __call__(self, x_BLD, enc_BTD=None, enc_mask_BT=None, head=None):
+        """-> (x, metrics), or with head = (head_fn, head params, targets, aux weights) under a pipeline that
+        owns its backward pass, (loss, metrics) from models/pipelined.py's pipelined_loss."""
         c = self.cfg
-        body = Period
-        policy = REMAT_POLICIES[c.remat]
-        if c.remat != "none":
-            body = nn.remat(Period, policy=policy, prevent_cse=not c.scan)
-        carry = (x_BLD, _zeros())
-        n = self.num_layers // c.period
-        if c.scan:
-            scanned = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True, "gating": True},
-                              in_axes=(nn.broadcast, nn.broadcast), length=n,
-                              metadata_params={nn.PARTITION_NAME: "layers"})
-            carry, _ = scanned(c, self.causal, self.cross, self.train, name="layers")(carry, enc_BTD, enc_mask_BT)
-        else:
-            for i in range(n):
-                carry, _ = body(c, self.causal, self.cross, self.train, name=f"period_{i}")(carry, enc_BTD, enc_mask_BT)
-        return carry
-
-
-def _metrics(*accs: dict) -> dict:
-    total = {k: sum(a[k] for a in accs) for k in ZERO_METRICS}
-    layers_ = jnp.maximum(total["moe_layers"], 1.0)
-    return {"aux_loss": total["aux_loss"], "z_loss": total["z_loss"], "dropped": total["dropped"] / layers_,
-            "router_confidence": total["router_confidence"] / layers_}
+        if head is not None:
+            return pipelined_loss(self, self.num_layers // c.period, x_BLD, *head)
+        how = "pipeline" if c.pipeline is not None else "scan" if c.scan else "loop"
+        return PERIOD_FACTORIES[how](self, self.num_layers // c.period, x_BLD, enc_BTD, enc_mask_BT)
 
 
 class DecoderLM(nn.Module):
@@ -183,21 +219,56 @@ class DecoderLM(nn.Module):
     train: bool = False
 
     @nn.compact
-    def __call__(self, tokens_BL):
+    def __call__(self, tokens_BL, targets_BL=None, weights_BL=None):
+        """-> (logits, metrics); under a pipeline schedule that owns its backward pass (1F1B), the loss is
+        computed inside the pipeline: (tokens, targets[, weights]) -> (training loss, metrics)."""
         c, r, dt = self.cfg, self.cfg.rules, self.cfg.compute_dtype
         check(c, decoder_only=True)
         embed = layers.Embed(c.vocab_size, c.d_model, r, dt, name="embed")
         x = embed(constrain(tokens_BL, ("batch", "length"), r))
         if not c.rope:
             x = x + layers.sinusoid(tokens_BL.shape[1], c.d_model).astype(dt)
-        x, acc = Stack(c, c.num_layers, causal=True, cross=False, train=self.train, name="decoder")(x)
+        if c.pipeline is not None and c.pipeline.owns_backward:
+            return self._loss_in_pipeline(embed, x, targets_BL, weights_BL)
+        x, metrics = Stack(c, c.num_layers, causal=True, cross=False, train=self.train, name="decoder")(x)
         x = layers.norm(c.norm, "final_norm", dt)(x)
         if c.tie_embeddings:
             logits = embed.attend(x)
         else:
             logits = jnp.einsum("BLD,DV->BLV", x, layers.weight(self, "unembed", (c.d_model, c.vocab_size),
                                                                  ("embed", "vocab"), r, dt))
-        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"), r), _metrics(acc)
+        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"), r), _metrics(metrics)
+
+    def _loss_in_pipeline(self, embed, x_BLD, targets_BL, weights_BL):
+        """The head and the loss run per microbatch at the last stage (the same params as __call__'s)."""
+        c, r, dt = self.cfg, self.cfg.rules, self.cfg.compute_dtype
+        if targets_BL is None:
+            raise ValueError(f"pipeline schedule {c.pipeline.schedule!r} computes the loss inside the pipeline: "
+                             f"call the model with (tokens, targets[, weights]), as loss_fn does")
+        norm = layers.norm(c.norm, "final_norm", dt)
+        norm(x_BLD)  # makes its params at init; the value is not used
+        head_params = {"norm": norm.variables["params"]}
+        if c.tie_embeddings:
+            head_params["embedding"] = embed.variables["params"]["embedding"]
+        else:
+            head_params["unembed"] = layers.weight(self, "unembed", (c.d_model, c.vocab_size), ("embed", "vocab"),
+                                                   r, dt)
+
+        def head(hp, y_BLD, t):
+            h = layers.norm(c.norm, "final_norm", dt).apply({"params": hp["norm"]}, y_BLD)
+            if c.tie_embeddings:
+                logits = layers.Embed(c.vocab_size, c.d_model, r, dt).apply(
+                    {"params": {"embedding": hp["embedding"]}}, h, method="attend")
+            else:
+                logits = jnp.einsum("BLD,DV->BLV", h, hp["unembed"])
+            logits = constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"), r)
+            return cross_entropy(logits, t["targets"], t.get("weights"))
+
+        targets = {"targets": targets_BL} if weights_BL is None else {"targets": targets_BL, "weights": weights_BL}
+        weights = {"aux_loss": c.aux_loss_weight, "z_loss": c.z_loss_weight}
+        stack = Stack(c, c.num_layers, causal=True, cross=False, train=self.train, name="decoder")
+        loss, metrics = stack(x_BLD, head=(head, head_params, targets, weights))
+        return loss, dict(_metrics(metrics), cross_entropy=metrics["cross_entropy"])
 
 
 class EncoderDecoder(nn.Module):
@@ -220,10 +291,10 @@ class EncoderDecoder(nn.Module):
             x = embed(constrain(tokens, ("batch", "length"), r))
             return x if c.rope else x + layers.sinusoid(tokens.shape[1], c.d_model).astype(dt)
 
-        enc, enc_acc = Stack(c, c.num_layers, causal=False, cross=False, train=self.train, name="encoder")(
+        enc, enc_metrics = Stack(c, c.num_layers, causal=False, cross=False, train=self.train, name="encoder")(
             embedded(source_BT), None, src_mask_BT)
         enc = layers.norm(c.norm, "encoder_norm", dt)(enc)
-        x, dec_acc = Stack(c, c.num_decoder_layers, causal=True, cross=True, train=self.train, name="decoder")(
+        x, dec_metrics = Stack(c, c.num_decoder_layers, causal=True, cross=True, train=self.train, name="decoder")(
             embedded(target_BL), enc, src_mask_BT)
         x = layers.norm(c.norm, "decoder_norm", dt)(x)
         if c.tie_embeddings:
@@ -231,7 +302,7 @@ class EncoderDecoder(nn.Module):
         else:
             logits = jnp.einsum("BLD,DV->BLV", x, layers.weight(self, "unembed", (c.d_model, c.vocab_size),
                                                                  ("embed", "vocab"), r, dt))
-        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"), r), _metrics(enc_acc, dec_acc)
+        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"), r), _metrics(enc_metrics, dec_metrics)
 
 
 def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array, weights_BL: Optional[jax.Array] = None):
@@ -249,11 +320,16 @@ def loss_fn(model: nn.Module, params, batch: dict, rng: Optional[jax.Array] = No
     rng feeds the "gating" stream (random routing, jitter) when the model is training.
     """
     rngs = {"gating": rng} if rng is not None else {}
+    c = model.cfg
+    if c.pipeline is not None and c.pipeline.owns_backward:
+        if isinstance(model, EncoderDecoder):
+            raise ValueError(f"pipeline schedule {c.pipeline.schedule!r} (the loss inside the pipeline) is built "
+                             f"for the decoder-only LM; train the encoder-decoder with 'gpipe' or 'circular'")
+        return model.apply(params, batch["inputs"], batch["targets"], batch.get("weights"), rngs=rngs)
     if isinstance(model, EncoderDecoder):
         logits, m = model.apply(params, batch["source"], batch["inputs"], rngs=rngs)
     else:
         logits, m = model.apply(params, batch["inputs"], rngs=rngs)
     ce = cross_entropy(logits, batch["targets"], batch.get("weights"))
-    c = model.cfg
     loss = ce + c.aux_loss_weight * m["aux_loss"] + c.z_loss_weight * m["z_loss"]
     return loss, dict(m, cross_entropy=ce)

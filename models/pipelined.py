@@ -1,0 +1,141 @@
+"""A Stack's periods as a pipeline over the `stage` mesh axis (gs.pipeline).
+
+The params are the scanned stack's, unchanged ([periods, ...] on a leading
+"layers" dim, which the rules split over `stage`), so a checkpoint moves
+between pipelined and unpipelined runs and across stage counts. Each stage
+runs ``periods / (stages * repeats)`` scanned periods on one microbatch; MoE
+losses and statistics come out of each stage as the pipeline's aux and are
+averaged over microbatches, as gradient accumulation averages them.
+
+GPipe and circular run inside ``model.apply`` (autodiff differentiates the
+loop). 1F1B and interleaved 1F1B own their backward pass, so the loss must
+be computed inside the pipeline: `pipelined_loss` runs the head and the
+loss per microbatch at the last stage and wraps gs.pipeline_value_and_grad
+in a custom_vjp, so ``jax.grad`` of the model's loss still works.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import gshard_jax as gs
+from gshard_jax import schedules as S
+
+from . import transformer as T
+from .sharding import mesh_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    stages: int = 1  # p: pipeline stages (the size of the `stage` mesh axis)
+    microbatches: int = 1  # m: microbatches per step (train.microbatches)
+    schedule: str = "gpipe"  # one of schedules.SCHEDULES
+    repeats: int = 1  # r: layer chunks per stage (circular and interleaved_1f1b)
+
+    @property
+    def owns_backward(self) -> bool:
+        return self.schedule in S.OWN_BACKWARD
+
+
+def check(pc: PipelineConfig, periods: int) -> None:
+    S.check(pc.schedule, pc.stages, pc.microbatches, pc.repeats)
+    if periods % (pc.stages * pc.repeats):
+        raise ValueError(f"pipeline: {periods} layer periods do not split into {pc.stages} stages x "
+                         f"{pc.repeats} repeats; choose num_layers / period divisible by stages * repeats")
+
+
+def _specs(stack: nn.Module, init: Callable):
+    """Per stacked leaf, the mesh spec of its dims after the stage dim (the chunk's layers dim whole), and
+    the spec of one microbatch of the pipeline's state, from the rules table."""
+    mesh = gs.annotations.current_mesh()
+    if mesh is None:
+        return None, None
+    boxed = jax.eval_shape(init, jax.random.key(0))
+    rules = stack.cfg.rules
+    names = nn.get_partition_spec(boxed)
+    params = jax.tree.map(lambda spec: (None,) + mesh_spec(tuple(spec)[1:], rules, mesh.axis_names), names,
+                          is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    act = mesh_spec(("batch", "length", "embed"), rules, mesh.axis_names)
+    state = {"x": act, "enc": act, "mask": act[:2]}
+    return params, state
+
+
+def _setup(stack: nn.Module, n: int, x, enc, mask):
+    """(stacked params as [stages] or [repeats, stages] chunks, stage function, state, specs)."""
+    c, pc = stack.cfg, stack.cfg.pipeline
+    check(pc, n)
+    p, r = pc.stages, pc.repeats
+    chunk = n // (p * r)
+    args = (c, stack.causal, stack.cross, stack.train)
+
+    def init(rng):
+        return T.scanned_periods(c, n)(*args).init({"params": rng}, x, enc, mask)["params"]
+
+    param_specs, state_specs = _specs(stack, init)
+    w = stack.param("layers", init)
+    lead = (p,) if r == 1 else (r, p)
+    w = jax.tree.map(lambda a: a.reshape(*lead, chunk, *a.shape[1:]), w)
+    state = {k: v for k, v in (("x", x), ("enc", enc), ("mask", mask)) if v is not None}
+    body = T.scanned_periods(c, chunk)(*args)
+
+    def stage(w, s):
+        y, metrics = body.apply({"params": w}, s["x"], s.get("enc"), s.get("mask"))
+        return dict(s, x=y), jax.tree.map(lambda a: a.sum(0), metrics)
+
+    if state_specs is not None:
+        state_specs = {k: state_specs[k] for k in state}
+    return w, stage, state, param_specs, state_specs
+
+
+def pipelined(stack: nn.Module, n: int, x, enc, mask):
+    """The Stack's period factory for pipelines (forward; autodiff's backward): (x, metrics)."""
+    pc = stack.cfg.pipeline
+    w, stage, state, param_specs, state_specs = _setup(stack, n, x, enc, mask)
+    forward = {"1f1b": "gpipe", "interleaved_1f1b": "circular"}.get(pc.schedule, pc.schedule)
+    y, metrics = gs.pipeline(stage, w, state, num_microbatches=pc.microbatches, schedule=forward,
+                             repeats=pc.repeats, has_aux=True, x_spec=state_specs, param_specs=param_specs)
+    return y["x"], jax.tree.map(lambda a: a / pc.microbatches, metrics)
+
+
+def pipelined_loss(stack: nn.Module, n: int, x, head: Callable, head_params, targets, aux_weights: dict):
+    """The mean over microbatches of head(head_params, y_mb, targets_mb) + the weighted MoE losses, for the
+    schedules that own their backward pass: (loss, metrics including "cross_entropy")."""
+    pc = stack.cfg.pipeline
+    w, stage, state, param_specs, state_specs = _setup(stack, n, x, None, None)
+    m = pc.microbatches
+
+    def run(w, state, head_params, targets):
+        (ce, aux), grads = gs.pipeline_value_and_grad(
+            stage, w, state, lambda hp, y, t: head(hp, y["x"], t), head_params, targets, num_microbatches=m,
+            schedule=pc.schedule, repeats=pc.repeats, has_aux=True,
+            aux_weights=aux_weights, x_spec=state_specs,
+            param_specs=param_specs)
+        total = ce + sum(jnp.sum(aux[k]) * v for k, v in aux_weights.items() if k in aux)
+        return (total / m, ce / m, jax.tree.map(lambda a: a / m, aux)), grads
+
+    @jax.custom_vjp
+    def loss(w, state, head_params, targets):
+        return run(w, state, head_params, targets)[0]
+
+    def fwd(w, state, head_params, targets):
+        out, grads = run(w, state, head_params, targets)
+        return out, (grads, targets)
+
+    def bwd(res, cts):
+        (dw, dstate, dhead), targets = res
+        g = cts[0] / m  # the objective is the mean over microbatches; ce and aux are reported, not differentiated
+        scale = lambda tree, like: jax.tree.map(lambda d, a: (g * d).astype(a.dtype), tree, like)
+        return (scale(dw, w), scale(dstate, state), scale(dhead, head_params),
+                jax.tree.map(lambda t: _zero_cotangent(t), targets))
+
+    loss.defvjp(fwd, bwd)
+    total, ce, metrics = loss(w, state, head_params, targets)
+    return total, dict(metrics, cross_entropy=ce)
+
+
+def _zero_cotangent(t):
+    return jnp.zeros(t.shape, jax.dtypes.float0) if not jnp.issubdtype(t.dtype, jnp.inexact) else jnp.zeros_like(t)
