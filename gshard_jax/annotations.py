@@ -46,7 +46,7 @@ ad.deflinear2(sharding_annotation_p, _transpose)
 def _batch(axis_data, args, dims, *, sharding, what, grad=True):
     """Under vmap the new dim is split over vmap's spmd_axis_name (gs.pipeline's stage axis), else whole."""
     (x,), (d,) = args, dims
-    if d is batching.not_mapped:
+    if d is None:  # not batched
         return sharding_annotation_p.bind(x, sharding=sharding, what=what, grad=grad), d
     spmd = axis_data.spmd_name
     spmd = () if spmd is None else (spmd,) if isinstance(spmd, str) else tuple(spmd)

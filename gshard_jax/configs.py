@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from typing import Any
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -23,6 +23,7 @@ import ml_collections
 from . import data
 from .models.gating import GatingConfig
 from .models.moe import MoeConfig
+from .models.pipelined import PipelineConfig
 from .models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 
 ConfigDict = ml_collections.ConfigDict
@@ -68,11 +69,19 @@ def data_defaults() -> ConfigDict:
     ))
 
 
+def pipeline_defaults() -> ConfigDict:
+    """The pipeline section: how the layer stack runs over mesh.stage stages (train.microbatches per step)."""
+    return ConfigDict(dict(
+        schedule="gpipe",  # "gpipe", "circular", "1f1b" or "interleaved_1f1b" (gshard_jax/schedules.py)
+        repeats=1,  # layer chunks per stage for "circular" and "interleaved_1f1b" (bubble / repeats)
+    ))
+
+
 def mesh_defaults() -> ConfigDict:
     """The mesh section: axis sizes, outermost first (one may be -1: the devices the others leave); axes of
     size 1 are left out of the mesh. The models' rules table (model.rules) says what each axis splits."""
     return ConfigDict(dict(
-        stage=1,  # pipeline stages (reserved: a stage axis > 1 needs the pipeline, not built yet)
+        stage=1,  # pipeline stages: the layer stack split into this many stages (see the pipeline section)
         data=1,  # data parallelism: the batch split, weights replicated (their states sharded under ZeRO)
         z=1,  # AxoNN's depth axis: the batch split and weights stored split, gathered per layer (FSDP)
         expert=1,  # expert parallelism: experts split, and the batch with them outside MoE layers
@@ -91,6 +100,7 @@ def skeleton(model: ConfigDict, mesh: dict, **train: Any) -> ConfigDict:
     cfg.mesh = mesh_defaults()
     cfg.mesh.update(mesh)
     cfg.data = data_defaults()
+    cfg.pipeline = pipeline_defaults()
     cfg.debug = ConfigDict(dict(nan_at_step=-1))  # poison the loss of this step (1-based) with NaN (-1: never)
     return cfg
 
@@ -110,7 +120,7 @@ def moe_section(num_experts: int = 0, d_ff: int = 0, activation: str = "relu", k
 
 def model_section(kind: str, moe: ConfigDict, **kw: Any) -> ConfigDict:
     """model: architecture ("decoder_lm" or "encoder_decoder") and sizes; see TransformerConfig's fields."""
-    base = {f.name: f.default for f in dataclasses.fields(TransformerConfig) if f.name != "moe"}
+    base = {f.name: f.default for f in dataclasses.fields(TransformerConfig) if f.name not in ("moe", "pipeline")}
     sec = ConfigDict(dict(kind=kind, **base))
     sec.update(kw)
     sec.moe = moe
@@ -162,12 +172,24 @@ def transformer_config(model: ConfigDict) -> TransformerConfig:
     return TransformerConfig(moe=moe_cfg, **m)
 
 
-def build_model(model: ConfigDict, train: bool = False):
-    """The Flax module a config's model section describes."""
+def build_model(model: ConfigDict, train: bool = False, pipeline: Optional[PipelineConfig] = None):
+    """The Flax module a config's model section describes (its stacks pipelined when `pipeline` is given)."""
     kinds = {"decoder_lm": DecoderLM, "encoder_decoder": EncoderDecoder}
     if model.kind not in kinds:
         raise ValueError(f"model.kind={model.kind!r}; expected one of {tuple(kinds)}")
-    return kinds[model.kind](transformer_config(model), train=train)
+    cfg = transformer_config(model)
+    if pipeline is not None:  # the stage axis splits the scanned stack's stacked params
+        cfg = dataclasses.replace(cfg, scan=True)
+    return kinds[model.kind](dataclasses.replace(cfg, pipeline=pipeline), train=train)
+
+
+def pipeline_config(cfg: ConfigDict, stages: int) -> Optional[PipelineConfig]:
+    """The model's pipeline from mesh.stage (resolved to `stages`), train.microbatches and the pipeline
+    section; None without stages. A pipelined model is scanned whatever model.scan says."""
+    if stages == 1:
+        return None
+    return PipelineConfig(stages=stages, microbatches=cfg.train.microbatches, schedule=cfg.pipeline.schedule,
+                          repeats=cfg.pipeline.repeats)
 
 
 def example_inputs(model: ConfigDict, batch: int = 1, length: int = 8) -> tuple:

@@ -63,9 +63,6 @@ def init_devices(cpu_devices: int = 0, coordinator: str = "", num_processes: int
 def mesh_for(cfg: ml_collections.ConfigDict) -> jax.sharding.Mesh:
     """The config's mesh over all devices; axes of size 1 are left out (at least `data` stays)."""
     sizes = dict(cfg.mesh)
-    if sizes.get("stage", 1) != 1:
-        raise ValueError(f"mesh.stage={sizes['stage']}: pipeline stages are not available yet; set "
-                         f"--config.mesh.stage=1")
     if sizes.get("model", 1) != 1 and sizes.get("y", 1) != 1:
         raise ValueError(f"mesh.model={sizes['model']} and mesh.y={sizes['y']}: `model` is another name for "
                          f"`y`; set one of them")
@@ -93,8 +90,12 @@ class Trainer:
         if t.nan_policy not in NAN_POLICIES:
             raise ValueError(f"train.nan_policy={t.nan_policy!r}; expected one of {NAN_POLICIES}")
         self.mesh = mesh_for(cfg)
-        self.model = configs.build_model(cfg.model, train=True)
-        self.eval_model = configs.build_model(cfg.model, train=False)
+        self.pipeline = configs.pipeline_config(cfg, dict(self.mesh.shape).get("stage", 1))
+        self.model = configs.build_model(cfg.model, train=True, pipeline=self.pipeline)
+        self.eval_model = configs.build_model(cfg.model, train=False, pipeline=self.pipeline)
+        # The same params with or without a pipeline: init and the layout read the unpipelined model.
+        self.init_model = configs.build_model(cfg.model, train=True, pipeline=self.pipeline)
+        self.init_model = self.init_model.clone(cfg=dataclasses.replace(self.init_model.cfg, pipeline=None))
         self.opt = optim.optimizer(t)
         self.schedule = optim.schedule(t)
         self.length = data.window_length(cfg.model.kind, t.seq_len)
@@ -109,7 +110,7 @@ class Trainer:
                              f"divide by the {shards} batch shards of mesh {dict(self.mesh.shape)}, and the "
                              f"batch by the {jax.process_count()} processes")
         example = configs.example_inputs(cfg.model, 1, t.seq_len)
-        self.layout, self.param_shapes = sharded.of_model(self.model, example, dict(self.mesh.shape),
+        self.layout, self.param_shapes = sharded.of_model(self.init_model, example, dict(self.mesh.shape),
                                                           t.zero_stage, t.epso)
         # bf16 models keep bf16 params (forward, backward and gradient collectives in bf16) and float32
         # master weights beside AdamW's moments in the optimizer state (seed 001's 16 bytes per parameter).
@@ -144,7 +145,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the partitioned functions
     def init_state(self, key: jax.Array) -> dict:
-        params = nn.unbox(self.model.init(key, *configs.example_inputs(self.cfg.model, 1, self.cfg.train.seq_len)))
+        params = nn.unbox(self.init_model.init(key, *configs.example_inputs(self.cfg.model, 1, self.cfg.train.seq_len)))
         opt_state = self.opt.init(params)
         if self.mixed:
             opt_state = {"master": params, "adam": opt_state}
@@ -167,7 +168,7 @@ class Trainer:
             g = sharded.constrain(g, specs)
             return value, m, jax.tree.map(lambda x: x.astype(jnp.float32), g)
 
-        k = t.microbatches
+        k = 1 if self.pipeline is not None else t.microbatches  # a pipeline runs the microbatches itself
         if k == 1:
             return one(batch, rng, lo.gradients)
         # Rows i, i + k, ... form microbatch i: each device's rows split evenly, with no data movement.

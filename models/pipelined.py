@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import gshard_jax as gs
 from gshard_jax import schedules as S
 
-from . import transformer as T
 from .sharding import mesh_spec
 
 
@@ -139,3 +138,6 @@ def pipelined_loss(stack: nn.Module, n: int, x, head: Callable, head_params, tar
 
 def _zero_cotangent(t):
     return jnp.zeros(t.shape, jax.dtypes.float0) if not jnp.issubdtype(t.dtype, jnp.inexact) else jnp.zeros_like(t)
+
+
+from . import transformer as T  # noqa: E402  (transformer.py imports this module's names first)

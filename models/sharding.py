@@ -47,7 +47,7 @@ DEFAULT_RULES: Rules = (
     ("kv", None),  # per-head dim
     ("mlp", ("y", "model")),  # FFN hidden units
     ("vocab", ("y", "model")),  # vocabulary of the embedding table and the LM head
-    ("layers", None),  # the stacked-layers dim of scanned params
+    ("layers", "stage"),  # the stacked-layers dim of scanned params: split over pipeline stages
 )
 
 
