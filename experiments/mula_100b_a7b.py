@@ -5,8 +5,9 @@ from gshard_jax.configs import mula
 def get_config():
     cfg = mula(num_layers=48, d_model=3072, num_heads=24, d_ff=1536, num_experts=144)
     # seed 001 on Aurora: expert parallelism within a node of 12 tiles, data parallel across nodes, ZeRO-1 with
-    # its expert-parallel-aware sharded optimizer (non-expert states over data x expert); the paper's 4
-    # pipeline stages wait for the pipeline (mesh.stage)
-    cfg.mesh.update(dict(data=-1, expert=12))
-    cfg.train.update(dict(zero_stage=1, epso=True))
+    # its expert-parallel-aware sharded optimizer (non-expert states over data x expert), and the paper's 4
+    # pipeline stages with 1F1B; 16 microbatches (4 per stage: bubble (p - 1) / (m + p - 1) = 16%) is ours
+    cfg.mesh.update(dict(stage=4, data=-1, expert=12))
+    cfg.train.update(dict(zero_stage=1, epso=True, microbatches=16))
+    cfg.pipeline.update(dict(schedule="1f1b"))
     return cfg

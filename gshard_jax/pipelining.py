@@ -147,7 +147,7 @@ class _Run:
 # ------------------------------------------------------------------------------------------------ forward
 def pipeline(stage_fn: Callable, params: PyTree, x: PyTree, *, num_microbatches: int, schedule: str = "gpipe",
              repeats: int = 1, has_aux: bool = False, axis: str = "stage", x_spec: Optional[PyTree] = None,
-             param_specs: Optional[PyTree] = None):
+             param_specs: Optional[PyTree] = None, unroll: bool = False):
     """Run `stage_fn(chunk_params, x_mb) -> y_mb` (or (y_mb, aux) with has_aux) as a pipeline over x's batch.
 
     params: a pytree whose leaves lead with [stages] (repeats == 1) or [repeats, stages] (MaxText's
@@ -155,6 +155,8 @@ def pipeline(stage_fn: Callable, params: PyTree, x: PyTree, *, num_microbatches:
     num_microbatches microbatches of rows i, i + m, ...; y has x's structure and shapes. aux (a pytree of
     scalars) is summed over microbatches and stages. x_spec / param_specs: each leaf's PartitionSpec-like
     tuple over the other mesh axes (one microbatch / one chunk), for the annotations the pipeline makes.
+    unroll: unroll the tick loop (XLA may then overlap a tick's permute with the next tick's compute, and
+    cost_analysis() counts every tick).
     The 1F1B schedules run their forward order here; their backward needs `pipeline_value_and_grad`.
     """
     p = _stages(params, repeats)
@@ -182,7 +184,8 @@ def pipeline(stage_fn: Callable, params: PyTree, x: PyTree, *, num_microbatches:
         return (run.roll(y, 1), out, aux), None
 
     with jax.named_scope(f"pipeline.{name}"):
-        (_, out, aux), _ = jax.lax.scan(tick, (y0, out0, aux0), run.rows(sc.forward, range(sc.ticks)))
+        (_, out, aux), _ = jax.lax.scan(tick, (y0, out0, aux0), run.rows(sc.forward, range(sc.ticks)),
+                                        unroll=unroll)
     y = unmicrobatch(_from_stage(out, p - 1))
     aux = jax.tree.map(lambda a: a.sum(0), aux)
     return (y, aux) if has_aux else y
@@ -221,7 +224,8 @@ def _trace(sc: S.Schedule) -> None:
 def pipeline_value_and_grad(stage_fn: Callable, params: PyTree, x: PyTree, loss_fn: Callable, loss_params: PyTree,
                             targets: PyTree, *, num_microbatches: int, schedule: str = "1f1b", repeats: int = 1,
                             has_aux: bool = False, aux_weights: Optional[PyTree] = None, axis: str = "stage",
-                            x_spec: Optional[PyTree] = None, param_specs: Optional[PyTree] = None):
+                            x_spec: Optional[PyTree] = None, param_specs: Optional[PyTree] = None,
+                            unroll: bool = False):
     """The pipeline with a loss on its output, and the gradients: ((loss, aux), (d params, d x, d loss_params)).
 
     loss_fn(loss_params, y_mb, targets_mb) -> scalar is summed over microbatches; with has_aux the stage's
@@ -234,11 +238,10 @@ def pipeline_value_and_grad(stage_fn: Callable, params: PyTree, x: PyTree, loss_
     S.check(schedule, p, num_microbatches, repeats)
     if schedule not in S.OWN_BACKWARD:
         def objective(params, x, loss_params):
-            y, aux = pipeline(stage_fn, params, x, num_microbatches=num_microbatches, schedule=schedule,
-                              repeats=repeats, has_aux=True if has_aux else False, axis=axis, x_spec=x_spec,
-                              param_specs=param_specs) if has_aux else (
-                pipeline(stage_fn, params, x, num_microbatches=num_microbatches, schedule=schedule, repeats=repeats,
-                         axis=axis, x_spec=x_spec, param_specs=param_specs), {})
+            out = pipeline(stage_fn, params, x, num_microbatches=num_microbatches, schedule=schedule,
+                           repeats=repeats, has_aux=has_aux, axis=axis, x_spec=x_spec, param_specs=param_specs,
+                           unroll=unroll)
+            y, aux = out if has_aux else (out, {})
             ys, ts = microbatches(y, num_microbatches), microbatches(targets, num_microbatches)
             loss = jax.lax.map(lambda yt: loss_fn(loss_params, *yt), (ys, ts)).sum()
             return loss + _weighted(aux, aux_weights), (loss, aux)
@@ -246,7 +249,7 @@ def pipeline_value_and_grad(stage_fn: Callable, params: PyTree, x: PyTree, loss_
         (_, (loss, aux)), grads = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(params, x, loss_params)
         return (loss, aux), _f32(grads)
     return _one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, num_microbatches, schedule, repeats,
-                        has_aux, aux_weights, axis, x_spec, param_specs)
+                        has_aux, aux_weights, axis, x_spec, param_specs, unroll)
 
 
 def _weights_like(aux, weights):
@@ -314,7 +317,7 @@ def _depends(jaxpr, n_w: int) -> list[bool]:
 
 
 def _one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedule, r, has_aux, aux_weights, axis,
-                 x_spec, param_specs):
+                 x_spec, param_specs, unroll):
     sc = S.make(schedule, p, m, r)
     _trace(sc)
     ax = _axis(axis, p)
@@ -397,11 +400,12 @@ def _one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, sched
     w_ticks, s_ticks, c_ticks = sc.phases
     with jax.named_scope(f"pipeline.{schedule}"):
         with jax.named_scope("warmup"):
-            carry, _ = jax.lax.scan(warm, carry, run.rows(sc.forward, w_ticks))
+            carry, _ = jax.lax.scan(warm, carry, run.rows(sc.forward, w_ticks), unroll=unroll)
         with jax.named_scope("steady"):
-            carry, _ = jax.lax.scan(steady, carry, (run.rows(sc.forward, s_ticks), run.rows(sc.backward, s_ticks)))
+            carry, _ = jax.lax.scan(steady, carry, (run.rows(sc.forward, s_ticks), run.rows(sc.backward, s_ticks)),
+                                    unroll=unroll)
         with jax.named_scope("cooldown"):
-            carry, _ = jax.lax.scan(cool, carry, run.rows(sc.backward, c_ticks))
+            carry, _ = jax.lax.scan(cool, carry, run.rows(sc.backward, c_ticks), unroll=unroll)
     aux = jax.tree.map(lambda a: a.sum(0), carry["aux"])
     d_params = jax.tree.map(lambda a: a[0], carry["dw"]) if r == 1 else carry["dw"]
     d_loss_params = jax.tree.map(lambda a: a.sum(0), carry["dl"])

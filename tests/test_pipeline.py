@@ -248,3 +248,14 @@ def test_roll_of_a_split_dim_is_one_permute_both_ways():
     assert hlo_stats(odd, x)["collective-permute"]["count"] == 2  # a block and a half: two pieces
     g = gs.partition(jax.grad(lambda x: jnp.sum(f(x) * jnp.arange(16.0)[:, None])), mesh)
     np.testing.assert_allclose(g(x), jax.grad(lambda x: jnp.sum(f(x) * jnp.arange(16.0)[:, None]))(x))
+
+
+def test_docs_schedule_table_is_the_tables():
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "pipeline.md")
+    rows = [line.strip().strip("|").split("|") for line in open(path) if line.startswith("| ") and "%" in line]
+    assert len(rows) == 12
+    for name, r, m, ticks, bubble, theory, stash in ([c.strip() for c in row] for row in rows):
+        sc = S.make(name, 4, int(m), int(r))
+        assert (sc.ticks, f"{sc.bubble:.1%}", f"{sc.theory:.1%}", str(sc.stash or "-")) == (int(ticks), bubble, theory,
+                                                                                          stash)
