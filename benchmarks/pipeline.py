@@ -1,9 +1,9 @@
-"""Pipeline schedules on 8 simulated devices ({stage 4, data 2}): per schedule and m in {p, 2p, 4p, 8p},
-the step time against the unpipelined step on the same mesh, collective-permutes per step, per-device flops
+"""Pipeline schedules on 8 simulated devices ({stage 4, data 2}): per schedule and m in {p, 2p, 4p, 8p}
+microbatches of a fixed size (the batch grows with m, as a pipeline's does), the step time against the unpipelined step on the same mesh, collective-permutes per step, per-device flops
 (cost_analysis() of the unrolled step) against the ideal share and the schedule's theory m r / (m r + p - 1),
 and memory_analysis().temp_size_in_bytes. Prints figures and ratios; asserts nothing about time.
 
-    python benchmarks/pipeline.py [--layers 8] [--width 512] [--batch 256] [--steps 5]
+    python benchmarks/pipeline.py [--layers 8] [--width 512] [--micro 32] [--steps 5]
 """
 from __future__ import annotations
 
@@ -53,16 +53,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--micro", type=int, default=32, help="rows per microbatch")
     ap.add_argument("--steps", type=int, default=5)
     a = ap.parse_args()
-    p, L, D, B = 4, a.layers, a.width, a.batch
+    p, L, D = 4, a.layers, a.width
     mesh = gs.make_mesh({"stage": p, "data": 2})
     k = jax.random.split(jax.random.key(0), 4)
     W = jax.random.normal(k[0], (L, D, D)) / np.sqrt(D)
-    x = jax.random.normal(k[1], (B, D))
     H = jax.random.normal(k[2], (D, 8))
-    t = jax.random.normal(k[3], (B, 8))
 
     def unpipelined(m):
         def f(W, x, H, t):
@@ -84,12 +82,14 @@ def main() -> None:
             return loss, grads
         return f
 
-    args = (W, x, H, t)
-    print(f"mesh {dict(mesh.shape)}; {L} layers of {D}x{D}, batch {B}; medians of {a.steps} steps")
+    print(f"mesh {dict(mesh.shape)}; {L} layers of {D}x{D}, microbatches of {a.micro} rows; medians of "
+          f"{a.steps} steps")
     print(f"{'schedule':<17} {'m':>3} {'ticks':>5} {'step ms':>8} {'vs unpiped':>10} {'permutes':>8} "
           f"{'per call':>8} {'flops util':>10} {'theory':>7} {'temp KiB':>9}")
     for schedule, r in (("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved_1f1b", 2)):
         for m in (p, 2 * p, 4 * p, 8 * p):
+            B = m * a.micro
+            args = (W, jax.random.normal(k[1], (B, D)), H, jax.random.normal(k[3], (B, 8)))
             sc = S.make(schedule, p, m, r)
             base_fn = gs.partition(unpipelined(m), mesh)
             ideal = flops(jax.jit(unpipelined(m)).lower(*args).compile()) / mesh.size

@@ -302,13 +302,15 @@ def scatter_hook(ctx: OpContext, ins, params, bind):
     batch_axes = _reduced_axes(ctx)
     if batch_axes:  # every shard adds its own updates: count the operand once
         operand = jnp.where(ctx.index(batch_axes) == 0, operand, jnp.zeros((), operand.dtype))
-    split = [(j, d, ctx.axes(ctx.rule.operands[0][d][0])) for j, d in enumerate(dn.scatter_dims_to_operand_dims)]
+    us = ctx.eqn.invars[2].shape
+    window = [d for d in range(len(os)) if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+    size = {d: us[dn.update_window_dims[k]] for k, d in enumerate(window)}
+    # A split dim whose window is the whole dim lands at 0 on every shard (its index is clamped): not shifted.
+    split = [(j, d, ctx.axes(ctx.rule.operands[0][d][0])) for j, d in enumerate(dn.scatter_dims_to_operand_dims)
+             if size.get(d) != os[d]]
     split = [(j, d, ax) for j, d, ax in split if ax]
     if split:
         if ctx.eqn.params["mode"] == jax.lax.GatherScatterMode.CLIP:  # clamp globally first, on every dim
-            us = ctx.eqn.invars[2].shape
-            window = [d for d in range(len(os)) if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
-            size = {d: us[dn.update_window_dims[k]] for k, d in enumerate(window)}
             for j, d in enumerate(dn.scatter_dims_to_operand_dims):
                 indices = indices.at[..., j].set(jnp.clip(indices[..., j], 0, os[d] - size.get(d, 1)))
         for j, d, axes in split:

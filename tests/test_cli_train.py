@@ -312,8 +312,9 @@ def test_a_1f1b_pipelined_run_equals_the_unpipelined_run(data_dir, tmp_path):
 
 @pytest.mark.slow  # about 3 minutes: six runs, explain and compare
 def test_pipelined_runs_match_resume_after_kill_and_across_stage_counts(data_dir, tmp_path):
-    """20 pipelined steps (GPipe, interleaved 1F1B) reach the unpipelined run's losses; a kill -9 resumes; a
-    checkpoint written with 4 stages continues on 2 stages; explain and compare read the pipelined step."""
+    """20 pipelined steps (GPipe, interleaved 1F1B) reach the unpipelined run's losses, and so does 1F1B with
+    ZeRO-3 and remat; a kill -9 resumes; a checkpoint written with 4 stages continues on 2 stages; explain and
+    compare read the pipelined step."""
     train(tmp_path / "plain", data_dir, 20, *UNPIPELINED)
     want = {x["step"]: x["loss"] for x in rows(tmp_path / "plain")}
     for name, extra in (("gpipe", []), ("interleaved", ["--config.model.num_layers=8",
@@ -326,11 +327,17 @@ def test_pipelined_runs_match_resume_after_kill_and_across_stage_counts(data_dir
         got = {x["step"]: x["loss"] for x in rows(tmp_path / name)}
         assert [got[s] for s in range(1, 21)] == pytest.approx([want[s] for s in range(1, 21)], rel=1e-4), name
     want = {x["step"]: x["loss"] for x in rows(tmp_path / "plain")}
+    # with ZeRO-3 and every period rematerialised inside the stages: the same losses
+    train(tmp_path / "zero3", data_dir, 6, *PIPELINED, "--config.pipeline.schedule=1f1b",
+          "--config.train.zero_stage=3", "--config.model.remat=full")
+    got = {x["step"]: x["loss"] for x in rows(tmp_path / "zero3")}
+    assert [got[s] for s in range(1, 7)] == pytest.approx([want[s] for s in range(1, 7)], rel=1e-4)
     # kill -9 at the first checkpoint, then rerun on 2 stages: it resumes there with the same losses
     run = tmp_path / "killed"
     cmd = [sys.executable, "-m", "gshard_jax.cli", "train", "--config", CONFIG, "--cpu-devices", "8",
            "--workdir", str(run), "--no-progress", f"--config.data.dir={data_dir}",
-           "--config.train.num_steps=12", *SMALL, *PIPELINED, "--config.pipeline.schedule=1f1b"]
+           "--config.train.num_steps=12", *SMALL, *PIPELINED, "--config.pipeline.schedule=1f1b",
+           "--config.train.decay_steps=20"]  # the 20-step reference's learning rates
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
     while time.time() < deadline and not steps_saved(run) and proc.poll() is None:
@@ -340,7 +347,7 @@ def test_pipelined_runs_match_resume_after_kill_and_across_stage_counts(data_dir
     saved = steps_saved(run)
     assert saved and max(saved) < 12, saved
     p = train(run, data_dir, 12, *PIPELINED, "--config.mesh.stage=2", "--config.mesh.y=2",
-              "--config.pipeline.schedule=1f1b")
+              "--config.pipeline.schedule=1f1b", "--config.train.decay_steps=20")
     assert json.loads(p.stdout.strip().splitlines()[-1])["start_step"] == max(saved)
     got = {x["step"]: x["loss"] for x in rows(run)}
     for step in range(max(saved) + 1, 13):

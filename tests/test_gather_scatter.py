@@ -105,3 +105,24 @@ def test_scatter_clip_mode_on_an_unsplit_indexed_dim(rng):
     i, j = np.array([1, 5, 9, 14], np.int32), np.array([0, 7, 2, 3], np.int32)  # column 7 clamps to 3
     fn = lambda o, i, j, u: gs.split(jnp.asarray(o), 0, 8).at[i, j].add(u, mode="clip")
     assert_close(gs.partition(fn, mesh)(op, i, j, u), fn(op, i, j, u))
+
+
+def test_per_row_slot_reads_and_writes_keep_their_other_dims_split():
+    """buf[s, k[s]] read and buf[s, k[s]] += u[s] per row s (a pipeline's per-stage stash): the slot's whole
+    window dims stay split, on every shard (a shard other than the first must not drop its part)."""
+    mesh = gs.make_mesh({"stage": 4, "expert": 2})
+    rng = np.random.default_rng(0)
+    buf, upd = randn(rng, 4, 3, 8, 6), randn(rng, 4, 8, 6)
+    k = np.array([2, 0, 1, 2], np.int32)
+
+    def f(buf, upd, k):
+        buf = gs.shard(buf, ("stage", None, "expert"))
+        read = jax.vmap(lambda b, i: b[i])(buf, k)
+        wrote = jax.vmap(lambda b, i, u: b.at[i].add(u))(buf, k, gs.shard(upd, ("stage", "expert")))
+        return gs.shard(read, ("stage", "expert")), gs.shard(wrote, ("stage", None, "expert"))
+
+    jitted = gs.partition(f, mesh)
+    assert_close(jitted(buf, upd, k), f(buf, upd, k))
+    assert "all-gather" not in hlo_counts(jitted, buf, upd, k)
+    g = gs.partition(jax.grad(lambda b, u: jnp.sum(f(b, u, k)[0] ** 2) + jnp.sum(f(b, u, k)[1] ** 3)), mesh)
+    assert_close(g(buf, upd), jax.grad(lambda b, u: jnp.sum(f(b, u, k)[0] ** 2) + jnp.sum(f(b, u, k)[1] ** 3))(buf, upd))

@@ -143,4 +143,8 @@ def test_partitioned_pipelined_lm(mesh_name, schedule, moe):
 def test_partitioned_pipelined_lm_every_schedule_and_mesh(mesh_name, schedule, moe):
     jitted, params, batch, mesh, f = _partitioned_case(mesh_name, schedule, moe)
     report = gs.explain(f, mesh, params, batch)
-    assert not any(c.kind == "all-gather" and "stage" in c.axes for c in report.collectives)
+    gathered = any(c.kind == "all-gather" and "stage" in c.axes for c in report.collectives)
+    # With repeats, stage s runs layer chunks s, s + p, ...: the models keep their params in layer order (so
+    # checkpoints move across stage counts), which is re-laid each step (docs/pipeline.md). gs.pipeline given
+    # params as [repeats, stages] gathers nothing (test_pipeline.py).
+    assert gathered == (schedule in ("circular", "interleaved_1f1b"))
