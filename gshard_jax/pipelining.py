@@ -21,7 +21,7 @@ the stacked dim.
 from __future__ import annotations
 
 import contextvars
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -90,11 +90,6 @@ def _where(ok, a, b):
 
 def _zero_unless(ok, tree):
     return jax.tree.map(lambda u: jnp.where(_mask(ok, u), u, jnp.zeros((), u.dtype)), tree)
-
-
-def _take(tree, idx):
-    """Per stage s, leaf[s, idx[s]] (a stage-local read)."""
-    return jax.tree.map(lambda a: jax.vmap(lambda b, i: b[i])(a, jnp.maximum(idx, 0)), tree)
 
 
 def _put(tree, idx, value, ok):

@@ -101,7 +101,8 @@ def test_layer_periods_must_split_into_stages():
 
 
 MESHES = {"stage8": {"stage": 8}, "stage4_data2": {"stage": 4, "data": 2},
-          "stage2_expert2_data2": {"stage": 2, "expert": 2, "data": 2}}
+          "stage2_expert2_data2": {"stage": 2, "expert": 2, "data": 2},
+          "stage2_x2_y2": {"stage": 2, "x": 2, "y": 2}}  # AxoNN's tensor axes inside each stage
 
 
 def _partitioned_case(mesh_name, schedule, moe, m_per_stage=2):
