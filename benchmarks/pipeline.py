@@ -26,8 +26,10 @@ def layer(w, h):
 
 
 def stage(w, h):
-    """A chunk of the stack: w [n, D, D]."""
-    return jax.lax.scan(lambda h, w: (layer(w, h), None), h, w)[0]
+    """A chunk of the stack: w [n, D, D] (a Python loop, so cost_analysis() counts every layer)."""
+    for i in range(w.shape[0]):
+        h = layer(w[i], h)
+    return h
 
 
 def head_loss(hp, y, t):
@@ -55,6 +57,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--micro", type=int, default=32, help="rows per microbatch")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--schedules", default="gpipe,1f1b,circular,interleaved_1f1b")
     a = ap.parse_args()
     p, L, D = 4, a.layers, a.width
     mesh = gs.make_mesh({"stage": p, "data": 2})
@@ -74,8 +77,7 @@ def main() -> None:
         return f
 
     def pipelined(schedule, r, m, unroll=False):
-        def f(W, x, H, t):
-            Wc = W.reshape(p, L // p, D, D) if r == 1 else W.reshape(r, p, L // (p * r), D, D)
+        def f(Wc, x, H, t):  # Wc: the layers as [stages, ...] or [repeats, stages, ...] chunks
             (loss, _), grads = gs.pipeline_value_and_grad(stage, Wc, x, head_loss, H, t, num_microbatches=m,
                                                           schedule=schedule, repeats=r, x_spec=(("data",),),
                                                           unroll=unroll)
@@ -86,20 +88,22 @@ def main() -> None:
           f"{a.steps} steps")
     print(f"{'schedule':<17} {'m':>3} {'ticks':>5} {'step ms':>8} {'vs unpiped':>10} {'permutes':>8} "
           f"{'per call':>8} {'flops util':>10} {'theory':>7} {'temp KiB':>9}")
-    for schedule, r in (("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved_1f1b", 2)):
+    for schedule in a.schedules.split(","):
+        r = 2 if schedule in ("circular", "interleaved_1f1b") else 1
         for m in (p, 2 * p, 4 * p, 8 * p):
             B = m * a.micro
             args = (W, jax.random.normal(k[1], (B, D)), H, jax.random.normal(k[3], (B, 8)))
+            chunked = (W.reshape(p, L // p, D, D) if r == 1 else W.reshape(r, p, L // (p * r), D, D),) + args[1:]
             sc = S.make(schedule, p, m, r)
             base_fn = gs.partition(unpipelined(m), mesh)
             ideal = flops(jax.jit(unpipelined(m)).lower(*args).compile()) / mesh.size
             fn = gs.partition(pipelined(schedule, r, m), mesh)
-            compiled = fn.lower(*args).compile()
-            unrolled = gs.partition(pipelined(schedule, r, m, unroll=True), mesh).lower(*args).compile()
-            report = gs.explain(pipelined(schedule, r, m), mesh, *args)
+            compiled = fn.lower(*chunked).compile()
+            unrolled = gs.partition(pipelined(schedule, r, m, unroll=True), mesh).lower(*chunked).compile()
+            report = gs.explain(pipelined(schedule, r, m), mesh, *chunked)
             static = report.totals()["collective-permute"]["count"]
             dynamic = report.totals(dynamic=True)["collective-permute"]["count"]
-            ms = timed(fn, args, a.steps) * 1e3
+            ms = timed(fn, chunked, a.steps) * 1e3
             base_ms = timed(base_fn, args, a.steps) * 1e3
             util = ideal / flops(unrolled)
             theory = m * r / (m * r + p - 1)

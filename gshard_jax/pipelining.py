@@ -167,12 +167,14 @@ def pipeline(stage_fn: Callable, params: PyTree, x: PyTree, *, num_microbatches:
     out0 = jax.tree.map(lambda a: jnp.zeros((p,) + a.shape, a.dtype), xs)
     aux0 = _aux_zeros(run, params_rp, y0)
 
+    stages = _lean_stages(run, params_rp, xs, repeats)
+
     def tick(carry, row):
         state, out, aux = carry
         mb, rep, _ = row
         valid = mb >= 0
         inp = run.inject(xs, state, mb, rep)
-        y, a = run.vmap(lambda w, u, ok: run.call(w, _zero_unless(ok, u)))(_chunk(params_rp, rep, repeats), inp, valid)
+        y, a = stages(params_rp, rep, inp, valid)
         last = valid & (run.stage_ids == p - 1) & (rep == repeats - 1)
         out = _put(out, mb, y, last)
         aux = jax.tree.map(jnp.add, aux, _zero_unless(valid, a))
@@ -184,6 +186,44 @@ def pipeline(stage_fn: Callable, params: PyTree, x: PyTree, *, num_microbatches:
     y = unmicrobatch(_from_stage(out, p - 1))
     aux = jax.tree.map(lambda a: a.sum(0), aux)
     return (y, aux) if has_aux else y
+
+
+def _lean_stages(run: "_Run", params_rp, xs, r: int) -> Callable:
+    """(params_rp, rep, inp, valid) -> every stage on its chunk of repeat rep[s]: (y, aux).
+
+    With repeats the chunk a stage reads changes every tick, so autodiff would keep each tick's gathered
+    weights for the backward; here only the residuals that depend on the activation are kept per tick, and
+    the chunk is gathered again in the backward pass (as the 1F1B schedules do)."""
+    def plain(params_rp, rep, inp, valid):
+        return run.vmap(lambda w, u, ok: run.call(w, _zero_unless(ok, u)))(_chunk(params_rp, rep, r), inp, valid)
+
+    if r == 1:  # the one chunk is loop-invariant: autodiff keeps it once
+        return plain
+    res = _Residuals(run, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), params_rp),
+                     jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs))
+    lean = jax.custom_vjp(plain)
+
+    def fwd(params_rp, rep, inp, valid):
+        def stage(w, u, ok):
+            out, vjp = jax.vjp(run.call, w, _zero_unless(ok, u))
+            return out, res.split(jax.tree.leaves(vjp))
+
+        out, saved = run.vmap(stage)(_chunk(params_rp, rep, r), inp, valid)
+        return out, (params_rp, rep, valid, saved)
+
+    def bwd(residuals, ct):
+        params_rp, rep, valid, saved = residuals
+        w, chunk_vjp = jax.vjp(lambda prp: _chunk(prp, rep, r), params_rp)
+
+        def stage(w, saved, ct, ok):
+            dw, du = res.rebuild(w, saved)(ct)
+            return _zero_unless(ok, dw), _zero_unless(ok, du)
+
+        dw, dinp = run.vmap(stage)(w, saved, ct, valid)
+        return chunk_vjp(dw)[0], None, dinp, None
+
+    lean.defvjp(fwd, bwd)
+    return lean
 
 
 def _from_stage(tree, s: int):
