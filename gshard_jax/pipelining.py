@@ -71,17 +71,35 @@ def _shard(tree: PyTree, lead: tuple, specs: Optional[PyTree], axis: Optional[st
 
 
 def microbatches(x: PyTree, m: int) -> PyTree:
-    """[B, ...] -> [m, B/m, ...]: rows i, i + m, ... form microbatch i (each device's rows split evenly)."""
+    """[B, ...] -> [B/m, m, ...], microbatch i being [:, i] (rows i, i + m, ...): a reshape, so no copy is
+    made and each device's rows split evenly."""
     def one(a):
         if a.shape[0] % m:
             raise ValueError(f"pipeline: batch dim {a.shape[0]} is not a multiple of num_microbatches={m}")
-        return a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)
+        return a.reshape(a.shape[0] // m, m, *a.shape[1:])
     return jax.tree.map(one, x)
 
 
 def unmicrobatch(y: PyTree) -> PyTree:
     """The inverse of `microbatches`."""
-    return jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:]), y)
+    return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), y)
+
+
+def _one(a) -> tuple:
+    """The shape of one microbatch of a microbatched leaf."""
+    return (a.shape[0],) + a.shape[2:]
+
+
+def _rows(tree, idx):
+    """Per stage s, microbatch idx[s] of microbatched leaves ([B/m, m, ...] -> [p, B/m, ...])."""
+    return jax.tree.map(lambda a: jnp.moveaxis(jnp.take(a, jnp.maximum(idx, 0), axis=1), 1, 0), tree)
+
+
+def _put_rows(tree, idx, value, ok):
+    """Per stage s where ok[s], microbatch idx[s] of leaf[s] ([p, B/m, m, ...]) = value[s]."""
+    def one(a, v):
+        return jax.vmap(lambda b, i, u, o: b.at[:, i].set(jnp.where(o, u, b[:, i])))(a, jnp.maximum(idx, 0), v, ok)
+    return jax.tree.map(one, tree, value)
 
 
 def _where(ok, a, b):
@@ -132,7 +150,7 @@ class _Run:
     def inject(self, xs, state, mb, rep):
         """Stage 0's input at the first repeat is the next microbatch; every other input rolled in."""
         first = (self.stage_ids == 0) & (rep == 0)
-        fresh = jax.tree.map(lambda a: jnp.take(a, jnp.maximum(mb, 0), axis=0), xs)
+        fresh = _rows(xs, mb)
         return self.state(_where(first, fresh, state))
 
     def roll(self, tree, shift: int):
@@ -163,7 +181,7 @@ def pipeline(stage_fn: Callable, params: PyTree, x: PyTree, *, num_microbatches:
     run = _Run(stage_fn, has_aux, sc, ax, x_spec)
     params_rp = _stacked(params, repeats, p, ax, param_specs)
     xs = microbatches(x, num_microbatches)
-    y0 = run.state(jax.tree.map(lambda a: jnp.zeros((p,) + a.shape[1:], a.dtype), xs))
+    y0 = run.state(jax.tree.map(lambda a: jnp.zeros((p,) + _one(a), a.dtype), xs))
     out0 = jax.tree.map(lambda a: jnp.zeros((p,) + a.shape, a.dtype), xs)
     aux0 = _aux_zeros(run, params_rp, y0)
 
@@ -176,7 +194,7 @@ def pipeline(stage_fn: Callable, params: PyTree, x: PyTree, *, num_microbatches:
         inp = run.inject(xs, state, mb, rep)
         y, a = stages(params_rp, rep, inp, valid)
         last = valid & (run.stage_ids == p - 1) & (rep == repeats - 1)
-        out = _put(out, mb, y, last)
+        out = _put_rows(out, mb, y, last)
         aux = jax.tree.map(jnp.add, aux, _zero_unless(valid, a))
         return (run.roll(y, 1), out, aux), None
 
@@ -200,7 +218,7 @@ def _lean_stages(run: "_Run", params_rp, xs, r: int) -> Callable:
     if r == 1:  # the one chunk is loop-invariant: autodiff keeps it once
         return plain
     res = _Residuals(run, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), params_rp),
-                     jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs))
+                     jax.tree.map(lambda a: jax.ShapeDtypeStruct(_one(a), a.dtype), xs))
     lean = jax.custom_vjp(plain)
 
     def fwd(params_rp, rep, inp, valid):
@@ -278,7 +296,8 @@ def pipeline_value_and_grad(stage_fn: Callable, params: PyTree, x: PyTree, loss_
                            unroll=unroll)
             y, aux = out if has_aux else (out, {})
             ys, ts = microbatches(y, num_microbatches), microbatches(targets, num_microbatches)
-            loss = jax.lax.map(lambda yt: loss_fn(loss_params, *yt), (ys, ts)).sum()
+            by_microbatch = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), (ys, ts))
+            loss = jax.lax.map(lambda yt: loss_fn(loss_params, *yt), by_microbatch).sum()
             return loss + _weighted(aux, aux_weights), (loss, aux)
 
         (_, (loss, aux)), grads = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(params, x, loss_params)
@@ -361,8 +380,8 @@ def _one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, sched
     params_rp = _stacked(params, r, p, ax, param_specs)
     xs, ts = microbatches(x, m), microbatches(targets, m)
     res = _Residuals(run, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), params_rp),
-                     jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs))
-    zeros_state = run.state(jax.tree.map(lambda a: jnp.zeros((p,) + a.shape[1:], a.dtype), xs))
+                     jax.tree.map(lambda a: jax.ShapeDtypeStruct(_one(a), a.dtype), xs))
+    zeros_state = run.state(jax.tree.map(lambda a: jnp.zeros((p,) + _one(a), a.dtype), xs))
     aux0 = _aux_zeros(run, params_rp, zeros_state)
     weights = jax.tree.map(lambda a, w: jnp.broadcast_to(jnp.asarray(w, a.dtype), a.shape[1:]), aux0,
                            _weights_like(aux0, aux_weights))
@@ -397,7 +416,7 @@ def _one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, sched
             dl, dy = vjp(jnp.ones_like(value))
             return jnp.where(ok, value, 0).astype(jnp.float32), _zero_unless(ok, _f32(dl)), _zero_unless(ok, dy)
 
-        value, dl, dy = run.vmap(one, in_axes=(None, 0, 0, 0))(loss_params, y, _take_rows(ts, mb), last)
+        value, dl, dy = run.vmap(one, in_axes=(None, 0, 0, 0))(loss_params, y, _rows(ts, mb), last)
         return dict(c, loss=c["loss"] + value, dl=jax.tree.map(jnp.add, c["dl"], dl)), dy
 
     def backward(c, row, fresh=None):
@@ -419,7 +438,7 @@ def _one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, sched
                                                      in_axes=(1, 0, 0), out_axes=1)(G, jnp.maximum(rep, 0), d),
                                c["dw"], dw)
         first = valid & (ids == 0) & (rep == 0)
-        return dict(c, b=run.roll(dx, -1), dw=acc, dx=_put(c["dx"], mb, dx, first))
+        return dict(c, b=run.roll(dx, -1), dw=acc, dx=_put_rows(c["dx"], mb, dx, first))
 
     def warm(c, row):
         return forward(c, row)[0], None
@@ -450,8 +469,3 @@ def _one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, sched
 
 def _acc_dtype(a):
     return jnp.float32 if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype
-
-
-def _take_rows(tree, idx):
-    """Per stage s, leaf[idx[s]] of microbatch-stacked leaves (each stage reads its own microbatch)."""
-    return jax.tree.map(lambda a: jnp.take(a, jnp.maximum(idx, 0), axis=0), tree)
