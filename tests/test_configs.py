@@ -56,7 +56,7 @@ def test_every_config_has_the_runtime_fields_and_builds(path):
         assert isinstance(cfg.train[key], int), key
     assert cfg.debug.nan_at_step == -1
     assert set(cfg.mesh) == {"stage", "data", "z", "expert", "y", "x", "model"}  # docs/models.md
-    assert set(cfg) == {"model", "mesh", "train", "data", "debug"}  # experiments/README.md's sections
+    assert set(cfg) == {"model", "mesh", "train", "data", "pipeline", "debug"}  # experiments/README.md's sections
     configs.transformer_config(cfg.model)  # every field is a TransformerConfig / MoeConfig field
 
 
@@ -113,3 +113,13 @@ def test_the_default_run_is_the_model_readme_describes():
     assert (m.num_layers, m.moe.num_experts, m.moe.gating.k, m.moe.activation) == (4, 8, 2, "swiglu")
     assert cfg.model.moe_every == 1 and cfg.train.num_steps == 300
     assert {k: v for k, v in cfg.mesh.items() if v != 1} == {"data": 2, "expert": 4}
+
+
+@pytest.mark.parametrize("name,stages", [("mula_100b_a7b", 4), ("mula_220b_a10b", 8)])
+def test_mula_configs_pipeline_as_seed_001(name, stages):
+    """Seed 001 trains Mula-100B-A7B on 4 and 220B-A10B on 8 pipeline stages with 1F1B."""
+    from gshard_jax.models import pipelined
+    cfg = configs.load(os.path.join(ROOT, "experiments", f"{name}.py"))
+    pc = configs.pipeline_config(cfg, cfg.mesh.stage)
+    assert (pc.stages, pc.schedule) == (stages, "1f1b") and pc.microbatches == 4 * stages
+    pipelined.check(pc, cfg.model.num_layers // cfg.model.moe_every)  # the layers split into the stages

@@ -115,13 +115,13 @@ def _reference(W, x, H, t, m):
 
 
 def _chunked(W, p, r):
-    """[L, ...] layer order -> [p, L/p, ...] or [r, p, L/(p r), ...]: chunk k p + s at [k, s]."""
-    n = L // (p * r)
+    """[layers, ...] in order -> [p, n, ...] or [r, p, n, ...]: chunk k p + s at [k, s]."""
+    n = W.shape[0] // (p * r)
     return W.reshape(p, n, D, D) if r == 1 else W.reshape(r, p, n, D, D)
 
 
 def _unchunked(g):
-    return g.reshape(L, D, D)
+    return g.reshape(-1, D, D)
 
 
 def _piped(schedule, p, r, m, x_spec=None):
@@ -134,7 +134,7 @@ def _piped(schedule, p, r, m, x_spec=None):
 
 
 @pytest.mark.parametrize("schedule,r", [("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved_1f1b", 2)])
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [1, 2, 4])
 def test_every_schedule_equals_the_unpipelined_function(schedule, r, k):
     W, x, H, t = _problem()
     p = 4 if r == 1 else 2
@@ -202,16 +202,35 @@ def test_nan_in_bubble_inputs_cannot_leak(schedule, monkeypatch):
 PERMUTES = {"gpipe": 2, "circular": 2, "1f1b": 4, "interleaved_1f1b": 4}
 
 
-@pytest.mark.parametrize("schedule,r", [("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved_1f1b", 2)])
-def test_partitioned_pipeline_permutes_and_never_gathers_the_stages(schedule, r):
+MESHES = {"stage4_data2": {"stage": 4, "data": 2}, "stage8": {"stage": 8},
+          "stage2_expert2_data2": {"stage": 2, "expert": 2, "data": 2}}
+
+
+def _partitioned_cases():
+    for schedule, r in (("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved_1f1b", 2)):
+        for mesh in MESHES:
+            for k in (1, 2, 4):
+                fast = mesh == "stage4_data2" and k == 2
+                yield pytest.param(schedule, r, mesh, k, marks=() if fast else pytest.mark.slow,
+                                   id=f"{schedule}-{mesh}-m{k}p")
+
+
+@pytest.mark.parametrize("schedule,r,mesh_name,k", list(_partitioned_cases()))
+def test_partitioned_pipeline_permutes_and_never_gathers_the_stages(schedule, r, mesh_name, k):
     W, x, H, t = _problem()
-    mesh = gs.make_mesh({"stage": 4, "data": 2})
-    Win = _chunked(W, 4, r)  # as a model stores them: [stages, ...] or [repeats, stages, ...]
+    mesh = gs.make_mesh(MESHES[mesh_name])
+    p = mesh.shape["stage"]
+    if L % (p * r):
+        W = jnp.concatenate([W, W[::-1]])  # 16 layers for 8 stages x 2 repeats
+    Win = _chunked(W, p, r)  # as a model stores them: [stages, ...] or [repeats, stages, ...]
+    m = k * p
+    batch = tuple(("data", "expert") if "expert" in mesh.shape else ("data",) if "data" in mesh.shape else ())
+    x_spec = ((batch or None),)
 
     def f(Wc, x, H, t):
         (loss, _), (gw, gx, gh) = gs.pipeline_value_and_grad(
-            lambda w, h: _stage(w, h)[0], Wc, x, _loss, H, t, num_microbatches=8, schedule=schedule, repeats=r,
-            x_spec=(("data",),))
+            lambda w, h: _stage(w, h)[0], Wc, x, _loss, H, t, num_microbatches=m, schedule=schedule, repeats=r,
+            x_spec=x_spec)
         return loss, gw, gx, gh
 
     jitted = gs.partition(f, mesh)
@@ -225,8 +244,8 @@ def test_partitioned_pipeline_permutes_and_never_gathers_the_stages(schedule, r)
     report = gs.explain(f, mesh, Win, x, H, t)
     assert_report_matches_hlo(report, stats)
     (pl,) = report.pipelines
-    assert (pl["schedule"], pl["stages"], pl["microbatches"], pl["repeats"]) == (schedule, 4, 8, r)
-    assert f"pipeline {schedule}: 4 stages" in str(report)
+    assert (pl["schedule"], pl["stages"], pl["microbatches"], pl["repeats"]) == (schedule, p, m, r)
+    assert f"pipeline {schedule}: {p} stages" in str(report)
     xla = hlo_stats(gs.partition(f, mesh, backend="xla"), Win, x, H, t)
     for kind in ("all-reduce", "all-gather", "collective-permute", "all-to-all", "reduce-scatter"):
         assert stats[kind]["payload_bytes"] <= xla[kind]["payload_bytes"], kind
