@@ -71,6 +71,7 @@ class Layout:
     optimizer: Any  # moments and master weights; where gradients are reduce-scattered to (stage >= 1)
     zero_stage: int
     zero_axes: dict  # parameter path -> the ZeRO axes it was given (for the docs and reports)
+    stacked: Any = None  # per parameter, whether its leading dim is a scanned stack's layers (bools)
 
     @property
     def gradients(self) -> Any:
@@ -86,7 +87,7 @@ def layout(logical: Any, shapes: Any, rules: Rules, mesh: Mapping[str, int], zer
                          f"optimizer state, 1: sharded moments, 2: and gradients, 3: and parameters)")
     mesh = {a: s for a, s in mesh.items() if s > 1}
     names = tuple(mesh)
-    compute, stored, optimizer, given = [], [], [], {}
+    compute, stored, optimizer, given, stacked = [], [], [], {}, []
     flat, tree = jax.tree_util.tree_flatten_with_path(logical, is_leaf=_is_spec)
     shape_leaves = jax.tree_util.tree_leaves(shapes)
     if len(shape_leaves) != len(flat):
@@ -96,6 +97,7 @@ def layout(logical: Any, shapes: Any, rules: Rules, mesh: Mapping[str, int], zer
         spec = tuple(spec) + (None,) * (leaf.ndim - len(spec))
         c = mesh_spec(spec, rules, names)
         avoid = [d for d, n in enumerate(spec) if n == LAYERS]
+        stacked.append(bool(spec) and spec[0] == LAYERS)
         s = add_axes(c, leaf.shape, STORAGE_AXES, mesh, avoid)
         zero = ["data"] + (["expert"] if epso else [])
         o = add_axes(s, leaf.shape, zero, mesh, avoid) if zero_stage >= 1 else s
@@ -109,7 +111,7 @@ def layout(logical: Any, shapes: Any, rules: Rules, mesh: Mapping[str, int], zer
 
     def un(leaves):
         return jax.tree_util.tree_unflatten(tree, leaves)
-    return Layout(un(compute), un(stored), un(optimizer), zero_stage, given)
+    return Layout(un(compute), un(stored), un(optimizer), zero_stage, given, un(stacked))
 
 
 def of_model(model: nn.Module, example: tuple, mesh: Mapping[str, int], zero_stage: int = 0,

@@ -30,6 +30,7 @@ import gshard_jax as gs
 from . import configs, data, metrics, optim
 from . import state as sharded
 from .checkpoints import Checkpoints
+from .models import pipelined
 from .models.sharding import axes_of, mesh_spec
 from .models.transformer import loss_fn
 
@@ -96,6 +97,8 @@ class Trainer:
         # The same params with or without a pipeline: init and the layout read the unpipelined model.
         self.init_model = configs.build_model(cfg.model, train=True, pipeline=self.pipeline)
         self.init_model = self.init_model.clone(cfg=dataclasses.replace(self.init_model.cfg, pipeline=None))
+        # A stack whose chunks repeat over the stages is stored in the order the stages run it.
+        self.layer_order = pipelined.order_key(self.pipeline)
         self.opt = optim.optimizer(t)
         self.schedule = optim.schedule(t)
         self.length = data.window_length(cfg.model.kind, t.seq_len)
@@ -146,6 +149,7 @@ class Trainer:
     # ------------------------------------------------------------------ the partitioned functions
     def init_state(self, key: jax.Array) -> dict:
         params = nn.unbox(self.init_model.init(key, *configs.example_inputs(self.cfg.model, 1, self.cfg.train.seq_len)))
+        params = pipelined.reorder(params, self.layout.stacked, pipelined.order_key(None), self.layer_order)
         opt_state = self.opt.init(params)
         if self.mixed:
             opt_state = {"master": params, "adam": opt_state}
@@ -228,6 +232,34 @@ class Trainer:
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v, (t.batch_size,) + v.shape[1:])
                 for k, v in data.model_batch(self.cfg.model.kind, local).items()}
 
+    def from_checkpoint(self, tree: dict, saved: dict) -> dict:
+        """A restored state (or {"params": ...}) re-laid from the layer order its checkpoint recorded to this
+        run's (a circular pipeline's stack moving to another stage or repeat count, or to none)."""
+        src = saved.get("layer_order", pipelined.order_key(None))
+        if src == self.layer_order:
+            return tree
+        flags = self.layout.stacked
+
+        def move(params_like):
+            return pipelined.reorder(params_like, flags, src, self.layer_order)
+
+        def move_opt(opt_state):
+            return optax.tree_utils.tree_map_params(
+                self.opt, lambda leaf, flag: pipelined.reorder(leaf, flag, src, self.layer_order), opt_state, flags,
+                transform_non_params=lambda x: x)
+
+        def relay(tree):
+            out = dict(tree, params=move(tree["params"]))
+            if "opt_state" in tree:
+                o = tree["opt_state"]
+                out["opt_state"] = {"master": move(o["master"]), "adam": move_opt(o["adam"])} if self.mixed \
+                    else move_opt(o)
+            return out
+        specs = self.state_specs if "opt_state" in tree else {"params": self.layout.stored}
+        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+        log.info("checkpoint layer order %s re-laid to %s", src, self.layer_order)
+        return jax.jit(relay, out_shardings=shardings)(tree)
+
     def fresh_state(self) -> dict:
         return self.init_fn(jax.random.key(self.cfg.train.seed))
 
@@ -281,9 +313,10 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(cfg.to_json(indent=1))
     tokens = prepare_data(cfg, workdir)
-    ckpt = Checkpoints(workdir, t.checkpoint_every, t.model_checkpoint_every, async_save=t.async_checkpoints)
+    ckpt = Checkpoints(workdir, t.checkpoint_every, t.model_checkpoint_every, async_save=t.async_checkpoints,
+                       metadata={"layer_order": trainer.layer_order})
     state = trainer.fresh_state()
-    restored = ckpt.restore_latest(state)
+    restored = ckpt.restore_latest(state, adapt=trainer.from_checkpoint)
     start = 0
     if restored is not None:
         start, state = restored
@@ -349,7 +382,7 @@ def evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
     trainer = Trainer(cfg, workdir)  # checks the config against the devices before anything is written
     tokens = prepare_data(cfg, workdir)
     ckpt = Checkpoints(workdir, cfg.train.checkpoint_every, cfg.train.model_checkpoint_every, async_save=False)
-    restored = ckpt.restore_params(trainer.fresh_state()["params"])
+    restored = ckpt.restore_params(trainer.fresh_state()["params"], adapt=trainer.from_checkpoint)
     ckpt.close()
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints or {workdir}/model_checkpoints; train first")

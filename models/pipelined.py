@@ -1,8 +1,13 @@
 """A Stack's periods as a pipeline over the `stage` mesh axis (gs.pipeline).
 
-The params are the scanned stack's, unchanged ([periods, ...] on a leading
-"layers" dim, which the rules split over `stage`), so a checkpoint moves
-between pipelined and unpipelined runs and across stage counts. Each stage
+The params are the scanned stack's ([periods, ...] on a leading "layers"
+dim, which the rules split over `stage` into contiguous blocks). With
+repeats (circular, interleaved 1F1B) stage s runs layer chunks s, s + p,
+..., so the stack is stored in that order (`storage_order`): stage s's
+block holds its own chunks and the per-step ``[repeats, stages]`` view is
+a local reshape, with no parameter crossing stages. A checkpoint records
+its order and is re-laid on restore, so it moves between pipelined and
+unpipelined runs and across stage and repeat counts. Each stage
 runs ``periods / (stages * repeats)`` scanned periods on one microbatch; MoE
 losses and statistics come out of each stage as the pipeline's aux and are
 averaged over microbatches, as gradient accumulation averages them.
@@ -16,11 +21,12 @@ in a custom_vjp, so ``jax.grad`` of the model's loss still works.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import gshard_jax as gs
 from gshard_jax import schedules as S
@@ -47,6 +53,45 @@ def check(pc: PipelineConfig, periods: int) -> None:
                          f"{pc.repeats} repeats; choose num_layers / period divisible by stages * repeats")
 
 
+def order_key(pc: Optional[PipelineConfig]) -> dict:
+    """The storage order of a stack's layer dim, as a checkpoint records it: layer order (stages 1,
+    repeats 1) unless chunks repeat over the stages."""
+    if pc is None or pc.repeats == 1 or pc.stages == 1:
+        return {"stages": 1, "repeats": 1}
+    return {"stages": pc.stages, "repeats": pc.repeats}
+
+
+def storage_order(periods: int, stages: int, repeats: int) -> np.ndarray:
+    """Layer period held at each position of the stored stack: stage s's contiguous block holds chunks
+    s, s + p, ..., s + (r - 1) p, the chunks it runs (identity for r = 1)."""
+    chunk = periods // (stages * repeats)
+    chunks = np.arange(stages * repeats).reshape(repeats, stages).T.reshape(-1)
+    return (chunks[:, None] * chunk + np.arange(chunk)).reshape(-1)
+
+
+def reorder(tree: Any, stacked: Any, src: dict, dst: dict) -> Any:
+    """The leaves flagged in `stacked` (a leading stacked-layers dim) moved from storage order `src` to
+    `dst` (`order_key`s); the rest unchanged."""
+    if src == dst:
+        return tree
+
+    def move(flag, a):
+        if not flag:
+            return a
+        if isinstance(a, nn.meta.AxisMetadata):  # a boxed param (logical axes): move its value
+            return a.replace_boxed(move(flag, a.unbox()))
+        n = a.shape[0]
+        held = np.argsort(storage_order(n, src["stages"], src["repeats"]))  # layer -> position in src
+        return a[held[storage_order(n, dst["stages"], dst["repeats"])]]
+    return jax.tree.map(move, stacked, tree, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+
+
+def stacked(boxed: Any) -> Any:
+    """Per leaf of a param tree with logical axes, whether its leading dim is a scanned stack's layers."""
+    return jax.tree.map(lambda spec: bool(spec) and spec[0] == "layers", nn.get_partition_spec(boxed),
+                        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+
 def _specs(stack: nn.Module, init: Callable):
     """Per stacked leaf, the mesh spec of its dims after the stage dim (the chunk's layers dim whole), and
     the spec of one microbatch of the pipeline's state, from the rules table."""
@@ -71,13 +116,15 @@ def _setup(stack: nn.Module, n: int, x, enc, mask):
     chunk = n // (p * r)
     args = (c, stack.causal, stack.cross, stack.train)
 
-    def init(rng):
-        return T.scanned_periods(c, n)(*args).init({"params": rng}, x, enc, mask)["params"]
+    def init(rng):  # the scanned stack's params in layer order, stored in the pipeline's order
+        w = T.scanned_periods(c, n)(*args).init({"params": rng}, x, enc, mask)["params"]
+        return reorder(w, jax.tree.map(lambda _: True, w), order_key(None), order_key(pc))
 
     param_specs, state_specs = _specs(stack, init)
     w = stack.param("layers", init)
-    lead = (p,) if r == 1 else (r, p)
-    w = jax.tree.map(lambda a: a.reshape(*lead, chunk, *a.shape[1:]), w)
+    # [stages, chunk] or, stored stage-major, [stages, repeats, chunk] -> [repeats, stages, chunk]: local
+    w = jax.tree.map(lambda a: a.reshape(p, chunk, *a.shape[1:]) if r == 1 else
+                     a.reshape(p, r, chunk, *a.shape[1:]).swapaxes(0, 1), w)
     state = {k: v for k, v in (("x", x), ("enc", enc), ("mask", mask)) if v is not None}
     body = T.scanned_periods(c, chunk)(*args)
 

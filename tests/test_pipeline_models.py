@@ -9,6 +9,7 @@ import pytest
 import gshard_jax as gs
 from gshard_jax.models import transformer as T
 from gshard_jax.models.moe import MoeConfig
+from gshard_jax.models import pipelined as PM
 from gshard_jax.models.pipelined import PipelineConfig
 from helpers import hlo_stats
 
@@ -39,6 +40,12 @@ def _pipelined_loss(cfg, pc):
     return lambda params, batch: jax.value_and_grad(lambda p: T.loss_fn(model, p, batch)[0])(params)
 
 
+def _stored(params, pc):
+    """Layer-ordered params as the pipelined model stores them, and its gradients back in layer order."""
+    flags, layers, piped = PM.stacked(params), PM.order_key(None), PM.order_key(pc)
+    return PM.reorder(params, flags, layers, piped), lambda out: (out[0], PM.reorder(out[1], flags, piped, layers))
+
+
 def _jit(f):
     return jax.jit(f)
 
@@ -64,8 +71,10 @@ def test_pipelined_lm_equals_gradient_accumulation(schedule, p, r, moe):
     batch = _batch()
     params = base.init(jax.random.key(1), batch["inputs"])
     m = 2 * p
-    got = _jit(_pipelined_loss(cfg, PipelineConfig(p, m, schedule, r)))(params, batch)
-    _assert_same(got, _reference(base, params, batch, m))
+    pc = PipelineConfig(p, m, schedule, r)
+    stored, back = _stored(params, pc)
+    got = _jit(_pipelined_loss(cfg, pc))(stored, batch)
+    _assert_same(back(got), _reference(base, params, batch, m))
 
 
 @pytest.mark.slow  # 20 s
@@ -114,11 +123,13 @@ def _partitioned_case(mesh_name, schedule, moe, m_per_stage=2):
     batch = _batch()
     params = base.init(jax.random.key(1), batch["inputs"])
     m = m_per_stage * p
-    f = _pipelined_loss(cfg, PipelineConfig(p, m, schedule, r))
+    pc = PipelineConfig(p, m, schedule, r)
+    f = _pipelined_loss(cfg, pc)
     mesh = gs.make_mesh(shape)
     jitted = gs.partition(f, mesh)
-    _assert_same(jitted(params, batch), _reference(base, params, batch, m))
-    return jitted, params, batch, mesh, f
+    stored, back = _stored(params, pc)
+    _assert_same(back(jitted(stored, batch)), _reference(base, params, batch, m))
+    return jitted, stored, batch, mesh, f
 
 
 @pytest.mark.parametrize("mesh_name,schedule,moe", [
@@ -144,8 +155,23 @@ def test_partitioned_pipelined_lm(mesh_name, schedule, moe):
 def test_partitioned_pipelined_lm_every_schedule_and_mesh(mesh_name, schedule, moe):
     jitted, params, batch, mesh, f = _partitioned_case(mesh_name, schedule, moe)
     report = gs.explain(f, mesh, params, batch)
-    gathered = any(c.kind == "all-gather" and "stage" in c.axes for c in report.collectives)
-    # With repeats, stage s runs layer chunks s, s + p, ...: the models keep their params in layer order (so
-    # checkpoints move across stage counts), which is re-laid each step (docs/pipeline.md). gs.pipeline given
-    # params as [repeats, stages] gathers nothing (test_pipeline.py).
-    assert gathered == (schedule in ("circular", "interleaved_1f1b"))
+    # with repeats the stack is stored in the order the stages run it: no parameter crosses stages
+    assert not any(c.kind == "all-gather" and "stage" in c.axes for c in report.collectives)
+
+
+def test_storage_order_puts_each_stages_chunks_in_its_block():
+    """A stack with repeats is stored stage-major: stage s's contiguous block holds chunks s, s + p, ...
+    (docs/pipeline.md's example), and reorder() moves between any two orders and back."""
+    assert PM.storage_order(8, 2, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert PM.storage_order(8, 4, 1).tolist() == list(range(8))
+    for p, r in ((2, 2), (4, 2), (2, 4)):
+        chunk = 16 // (p * r)
+        blocks = PM.storage_order(16, p, r).reshape(p, r, chunk)
+        assert all(blocks[s, k].tolist() == list(range((k * p + s) * chunk, (k * p + s + 1) * chunk))
+                   for s in range(p) for k in range(r))
+    a = jnp.arange(16.0)
+    two, four = PM.order_key(PipelineConfig(2, 2, "circular", 2)), PM.order_key(PipelineConfig(4, 4, "circular", 2))
+    moved = PM.reorder(a, True, PM.order_key(None), two)
+    np.testing.assert_array_equal(moved, PM.storage_order(16, 2, 2))
+    np.testing.assert_array_equal(PM.reorder(moved, True, two, four), PM.storage_order(16, 4, 2))
+    np.testing.assert_array_equal(PM.reorder(PM.reorder(moved, True, two, four), True, four, PM.order_key(None)), a)

@@ -26,7 +26,8 @@ STEPS = 5
 def make(mesh="d8", dense=False, **train_kw):
     """A Trainer of a small tiny_moe_lm (2 layers, vocab 256, 16 x 16 tokens) on one of MESHES."""
     cfg = configs.load(os.path.join(ROOT, "experiments", "tiny_moe_lm.py"))
-    cfg.mesh.update({**dict(data=1, expert=1), **MESHES[mesh]})
+    cfg.mesh.update({**dict(data=1, expert=1), **(MESHES[mesh] if isinstance(mesh, str) else mesh)})
+    cfg.pipeline.update(train_kw.pop("pipeline", {}))
     dtype = train_kw.pop("dtype", "float32")
     cfg.model.update({**dict(num_layers=2, vocab_size=256, dtype=dtype), **train_kw.pop("model", {})})
     if dense:
@@ -211,6 +212,30 @@ def test_a_resume_across_zero_stage_and_mesh_continues_the_same_losses(tmp_path)
     assert "data" in jax.tree.leaves(tuple(table.sharding.spec))  # stage 3: stored split over data
     rest, _ = run(second, state=restored, data=data[2:])
     np.testing.assert_allclose(got + rest, want, rtol=1e-5)
+
+
+def test_a_circular_pipeline_checkpoint_resumes_on_other_stage_and_repeat_counts(tmp_path):
+    """Interleaved 1F1B over 4 stages x 2 repeats stores the stack stage-major (stage s holds layer chunks s
+    and s + 4). Its checkpoint after 2 steps continues on 2 stages x 2 repeats, and that one's without a
+    pipeline: the losses are the unpipelined run's with the same microbatches."""
+    kw = dict(dense=True, model=dict(num_layers=8, scan=True), microbatches=4)
+    plain = make(dict(data=4, y=2), **kw)
+    data = batches(plain, 6)
+    want, _ = run(plain, data=data)
+    piped = dict(schedule="interleaved_1f1b", repeats=2)
+    source = make(dict(stage=4, data=2), pipeline=piped, **kw)
+    got, state = run(source, data=data[:2])
+    for i, (mesh, pipeline) in enumerate(((dict(stage=2, data=4), piped), (dict(data=4, y=2), {}))):
+        trainer = make(mesh, pipeline=pipeline, **kw)
+        ckpt = Checkpoints(str(tmp_path / str(i)), 1, 100, async_save=False,
+                           metadata={"layer_order": source.layer_order})
+        ckpt.save(2 + 2 * i, state, force=True)
+        step, state = ckpt.restore_latest(trainer.fresh_state(), adapt=trainer.from_checkpoint)
+        ckpt.close()
+        losses, state = run(trainer, state=state, data=data[step:step + 2])
+        got, source = got + losses, trainer
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert [t.layer_order["stages"] for t in (plain, source)] == [1, 1]
 
 
 def test_layout_places_zero_axes_where_they_divide():
