@@ -1,0 +1,55 @@
+"""A pipeline stage's jax.vjp residuals, split by what they depend on.
+
+Those that depend on the activation are stashed once per microbatch (per
+tick); those that depend on the weights alone (a weight, its cast or
+transpose) are recomputed at the backward instead, so no copy of a stage's
+weights is held per microbatch.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from jax._src.interpreters import partial_eval as pe
+from jax.extend import core
+
+class Residuals:
+    """A stage's jax.vjp residuals, split into those that depend on the activation (stashed per microbatch)
+    and those that depend on the weights alone (recomputed at the backward: a weight, its cast or transpose,
+    is never stashed once per microbatch)."""
+
+    def __init__(self, stage: Callable, w_shape, x_shape):
+        def leaves(w, x):
+            out, vjp = jax.vjp(stage, w, x)
+            flat, self.treedef = jax.tree.flatten(vjp)
+            return flat
+
+        closed = jax.make_jaxpr(leaves)(w_shape, x_shape)
+        jaxpr, self.consts = pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
+        n_w = len(self.consts) + len(jax.tree.leaves(w_shape))
+        self.on_x = _depends(jaxpr, n_w)
+        weights_only, self.used_in = pe.dce_jaxpr(jaxpr, [not d for d in self.on_x])
+        assert not any(self.used_in[n_w:]), "weight-only residuals read the activation"
+        self.weights_only = core.ClosedJaxpr(weights_only, [])
+        self.stashed = [v.aval for v, d in zip(jaxpr.outvars, self.on_x) if d]
+
+    def split(self, flat):
+        return [f for f, d in zip(flat, self.on_x) if d]
+
+    def rebuild(self, w, stashed):
+        """The vjp function of a stage from its weights and its stashed residuals."""
+        args = [a for a, u in zip(self.consts + jax.tree.leaves(w), self.used_in) if u]
+        recomputed = iter(core.jaxpr_as_fun(self.weights_only)(*args))
+        stashed = iter(stashed)
+        flat = [next(stashed) if d else next(recomputed) for d in self.on_x]
+        return jax.tree.unflatten(self.treedef, flat)
+
+
+def _depends(jaxpr, n_w: int) -> list[bool]:
+    """For each output of jaxpr, whether it depends on the inputs after the first n_w."""
+    dep = {v: i >= n_w for i, v in enumerate(jaxpr.invars)}
+    for e in jaxpr.eqns:
+        d = any(dep.get(v, False) for v in e.invars if not isinstance(v, core.Literal))
+        for o in e.outvars:
+            dep[o] = d
+    return [(not isinstance(v, core.Literal)) and dep.get(v, False) for v in jaxpr.outvars]
