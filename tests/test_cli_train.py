@@ -104,6 +104,7 @@ def test_training_lowers_the_loss_and_writes_its_records(data_dir, tmp_path):
     assert out["step"] == 24 and out["eval_loss"] == pytest.approx(evals[-1], rel=1e-6)
 
 
+@pytest.mark.slow  # 35 s; the encoder-decoder's train step is tested partitioned in test_models.py
 def test_the_tiny_encoder_decoder_trains_through_the_cli(data_dir, tmp_path):
     """docs/models.md: the tiny encoder-decoder trains on a CPU (it reads the first half of each window and
     predicts the second): its cross-entropy falls below the uniform ln V within 30 steps."""
@@ -261,6 +262,7 @@ def test_explain_compare_and_plot_subcommands(data_dir, tmp_path):
     assert p.returncode == 2 and "has no metrics.jsonl" in p.stderr
 
 
+@pytest.mark.slow  # 40 s; the trainer's ZeRO x EPSO matrix is in test_sharded_state.py
 def test_zero_stage_1_with_epso_trains_to_stage_0s_losses(data_dir, tmp_path):
     """The tiny MoE LM on {data 2, expert 4} with sharded optimizer state (EPSO: non-expert states over all 8
     devices) trains to the losses of the replicated optimizer."""

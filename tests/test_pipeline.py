@@ -134,7 +134,7 @@ def _piped(schedule, p, r, m, x_spec=None):
 
 
 @pytest.mark.parametrize("schedule,r", [("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved_1f1b", 2)])
-@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("k", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_schedule_equals_the_unpipelined_function(schedule, r, k):
     W, x, H, t = _problem()
     p = 4 if r == 1 else 2
