@@ -71,7 +71,7 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
         value, dl, dy = run.vmap(one, in_axes=(None, 0, 0, 0))(loss_params, y, _rows(ts, mb), last)
         return dict(c, loss=c["loss"] + value, dl=jax.tree.map(jnp.add, c["dl"], dl)), dy
 
-    def backward(c, row, fresh=None):
+    def backward(c, row, fresh=None, roll=True):
         mb, rep, slot = row
         valid = mb >= 0
         g = c["b"] if fresh is None else _where(valid & (ids == p - 1) & (rep == r - 1), fresh, c["b"])
@@ -90,7 +90,7 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
                                                      in_axes=(1, 0, 0), out_axes=1)(G, jnp.maximum(rep, 0), d),
                                c["dw"], dw)
         first = valid & (ids == 0) & (rep == 0)
-        return dict(c, b=run.roll(dx, -1), dw=acc, dx=_put_rows(c["dx"], mb, dx, first))
+        return dict(c, b=run.roll(dx, -1) if roll else c["b"], dw=acc, dx=_put_rows(c["dx"], mb, dx, first))
 
     def warm(c, row):
         return forward(c, row)[0], None
@@ -103,15 +103,23 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
     def cool(c, row):
         return backward(c, row), None
 
+    def loop(f, c, wave, ticks):
+        """A scan over a phase's rows; a phase of no ticks is no loop (XLA drops a zero-trip loop's body)."""
+        if not len(ticks):
+            return c
+        rows = tuple(run.rows(w, ticks) for w in wave) if isinstance(wave, tuple) else run.rows(wave, ticks)
+        return jax.lax.scan(f, c, rows, unroll=unroll)[0]
+
     w_ticks, s_ticks, c_ticks = sc.phases
     with jax.named_scope(f"pipeline.{schedule}"):
         with jax.named_scope("warmup"):
-            carry, _ = jax.lax.scan(warm, carry, run.rows(sc.forward, w_ticks), unroll=unroll)
+            carry = loop(warm, carry, sc.forward, w_ticks)
         with jax.named_scope("steady"):
-            carry, _ = jax.lax.scan(steady, carry, (run.rows(sc.forward, s_ticks), run.rows(sc.backward, s_ticks)),
-                                    unroll=unroll)
-        with jax.named_scope("cooldown"):
-            carry, _ = jax.lax.scan(cool, carry, run.rows(sc.backward, c_ticks), unroll=unroll)
+            carry = loop(steady, carry, (sc.forward, sc.backward), s_ticks)
+        with jax.named_scope("cooldown"):  # the last tick's gradients go nowhere: no roll
+            carry = loop(cool, carry, sc.backward, c_ticks[:-1])
+            if len(c_ticks):
+                carry = backward(carry, [a[0] for a in run.rows(sc.backward, c_ticks[-1:])], roll=False)
     aux = jax.tree.map(lambda a: a.sum(0), carry["aux"])
     d_params = jax.tree.map(lambda a: a[0], carry["dw"]) if r == 1 else carry["dw"]
     d_loss_params = jax.tree.map(lambda a: a.sum(0), carry["dl"])

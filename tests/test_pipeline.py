@@ -80,10 +80,10 @@ def test_bad_schedules_say_what_would_work(args, match):
 
 
 # ---------------------------------------------------------------------------------- against the reference
-def _problem(seed=0):
+def _problem(seed=0, rows=B):
     k = jax.random.split(jax.random.key(seed), 4)
-    return (jax.random.normal(k[0], (L, D, D)) / 4, jax.random.normal(k[1], (B, D)),
-            jax.random.normal(k[2], (D, 3)), jax.random.normal(k[3], (B, 3)))
+    return (jax.random.normal(k[0], (L, D, D)) / 4, jax.random.normal(k[1], (rows, D)),
+            jax.random.normal(k[2], (D, 3)), jax.random.normal(k[3], (rows, 3)))
 
 
 def _layer(w, h):
@@ -202,6 +202,11 @@ def test_nan_in_bubble_inputs_cannot_leak(schedule, monkeypatch):
 PERMUTES = {"gpipe": 2, "circular": 2, "1f1b": 4, "interleaved_1f1b": 4}
 
 
+def _permutes(schedule, p, r):
+    """A cooldown of one tick (1F1B on 2 stages) is no loop, and the gradient it rolls down is never read."""
+    return PERMUTES[schedule] - (schedule in S.OWN_BACKWARD and r * p - 1 == 1)
+
+
 MESHES = {"stage4_data2": {"stage": 4, "data": 2}, "stage8": {"stage": 8},
           "stage2_expert2_data2": {"stage": 2, "expert": 2, "data": 2}}
 
@@ -217,9 +222,10 @@ def _partitioned_cases():
 
 @pytest.mark.parametrize("schedule,r,mesh_name,k", list(_partitioned_cases()))
 def test_partitioned_pipeline_permutes_and_never_gathers_the_stages(schedule, r, mesh_name, k):
-    W, x, H, t = _problem()
     mesh = gs.make_mesh(MESHES[mesh_name])
     p = mesh.shape["stage"]
+    shards = mesh.shape.get("data", 1) * mesh.shape.get("expert", 1)
+    W, x, H, t = _problem(rows=max(B, k * p * shards))  # every microbatch splits over the batch axes
     if L % (p * r):
         W = jnp.concatenate([W, W[::-1]])  # 16 layers for 8 stages x 2 repeats
     Win = _chunked(W, p, r)  # as a model stores them: [stages, ...] or [repeats, stages, ...]
@@ -239,7 +245,7 @@ def test_partitioned_pipeline_permutes_and_never_gathers_the_stages(schedule, r,
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
     stats = hlo_stats(jitted, Win, x, H, t)
-    assert stats["collective-permute"]["count"] == PERMUTES[schedule]
+    assert stats["collective-permute"]["count"] == _permutes(schedule, p, r)
     assert stats["all-gather"]["count"] == 0  # the stacked parameters stay on their stages
     report = gs.explain(f, mesh, Win, x, H, t)
     assert_report_matches_hlo(report, stats)
