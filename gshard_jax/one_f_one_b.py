@@ -116,10 +116,11 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
             carry = loop(warm, carry, sc.forward, w_ticks)
         with jax.named_scope("steady"):
             carry = loop(steady, carry, (sc.forward, sc.backward), s_ticks)
-        with jax.named_scope("cooldown"):  # the last tick's gradients go nowhere: no roll
-            carry = loop(cool, carry, sc.backward, c_ticks[:-1])
-            if len(c_ticks):
-                carry = backward(carry, [a[0] for a in run.rows(sc.backward, c_ticks[-1:])], roll=False)
+        with jax.named_scope("cooldown"):
+            if len(c_ticks) == 1:  # no loop (XLA would inline it): its gradients go nowhere, so no roll
+                carry = backward(carry, [a[0] for a in run.rows(sc.backward, c_ticks)], roll=False)
+            else:  # in a loop the last tick rolls too: one body keeps the temp memory of one tick
+                carry = loop(cool, carry, sc.backward, c_ticks)
     aux = jax.tree.map(lambda a: a.sum(0), carry["aux"])
     d_params = jax.tree.map(lambda a: a[0], carry["dw"]) if r == 1 else carry["dw"]
     d_loss_params = jax.tree.map(lambda a: a.sum(0), carry["dl"])

@@ -203,7 +203,7 @@ PERMUTES = {"gpipe": 2, "circular": 2, "1f1b": 4, "interleaved_1f1b": 4}
 
 
 def _permutes(schedule, p, r):
-    """A cooldown of one tick (1F1B on 2 stages) is no loop, and the gradient it rolls down is never read."""
+    """A cooldown of one tick (1F1B on 2 stages) is no loop, and rolls no gradient (nothing reads it)."""
     return PERMUTES[schedule] - (schedule in S.OWN_BACKWARD and r * p - 1 == 1)
 
 
