@@ -1,6 +1,7 @@
 """The MoE layer (models/moe.py, models/dropless.py): dropless equals capacity routing, and both partition
 faithfully with the collectives GShard predicts."""
 import dataclasses
+import itertools
 
 import flax.linen as nn
 import jax
@@ -33,9 +34,16 @@ def loss(m):
     return f
 
 
-@pytest.mark.parametrize("matmul", ["blocked", "ragged_dot"])
-@pytest.mark.parametrize("activation", ["relu", "swiglu"])
-@pytest.mark.parametrize("k,normalize", [(1, "none"), (2, "before_drop"), (8, "after_drop")])
+DROPLESS_CASES = [(k, normalize, activation, matmul) for (k, normalize), activation, matmul in itertools.product(
+    ((1, "none"), (2, "before_drop"), (8, "after_drop")), ("relu", "swiglu"), ("blocked", "ragged_dot"))]
+# every k, activation and grouped matmul once in the default suite; all of them with -m slow (~8 s each)
+DROPLESS_DEFAULT = {(1, "none", "relu", "blocked"), (2, "before_drop", "swiglu", "ragged_dot"),
+                    (8, "after_drop", "swiglu", "blocked")}
+
+
+@pytest.mark.parametrize("k,normalize,activation,matmul", [
+    pytest.param(*c, marks=() if c in DROPLESS_DEFAULT else pytest.mark.slow, id="-".join(map(str, c)))
+    for c in DROPLESS_CASES])
 def test_dropless_equals_capacity_routing_with_ample_capacity(activation, k, normalize, matmul):
     g = GatingConfig(k=k, capacity_factor=8.0, min_capacity=1, second_policy="all", normalize=normalize)
     m, params, x = layer(gating=g, activation=activation)
