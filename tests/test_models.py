@@ -54,7 +54,8 @@ def check_partitioned(model, params, batch, mesh):
     return stats
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
+# the one-device mesh (20-27 s, nothing split) runs with -m slow
+@pytest.mark.parametrize("mesh_name", [pytest.param(m, marks=pytest.mark.slow) if m == "1" else m for m in MESHES])
 @pytest.mark.parametrize("name", ["tiny_moe_lm", "tiny_moe_encdec"])
 def test_tiny_models_partition_faithfully_on_every_mesh(name, mesh_name):
     model, params, batch = model_and_batch(name)
