@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import orbax.checkpoint as ocp
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -328,6 +329,10 @@ def test_pipelined_runs_match_resume_after_kill_and_across_stage_counts(data_dir
         train(tmp_path / name, data_dir, 20, *PIPELINED, *extra)
         got = {x["step"]: x["loss"] for x in rows(tmp_path / name)}
         assert [got[s] for s in range(1, 21)] == pytest.approx([want[s] for s in range(1, 21)], rel=1e-4), name
+    # the interleaved run's checkpoints record the stage-major order its stack is stored in
+    saved = ocp.CheckpointManager(str(tmp_path / "interleaved" / "checkpoints"))
+    assert saved.metadata(saved.latest_step()).custom_metadata == {"layer_order": {"stages": 4, "repeats": 2}}
+    saved.close()
     want = {x["step"]: x["loss"] for x in rows(tmp_path / "plain")}
     # with ZeRO-3 and every period rematerialised inside the stages: the same losses
     train(tmp_path / "zero3", data_dir, 6, *PIPELINED, "--config.pipeline.schedule=1f1b",
