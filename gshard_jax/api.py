@@ -8,14 +8,14 @@ from typing import Any, Callable, Optional
 
 import jax
 from jax._src.interpreters import partial_eval as pe
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from . import annotations as A
 from . import pipelining as PL
 from . import specs as S
 from .partitioner import lower as L
 from .partitioner.collective_matmul import check_mode
-from .partitioner.cost import HardwareProfile, default_profile
+from .partitioner.cost import HardwareProfile, default_profile, platform_of
 from .partitioner.fold import fold_pads, merge_common, static_slices
 from .partitioner.roll import fold_rolls
 from .partitioner.program import Value, from_jaxpr
@@ -43,16 +43,23 @@ def _gc_paused():
             gc.enable()
 
 
-def _check(mesh: Mesh, backend: str) -> Mesh:
-    """The mesh the partitioner runs on: the user's devices and axes, Auto typed (shard_map needs no types)."""
-    if not isinstance(mesh, Mesh):
-        raise ValueError(f"expected a jax.sharding.Mesh (from gs.make_mesh or jax.make_mesh); "
+def _check(mesh, backend: str):
+    """The mesh the partitioner runs on: the user's devices and axes, Auto typed (shard_map needs no types).
+
+    An AbstractMesh (axis names and sizes, no devices) plans and explains a program for devices this host
+    does not have; only a Mesh runs one.
+    """
+    if not isinstance(mesh, (Mesh, AbstractMesh)):
+        raise ValueError(f"expected a jax.sharding.Mesh (from gs.make_mesh or jax.make_mesh) or an AbstractMesh; "
                          f"got {type(mesh).__name__}")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
     if all(t == AxisType.Auto for t in mesh.axis_types):
         return mesh
-    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    auto = (AxisType.Auto,) * len(mesh.axis_names)
+    if isinstance(mesh, AbstractMesh):
+        return AbstractMesh(mesh.axis_sizes, mesh.axis_names, axis_types=auto)
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
 
 def _without_uneven(s: Sharding, shape, mesh_shape) -> Sharding:
@@ -167,8 +174,8 @@ def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardw
     return global_fn
 
 
-def _default_profile(mesh: Mesh) -> HardwareProfile:
-    return default_profile(mesh.devices.flat[0].platform)
+def _default_profile(mesh) -> HardwareProfile:
+    return default_profile(platform_of(mesh))
 
 
 def _placements(fn: Callable, mesh: Mesh, args, kwargs) -> tuple:

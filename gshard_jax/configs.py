@@ -99,6 +99,7 @@ def skeleton(model: ConfigDict, mesh: dict, **train: Any) -> ConfigDict:
     cfg.train.update(train)
     cfg.mesh = mesh_defaults()
     cfg.mesh.update(mesh)
+    cfg.mesh_order = ""  # the mesh axes outermost first, comma-separated ("": the mesh section's order)
     cfg.data = data_defaults()
     cfg.pipeline = pipeline_defaults()
     cfg.debug = ConfigDict(dict(nan_at_step=-1))  # poison the loss of this step (1-based) with NaN (-1: never)

@@ -71,6 +71,12 @@ def mesh_for(cfg: ml_collections.ConfigDict) -> jax.sharding.Mesh:
     known = math.prod(s for s in sizes.values() if s != -1)
     sizes = {k: (n // known if s == -1 else s) for k, s in sizes.items()}
     kept = {k: s for k, s in sizes.items() if s != 1} or {"data": 1}
+    order = [a for a in cfg.get("mesh_order", "").split(",") if a]
+    if order:
+        if sorted(order) != sorted(kept):
+            raise ValueError(f"mesh_order={cfg.mesh_order!r} must list each mesh axis of size > 1 once; the mesh "
+                             f"has {sorted(kept)}")
+        kept = {a: kept[a] for a in order}
     if math.prod(kept.values()) != n:
         raise ValueError(f"mesh {dict(cfg.mesh)} needs {math.prod(kept.values())} devices but {n} are present "
                          f"({jax.default_backend()}); pass --cpu-devices {math.prod(kept.values())} to simulate "
@@ -84,13 +90,17 @@ class Trainer:
     """A config's model, optimiser, mesh, data and partitioned step functions."""
     cfg: ml_collections.ConfigDict
     workdir: str
+    # The mesh to run on (default: the config's over all devices). An AbstractMesh builds the step functions
+    # for devices this host does not have, to explain them (the planner does).
+    mesh: Any = None
 
     def __post_init__(self):
         cfg = self.cfg
         t = cfg.train
         if t.nan_policy not in NAN_POLICIES:
             raise ValueError(f"train.nan_policy={t.nan_policy!r}; expected one of {NAN_POLICIES}")
-        self.mesh = mesh_for(cfg)
+        if self.mesh is None:
+            self.mesh = mesh_for(cfg)
         self.pipeline = configs.pipeline_config(cfg, dict(self.mesh.shape).get("stage", 1))
         self.model = configs.build_model(cfg.model, train=True, pipeline=self.pipeline)
         self.eval_model = configs.build_model(cfg.model, train=False, pipeline=self.pipeline)

@@ -43,6 +43,9 @@ class HardwareProfile:
     # Whether device memory is a concern: then a windowed op (convolution, pooling, pad, slice) never gathers
     # a split dim where a halo exchange can keep it split, however few bytes the gather would save time on.
     memory_matters: bool = True
+    # The backend whose wire format collectives are counted in on a mesh without devices (an AbstractMesh):
+    # "cpu" sends bf16 as f32 (WIDENED_ON); a mesh of devices uses its devices' platform.
+    platform: str = ""
 
     def bandwidth_of(self, axes) -> float:
         return min((self.axis_bandwidth.get(a, self.bandwidth) for a in axes), default=self.bandwidth)
@@ -50,7 +53,15 @@ class HardwareProfile:
 
 DEFAULT_PROFILE = HardwareProfile()
 # Simulated CPU devices: the same figures, but XLA:CPU runs a collective and a matmul one after the other.
-CPU_PROFILE = dataclasses.replace(DEFAULT_PROFILE, name="cpu-simulation", overlap=False)
+CPU_PROFILE = dataclasses.replace(DEFAULT_PROFILE, name="cpu-simulation", overlap=False, platform="cpu")
+
+
+def platform_of(mesh, profile: Optional[HardwareProfile] = None) -> str:
+    """The platform of a mesh's devices; for an AbstractMesh (no devices) the profile's."""
+    from jax.sharding import Mesh
+    if isinstance(mesh, Mesh):
+        return mesh.devices.flat[0].platform
+    return profile.platform if profile is not None else ""
 
 
 def default_profile(platform: str) -> HardwareProfile:

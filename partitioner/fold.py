@@ -196,15 +196,25 @@ def merge_common(program: Program) -> Program:
     def visit(p: Program, rename: dict, merge: bool) -> None:
         seen: dict = {}
         kept = []
+        same: dict = {}  # a constant's value -> what it is: ops on equal constants merge, as XLA's CSE merges them
         for e in p.eqns:
             e.invars = [rename.get(x, x) if isinstance(x, Value) else x for x in e.invars]
             for sub in e.subs.values():  # a checkpointed region keeps its recomputation: nothing merged in it
                 visit(sub, rename, merge and e.name != "remat2")
+            if merge and _constant(e) and len(e.outvars) == 1:
+                try:
+                    k = ("constant", e.prim, tuple(e.params.items()), tuple(_operand_key(x) for x in e.invars),
+                         e.outvars[0].aval)
+                    hash(k)
+                    same[e.outvars[0]] = k
+                except TypeError:
+                    pass
             if not merge or e.subs or any(word in e.name for word in _NEVER_MERGED) or _constant(e):
                 kept.append(e)
                 continue
             try:
-                key = (e.prim, tuple(e.params.items()), tuple(_operand_key(x) for x in e.invars),
+                key = (e.prim, tuple(e.params.items()), tuple(same.get(x, x) if isinstance(x, Value) else
+                                                              _operand_key(x) for x in e.invars),
                        tuple(v.aval for v in e.outvars))
                 hash(key)
             except TypeError:

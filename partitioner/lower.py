@@ -31,7 +31,7 @@ from . import registry as REG
 from . import manual as M
 from . import reshard as RS
 from . import factors as F
-from .cost import Collective, HardwareProfile, compute_time, on_the_wire
+from .cost import Collective, HardwareProfile, compute_time, on_the_wire, platform_of
 from .program import Const, Eqn, Program, Value
 from .propagation import Plan
 from .report import Operand, Report, Result, Row
@@ -74,7 +74,7 @@ class Lowering(Strategy):
         self.out_names = list(out_names) + [f"out[{i}]" for i in range(len(out_names), len(program.outvars))]
         self.mesh_shape: dict[str, int] = dict(mesh.shape)
         self.mesh_axes: tuple[str, ...] = tuple(mesh.axis_names)
-        self.platform: str = mesh.devices.flat[0].platform
+        self.platform: str = platform_of(mesh, profile)
         self.report = report
         self._plans: dict = {}
         self._times: dict = {}

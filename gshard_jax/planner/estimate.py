@@ -1,0 +1,191 @@
+"""The analytic screen: a candidate's step time and memory per device from formulas, fast enough for every
+candidate. The top ones are then planned by the partitioner itself (predict.py), whose communication
+replaces the formula's.
+
+Time = compute / (1 - bubble) + communication - overlap x min(communication, compute). Compute is the
+model's flops (6 x active parameters per token, plus attention; one more forward under full remat) over
+the devices' peak x efficiency. Communication is a list of collectives (kind, axes, bytes moved per device,
+count), each costed alpha-beta at the bandwidth of its axes (hardware.axes_bandwidth). Memory is params,
+gradients and optimizer state as the layout shards them, activations under the remat policy and the
+pipeline's stash, the largest transient gather (a layer's weights under FSDP / ZeRO-3) and the logits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+from .. import schedules as SC
+from .hardware import Hardware, axes_bandwidth
+from .space import Candidate, ModelShape
+
+GiB = 1024 ** 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """Collectives of one kind over one group of axes in a step: `count` of them, `moved` bytes per device."""
+    kind: str
+    axes: tuple[str, ...]
+    count: float
+    moved: float
+
+    def time(self, hw: Hardware, order: Sequence[tuple[str, int]]) -> float:
+        sizes = dict(order)
+        group = math.prod(sizes.get(a, 1) for a in self.axes)
+        if group <= 1 or not self.count:
+            return 0.0
+        steps = 1 if self.kind == "collective-permute" else 1 + math.ceil(math.log2(group))
+        return self.count * steps * hw.latency + self.moved / axes_bandwidth(hw, order, self.axes)
+
+
+def _ring(kind: str, group: int) -> float:
+    """Bytes a ring sends per byte of payload."""
+    if group <= 1:
+        return 0.0
+    f = (group - 1) / group
+    return {"all-reduce": 2 * f, "collective-permute": 1.0}.get(kind, f)
+
+
+def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
+    """The step's collectives by formula (per device; bf16 activations, float32 gradient reductions)."""
+    s = c.sizes
+    p, d, z, e, y, x = (s[a] for a in ("stage", "data", "z", "expert", "y", "x"))
+    m, b = c.microbatches, shape.param_bytes
+    tokens_mb = shape.tokens / (c.batch_shards * m)  # per device, per microbatch
+    act = tokens_mb * shape.d_model / x * b  # the residual stream's bytes per device
+    layers = shape.layers * (2 if shape.kind == "encoder_decoder" else 1) / p
+    fwd = 2 if c.remat == "full" else 1  # forward passes per step (remat full runs it again in the backward)
+    out: list[Comm] = []
+
+    def add(kind, axes, payload, count):
+        group = math.prod(s[a] for a in axes)
+        if group > 1 and count:
+            out.append(Comm(kind, tuple(axes), count, _ring(kind, group) * payload * count))
+
+    # Tensor axes: two all-reduces of activations per layer and pass over y (Megatron), the same over x.
+    add("all-reduce", ("y",), act, 2 * (fwd + 1) * layers * m)
+    add("all-reduce", ("x",), act * x / y, 2 * (fwd + 1) * layers * m)
+    # Experts: dispatch and combine all-to-alls per MoE layer and pass.
+    if shape.experts and e > 1:
+        add("all-to-all", ("expert",), act * shape.k * shape.capacity_factor, 2 * (fwd + 1) * layers * m)
+    # Weights per device as the layout stores them (before the storage axes), per class.
+    split_e, split_l, split_v = e * y * x * p, y * x * p, y * x
+    w = {"expert": shape.expert_params / split_e, "layer": shape.layer_params / split_l,
+         "vocab": shape.vocab_params / split_v}
+    dp_axes = {"expert": ("data",), "layer": ("data", "expert"), "vocab": ("data", "expert")}
+    for cls, n in w.items():
+        # FSDP (z) and ZeRO-3 gather the weights per microbatch and pass, and reduce-scatter the gradients.
+        gather = ("z",) + (dp_axes[cls] if c.zero_stage == 3 else ())
+        add("all-gather", gather, n * b, (fwd + 1) * m)
+        add("reduce-scatter", gather, n * 4, m)
+        if c.zero_stage == 3:
+            continue
+        store = n / (z if z > 1 else 1)
+        if c.zero_stage == 0:
+            add("all-reduce", dp_axes[cls], store * 4, 1)
+        else:
+            axes = dp_axes[cls] if c.epso or cls == "expert" else ("data",)
+            add("reduce-scatter", axes, store * 4, m if c.zero_stage == 2 else 1)
+            add("all-gather", axes, store * b, 1)
+    # Pipeline: one permute of the activations per tick and direction.
+    if p > 1:
+        sched = SC.make(c.schedule, p, m, c.repeats)
+        add("collective-permute", ("stage",), act, 2 * sched.ticks if sched.stash == 0 else sched.ticks)
+    return out
+
+
+def flops(shape: ModelShape, c: Candidate) -> float:
+    """Model flops of a step (6 per active parameter and token, attention's 12 L d S per token), with the
+    recomputed forward of full remat."""
+    layers = shape.layers * (2 if shape.kind == "encoder_decoder" else 1)
+    per_token = 6 * shape.active_params + 12 * layers * shape.d_model * shape.seq
+    return per_token * shape.tokens * (4 / 3 if c.remat == "full" else 1.0)
+
+
+def bubble(c: Candidate) -> float:
+    """Idle fraction of the pipeline's ticks (schedules.py's table); 0 without stages."""
+    if c.schedule == "none":
+        return 0.0
+    return SC.make(c.schedule, c.size("stage"), c.microbatches, c.repeats).bubble
+
+
+def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
+    """Bytes per device by kind: params, gradients, optimizer, activations, transient, logits."""
+    s = c.sizes
+    p, d, z, e, y, x = (s[a] for a in ("stage", "data", "z", "expert", "y", "x"))
+    b, m = shape.param_bytes, c.microbatches
+    split = {"expert": e * y * x * p * z, "layer": y * x * p * z, "vocab": y * x * z}
+    zero = {"expert": d, "layer": d * (e if c.epso else 1), "vocab": d * (e if c.epso else 1)}
+    n = {"expert": shape.expert_params, "layer": shape.layer_params, "vocab": shape.vocab_params}
+    mixed = b == 2
+    out = dict.fromkeys(("params", "gradients", "optimizer", "activations", "transient", "logits"), 0.0)
+    for cls in n:
+        held = n[cls] / split[cls]
+        out["params"] += held * b / (zero[cls] if c.zero_stage == 3 else 1)
+        out["gradients"] += held * 4 / (zero[cls] if c.zero_stage >= 2 else 1)
+        out["optimizer"] += held * (8 + 4 * mixed) / (zero[cls] if c.zero_stage >= 1 else 1)
+    tokens_mb = shape.tokens / (c.batch_shards * m)
+    ff = shape.d_ff * (shape.k * shape.capacity_factor if shape.experts else 1)
+    per_token_layer = {"none": 10 * shape.d_model + 3 * ff + 2.5 * shape.heads * shape.seq / 1,
+                       "dots": 4 * shape.d_model + 3 * ff, "full": shape.d_model}[c.remat] * b / max(x * y, 1)
+    layers = shape.layers * (2 if shape.kind == "encoder_decoder" else 1) / p
+    in_flight = 1
+    if c.schedule != "none":
+        sched = SC.make(c.schedule, p, m, c.repeats)
+        in_flight = sched.stash or m * c.repeats
+        layers /= c.repeats
+    out["activations"] = tokens_mb * layers * per_token_layer * in_flight
+    if z > 1 or c.zero_stage == 3:  # one layer's weights gathered at a time
+        per_layer = (shape.layer_params + shape.expert_params / e) / (shape.layers * y * x)
+        out["transient"] = per_layer * b
+    out["logits"] = tokens_mb * shape.vocab / y * 4
+    out["total"] = sum(out.values())
+    return out
+
+
+@dataclasses.dataclass
+class Estimate:
+    """A candidate's predicted step: seconds by part and by (kind, axes), bytes per device by kind."""
+    compute: float
+    bubble: float  # seconds idle in the pipeline's bubble
+    comm: dict  # "kind[axes]" -> seconds
+    overlap: float  # seconds of communication hidden behind compute
+    memory: dict
+    source: str = "formula"  # or "partitioner": the communication is the planned program's
+
+    @property
+    def comm_total(self) -> float:
+        return sum(self.comm.values())
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.bubble + self.comm_total - self.overlap
+
+    def to_dict(self) -> dict:
+        return {"step_s": self.step, "compute_s": self.compute, "bubble_s": self.bubble,
+                "comm_s": self.comm_total, "overlap_s": self.overlap, "comm_by_collective_s": self.comm,
+                "memory_bytes": self.memory, "comm_source": self.source}
+
+
+def compute_time(shape: ModelShape, c: Candidate, hw: Hardware, devices: int) -> float:
+    return flops(shape, c) / (devices * hw.peak_flops * hw.efficiency)
+
+
+def combine(hw: Hardware, c: Candidate, compute: float, comms: Sequence[Comm], mem: dict,
+            source: str = "formula") -> Estimate:
+    """An Estimate from compute seconds, the step's collectives and memory, on `c`'s axis order."""
+    by: dict = {}
+    for cm in comms:
+        t = cm.time(hw, c.mesh)
+        if t:
+            key = f"{cm.kind}[{','.join(cm.axes)}]"
+            by[key] = by.get(key, 0.0) + t
+    frac = bubble(c)
+    idle = compute * frac / (1 - frac) if frac < 1 else math.inf
+    total = sum(by.values())
+    return Estimate(compute, idle, by, hw.overlap * min(total, compute), mem, source)
+
+
+def estimate(shape: ModelShape, c: Candidate, hw: Hardware, devices: int) -> Estimate:
+    return combine(hw, c, compute_time(shape, c, hw, devices), collectives(shape, c), memory(shape, c))

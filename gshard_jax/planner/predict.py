@@ -1,0 +1,81 @@
+"""A candidate planned by the partitioner itself: its train step explained on an abstract mesh of the
+candidate's shape (no devices needed), so the predicted collectives are the ones the compiled step runs.
+
+Each report row's collectives, times the trips of the loop they sit in, become the step's communication;
+the report's argument bytes (params, optimizer state, batch as the layout places them) replace the
+formula's. A scanned layer stack is planned once per distinct layer, as the partitioner always does.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType
+
+from ..partitioner.cost import CPU_PROFILE, DEFAULT_PROFILE, HardwareProfile
+from .estimate import Comm
+from .hardware import Hardware
+from .space import AXES, Candidate
+
+
+def apply(cfg: ml_collections.ConfigDict, c: Candidate) -> ml_collections.ConfigDict:
+    """A copy of cfg that runs candidate c (mesh sizes and order, ZeRO, EPSO, microbatches, schedule, remat)."""
+    out = copy.deepcopy(cfg)
+    for a in AXES:
+        out.mesh[a] = c.size(a)
+    out.mesh.model = 1
+    out.mesh_order = ",".join(a for a, _ in c.mesh)
+    out.train.zero_stage, out.train.epso, out.train.microbatches = c.zero_stage, c.epso, c.microbatches
+    out.model.remat = c.remat
+    if c.schedule != "none":
+        out.pipeline.schedule, out.pipeline.repeats = c.schedule, c.repeats
+    return out
+
+
+def partitioner_profile(hw: Hardware) -> HardwareProfile:
+    """The cost profile the run itself uses on hw's platform (so the plan's choices are the run's), with
+    hw's platform for the wire format of collectives."""
+    base = CPU_PROFILE if hw.platform == "cpu" else DEFAULT_PROFILE
+    return dataclasses.replace(base, platform=hw.platform)
+
+
+def abstract_mesh(c: Candidate) -> AbstractMesh:
+    names = tuple(a for a, _ in c.mesh) or ("data",)
+    sizes = tuple(n for _, n in c.mesh) or (1,)
+    return AbstractMesh(sizes, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def abstract_batch(cfg: ml_collections.ConfigDict) -> dict:
+    from .. import data
+    t = cfg.train
+    windows = np.zeros((t.batch_size, data.window_length(cfg.model.kind, t.seq_len)), np.int32)
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in data.model_batch(cfg.model.kind, windows).items()}
+
+
+def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware) -> Any:
+    """The partition report of candidate c's train step on an abstract mesh (gs.Report)."""
+    import gshard_jax as gs
+
+    from ..train import Trainer, state_kind
+    run = apply(cfg, c)
+    trainer = Trainer(run, "", mesh=abstract_mesh(c))
+    state = jax.eval_shape(trainer.init_state, jax.random.key(0))
+    batch = abstract_batch(run)
+    report = gs.explain(trainer.train_step, trainer.mesh, state, batch,
+                        in_shardings=(trainer.state_specs, trainer.batch_spec),
+                        out_shardings=(trainer.state_specs, None), profile=partitioner_profile(hw))
+    report.kind_of = state_kind
+    return report
+
+
+def comms(report: Any) -> list[Comm]:
+    """The step's collectives from a report: every row's, times its trips (a loop body's runs per step)."""
+    out = []
+    for r in report.rows:
+        for col in r.collectives:
+            out.append(Comm(col.kind, tuple(col.axes), r.trips, col.moved * r.trips))
+    return out

@@ -1,0 +1,208 @@
+"""The configurations a planner ranks, and the reasons one cannot run.
+
+A candidate is a mesh (axis sizes whose product is the device count, laid out outermost first over the
+hardware's levels), a ZeRO stage, EPSO, microbatches, a pipeline schedule with its repeats and a remat
+policy. Sizes come from every factorisation of the device count over the six axes, not only powers of two.
+A mesh that cannot run the model (an axis that does not divide what it splits, a batch that does not divide
+over its shards, a layer stack that does not divide into stages) is rejected once, with one reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Iterator, Optional, Sequence
+
+import ml_collections
+
+from .. import schedules as SC
+
+AXES = ("stage", "data", "z", "expert", "y", "x")  # the config's mesh section, outermost first
+REMATS = ("none", "dots", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+MAX_MICROBATCHES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs of a config's model and batch (from the config; parameters by kind from shapes)."""
+
+    kind: str  # "decoder_lm" or "encoder_decoder"
+    layers: int  # layers of the pipelined stack (an encoder-decoder: of each stack)
+    periods: int  # layer periods (a period is moe_every layers, the unit a stage holds)
+    d_model: int
+    heads: int
+    head_dim: int
+    d_ff: int
+    vocab: int
+    experts: int  # 0: dense
+    k: int  # experts chosen per token
+    capacity_factor: float
+    batch: int  # sequences per step
+    seq: int  # tokens per sequence
+    param_bytes: int  # 2 (bf16) or 4
+    expert_params: int  # parameters of expert weights (split over the expert axis)
+    layer_params: int  # other parameters of the layer stacks
+    vocab_params: int  # embedding and LM head
+    active_params: int  # per token
+
+    @property
+    def total_params(self) -> int:
+        return self.expert_params + self.layer_params + self.vocab_params
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+def model_shape(cfg: ml_collections.ConfigDict) -> ModelShape:
+    """The ModelShape of a config (its parameters counted from shapes with jax.eval_shape: nothing allocated)."""
+    import flax.linen as nn
+    import jax
+
+    from .. import configs
+    m, t = cfg.model, cfg.train
+    module = configs.build_model(m)
+    boxed = jax.eval_shape(module.init, jax.random.key(0), *configs.example_inputs(m))
+    specs = jax.tree_util.tree_leaves(nn.get_partition_spec(boxed), is_leaf=lambda x: isinstance(x, tuple))
+    shapes = jax.tree_util.tree_leaves(nn.unbox(boxed))
+    expert = layer = vocab = 0
+    for spec, leaf in zip(specs, shapes):
+        names = set(spec or ())
+        if "expert" in names:
+            expert += leaf.size
+        elif "vocab" in names:
+            vocab += leaf.size
+        else:
+            layer += leaf.size
+    moe = m.moe
+    k = moe.k if moe.num_experts else 0
+    active = layer + vocab + (expert * k // moe.num_experts if moe.num_experts else 0)
+    period = max(1, m.moe_every) if moe.num_experts else 1
+    return ModelShape(kind=m.kind, layers=m.num_layers, periods=m.num_layers // period, d_model=m.d_model,
+                      heads=m.num_heads, head_dim=m.head_dim, d_ff=m.d_ff if not moe.num_experts else moe.d_ff,
+                      vocab=m.vocab_size, experts=moe.num_experts, k=k,
+                      capacity_factor=float(moe.capacity_factor) if moe.num_experts else 1.0,
+                      batch=t.batch_size, seq=t.seq_len, param_bytes=2 if m.dtype == "bfloat16" else 4,
+                      expert_params=int(expert), layer_params=int(layer), vocab_params=int(vocab),
+                      active_params=int(active))
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One configuration: mesh axes of size > 1 outermost first, and the training options."""
+
+    mesh: tuple[tuple[str, int], ...]
+    zero_stage: int = 0
+    epso: bool = True
+    microbatches: int = 1
+    schedule: str = "none"  # "none" without a stage axis, else one of schedules.SCHEDULES
+    repeats: int = 1
+    remat: str = "none"
+
+    def size(self, axis: str) -> int:
+        return dict(self.mesh).get(axis, 1)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {a: self.size(a) for a in AXES}
+
+    @property
+    def batch_shards(self) -> int:
+        return self.size("data") * self.size("z") * self.size("expert")
+
+    @property
+    def key(self) -> str:
+        """A short unique name, e.g. "stage4.data8.expert16 zero1 epso m16 1f1b remat=dots"."""
+        mesh = ".".join(f"{a}{n}" for a, n in self.mesh) or "one-device"
+        parts = [mesh, f"zero{self.zero_stage}"]
+        if self.zero_stage and self.size("expert") > 1:
+            parts.append("epso" if self.epso else "no-epso")
+        parts.append(f"m{self.microbatches}")
+        if self.schedule != "none":
+            parts.append(self.schedule + (f"x{self.repeats}" if self.repeats > 1 else ""))
+        parts.append(f"remat={self.remat}")
+        return " ".join(parts)
+
+    def overrides(self) -> list[str]:
+        """The `gshard-jax train` overrides that run this candidate."""
+        out = [f"--config.mesh.{a}={self.size(a)}" for a in AXES]
+        out += ["--config.mesh.model=1", f"--config.mesh_order={','.join(a for a, _ in self.mesh)}",
+                f"--config.train.zero_stage={self.zero_stage}", f"--config.train.epso={self.epso}",
+                f"--config.train.microbatches={self.microbatches}", f"--config.model.remat={self.remat}"]
+        if self.schedule != "none":
+            out += [f"--config.pipeline.schedule={self.schedule}", f"--config.pipeline.repeats={self.repeats}"]
+        return out
+
+    def to_dict(self) -> dict:
+        return {"key": self.key, "mesh": dict(self.mesh), "mesh_order": [a for a, _ in self.mesh],
+                "zero_stage": self.zero_stage, "epso": self.epso, "microbatches": self.microbatches,
+                "schedule": self.schedule, "repeats": self.repeats, "remat": self.remat}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def factorizations(n: int, axes: Sequence[str]) -> Iterator[dict[str, int]]:
+    """Every assignment of sizes to `axes` whose product is n (in a fixed order: deterministic)."""
+    if len(axes) == 1:
+        yield {axes[0]: n}
+        return
+    for d in divisors(n):
+        for rest in factorizations(n // d, axes[1:]):
+            yield {axes[0]: d, **rest}
+
+
+def mesh_reason(shape: ModelShape, sizes: dict[str, int]) -> Optional[str]:
+    """Why a mesh cannot run the model (one reason), or None."""
+    e, y, x, z, p = (sizes[a] for a in ("expert", "y", "x", "z", "stage"))
+    if e > 1 and not shape.experts:
+        return f"experts: a dense model has no experts for expert={e} (its batch split is data's)"
+    if e > 1 and shape.experts % e:
+        return f"experts: expert={e} does not divide the {shape.experts} experts"
+    for what, n in (("heads", shape.heads), ("FFN units", shape.d_ff), ("vocabulary", shape.vocab)):
+        if y > 1 and n % y:
+            return f"indivisible: y={y} does not divide the {n} {what}"
+    if x > 1 and shape.d_model % x:
+        return f"indivisible: x={x} does not divide d_model {shape.d_model}"
+    shards = sizes["data"] * z * e
+    if shape.batch % shards:
+        return f"batch: {shape.batch} sequences do not split over data x z x expert = {shards}"
+    if p > 1 and shape.periods % p:
+        return f"layers per stage: {shape.periods} layer periods do not split into {p} stages"
+    return None
+
+
+def options(shape: ModelShape, sizes: dict[str, int], remats: Sequence[str] = REMATS,
+            zero_stages: Sequence[int] = ZERO_STAGES) -> Iterator[tuple[dict, Optional[str]]]:
+    """The training options on a mesh that runs the model: (fields, reason it cannot run or None)."""
+    p, shards = sizes["stage"], sizes["data"] * sizes["z"] * sizes["expert"]
+    micro = [m for m in divisors(shape.batch) if m <= MAX_MICROBATCHES and m & (m - 1) == 0]
+    if p > 1:
+        schedules = [(s, r) for s in SC.SCHEDULES for r in ((1,) if s in ("gpipe", "1f1b") else (2, 4))]
+    else:
+        schedules = [("none", 1)]
+    for zero, epso, m, (sched, r), remat in itertools.product(
+            zero_stages, (True, False) if sizes["expert"] > 1 else (True,), micro, schedules, remats):
+        if not epso and zero == 0:
+            continue  # EPSO shapes only sharded states
+        fields = dict(zero_stage=zero, epso=epso, microbatches=m, schedule=sched, repeats=r, remat=remat)
+        reason = None
+        if (shape.batch // m) % shards:
+            reason = f"batch: {shape.batch // m} sequences per microbatch do not split over {shards} batch shards"
+        elif p > 1 and shape.periods % (p * r):
+            reason = f"layers per stage: {shape.periods} periods do not split into {p} stages x {r} repeats"
+        elif p > 1 and r > 1 and m % p:
+            reason = f"schedule: {sched} with repeats needs microbatches a multiple of the {p} stages"
+        elif p > 1 and m < p:
+            reason = f"schedule: {m} microbatches leave stages idle for all but {m} of {p} ticks; use m >= {p}"
+        elif p > 1 and shape.kind == "encoder_decoder" and sched in SC.OWN_BACKWARD:
+            reason = f"schedule: {sched} is built for decoder-only LMs"
+        yield fields, reason
+
+
+def orders(sizes: dict[str, int]) -> list[tuple[tuple[str, int], ...]]:
+    """Every order (outermost first) of the axes of size > 1."""
+    live = [(a, sizes[a]) for a in AXES if sizes[a] > 1]
+    return [tuple(o) for o in itertools.permutations(live)] or [()]
