@@ -46,7 +46,19 @@ def _params(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_overrides(path: str) -> list[tuple[str, str]]:
+    """The overrides of a plan file's best candidate (`gshard-jax plan --out`), as (dotted key, value text)."""
+    with open(path) as f:
+        saved = json.load(f)
+    if not saved.get("ranked"):
+        raise ValueError(f"plan {path} ranks no candidate (every one was rejected); plan again with a larger "
+                         f"--memory-gb or more devices")
+    return overrides.split_args(saved["ranked"][0]["overrides"])[1]
+
+
 def _train(args: argparse.Namespace) -> int:
+    if args.plan:  # the plan's choice first: explicit overrides on the command line still win
+        args.overrides = _plan_overrides(args.plan) + list(args.overrides)
     cfg = _setup(args)
     from . import train
     try:
@@ -80,6 +92,40 @@ def _compare(args: argparse.Namespace) -> int:
     rows = compare.train_step(cfg, args.workdir, steps=args.steps)
     print(json.dumps(rows) if args.json else compare.format_rows(rows))
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .planner import axonn, hardware, search
+    cfg = _load(args)
+    hw = hardware.get(args.hardware)
+    if args.comm_model == "axonn":
+        t, m = cfg.train, cfg.model
+        if not hw.table:
+            raise ValueError(f"--comm-model axonn looks bandwidths up in a measured table; profile {hw.name} has "
+                             f"none (perlmutter-a100 has AxoNN's)")
+        grids = axonn.rank(hw, t.batch_size, t.seq_len, m.num_layers, m.d_model, args.devices, args.min_tp,
+                           max(1, t.microbatches), top=args.top)
+        rows = [g.to_dict() for g in grids]
+        text = json.dumps({"comm_model": "axonn", "config": args.config, "devices": args.devices,
+                           "hardware": hw.name, "ranked": rows}, indent=1, sort_keys=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+        if args.json:
+            print(text)
+        else:
+            print(f"AxoNN's comm model: {args.config} on {args.devices} x {hw.name}, min_tp {args.min_tp}")
+            print(f"{'#':>3} {'Gr':>5} {'Gc':>5} {'Gd':>5} {'Gdata':>6} {'comm s':>10}")
+            for i, g in enumerate(grids, 1):
+                print(f"{i:>3} {g.gr:>5} {g.gc:>5} {g.gd:>5} {g.gdata:>6} {g.seconds:>10.4f}")
+        return 0
+    result = search.plan(cfg, args.devices, hw, memory_gb=args.memory_gb, top=args.top, verify=args.verify,
+                         config_name=args.config)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(result.to_json() + "\n")
+    print(result.to_json() if args.json else result)
+    return 0 if result.ranked else EXIT_HALTED
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -122,6 +168,9 @@ def parser() -> argparse.ArgumentParser:
                        "Rerun the same command to resume after a crash.")
     _run_args(q)
     q.add_argument("--no-progress", action="store_true", help="no progress bar")
+    q.add_argument("--plan", default="", metavar="PLAN.json", help="run the best candidate of a `gshard-jax plan "
+                   "--out` file (its mesh, order, ZeRO stage, microbatches, schedule, remat); --config.* "
+                   "overrides given here still win")
     q.set_defaults(run=_train)
 
     q = sub.add_parser("eval", help="held-out loss of WORKDIR's newest checkpoint",
@@ -144,6 +193,29 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--steps", type=int, default=5, help="timed steps per backend")
     q.add_argument("--json", action="store_true", help="print JSON")
     q.set_defaults(run=_compare)
+
+    q = sub.add_parser("plan", help="rank parallel configurations of N devices for a config",
+                       description="Enumerate mesh factorisations (and axis orders), ZeRO stages, EPSO, "
+                       "microbatches, pipeline schedules and remat policies; reject what cannot run with one "
+                       "reason; screen the rest by formula and plan the fastest with the partitioner on an "
+                       "abstract mesh; print the ranking, why the best wins, and how it moves if bandwidths are "
+                       "off by 2x. Exits 3 when nothing fits the memory budget.")
+    _config_arg(q)
+    q.add_argument("--devices", type=int, required=True, metavar="N", help="devices to plan for")
+    q.add_argument("--hardware", default="cpu-simulation", metavar="PROFILE", help="a built-in profile (cpu-"
+                   "simulation, h100-8, perlmutter-a100, tpu-v3, aurora-pvc) or a JSON file of "
+                   "gshard_jax.planner.hardware.Hardware's fields")
+    q.add_argument("--memory-gb", type=float, default=None, metavar="M", help="memory budget per device in GiB "
+                   "(default: the profile's device memory)")
+    q.add_argument("--top", type=int, default=5, metavar="K", help="candidates to show")
+    q.add_argument("--verify", type=int, default=None, metavar="V", help="candidates planned by the "
+                   "partitioner (default: --top)")
+    q.add_argument("--comm-model", choices=("ours", "axonn"), default="ours", help="axonn: AxoNN's published "
+                   "communication model over its 4D grids (powers of two, x/y/z/data), for comparison")
+    q.add_argument("--min-tp", type=int, default=1, metavar="T", help="--comm-model axonn: the least Gc Gr Gd")
+    q.add_argument("--json", action="store_true", help="print the plan as JSON")
+    q.add_argument("--out", default="", metavar="PLAN.json", help="write the plan as JSON (for train --plan)")
+    q.set_defaults(run=_plan)
 
     q = sub.add_parser("params", help="count a config's parameters (total and active per token)",
                        description="Print the total parameters and the parameters active per token of the "

@@ -12,6 +12,7 @@ pipeline's stash, the largest transient gather (a layer's weights under FSDP / Z
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -20,6 +21,12 @@ from .hardware import Hardware, axes_bandwidth
 from .space import Candidate, ModelShape
 
 GiB = 1024 ** 3
+
+
+@functools.lru_cache(maxsize=4096)
+def schedule(name: str, stages: int, microbatches: int, repeats: int) -> SC.Schedule:
+    """A schedule's table (built once per shape: candidates share them)."""
+    return SC.make(name, stages, microbatches, repeats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +97,7 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
             add("all-gather", axes, store * b, 1)
     # Pipeline: one permute of the activations per tick and direction.
     if p > 1:
-        sched = SC.make(c.schedule, p, m, c.repeats)
+        sched = schedule(c.schedule, p, m, c.repeats)
         add("collective-permute", ("stage",), act, 2 * sched.ticks if sched.stash == 0 else sched.ticks)
     return out
 
@@ -107,7 +114,7 @@ def bubble(c: Candidate) -> float:
     """Idle fraction of the pipeline's ticks (schedules.py's table); 0 without stages."""
     if c.schedule == "none":
         return 0.0
-    return SC.make(c.schedule, c.size("stage"), c.microbatches, c.repeats).bubble
+    return schedule(c.schedule, c.size("stage"), c.microbatches, c.repeats).bubble
 
 
 def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
@@ -132,7 +139,7 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
     layers = shape.layers * (2 if shape.kind == "encoder_decoder" else 1) / p
     in_flight = 1
     if c.schedule != "none":
-        sched = SC.make(c.schedule, p, m, c.repeats)
+        sched = schedule(c.schedule, p, m, c.repeats)
         in_flight = sched.stash or m * c.repeats
         layers /= c.repeats
     out["activations"] = tokens_mb * layers * per_token_layer * in_flight

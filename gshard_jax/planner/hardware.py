@@ -10,9 +10,10 @@ of that node (AxoNN's eq. 7): beta = inter_bandwidth / min(devices_per_node, inn
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
-from typing import Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
 GB = 1e9
 
@@ -63,7 +64,8 @@ def placement(order: Sequence[tuple[str, int]]) -> dict[str, tuple[int, int]]:
     return out
 
 
-def axes_bandwidth(hw: Hardware, order: Sequence[tuple[str, int]], axes: Sequence[str]) -> float:
+@functools.lru_cache(maxsize=1 << 16)
+def axes_bandwidth(hw: Hardware, order: tuple[tuple[str, int], ...], axes: tuple[str, ...]) -> float:
     """bytes/s per device of a collective over `axes` of a mesh laid out in `order` (outermost first)."""
     where = placement(order)
     group = [a for a in axes if where.get(a, (1, 1))[0] > 1]

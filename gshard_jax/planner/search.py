@@ -46,8 +46,9 @@ class Plan:
     shape: SP.ModelShape
     ranked: list[Ranked]
     screened: list[Ranked]  # every feasible candidate by formula, fastest first
-    rejected: list[tuple[str, str]]  # (candidate or mesh, reason)
+    rejected: list[tuple[str, str, str]]  # (candidate or mesh, kind of reason, reason)
     sensitivity: dict  # bandwidth factor -> the top candidates' keys in their new order
+    dominated: int = 0  # candidates not evaluated: a lighter remat or fewer microbatches of theirs fits
     seconds: float = 0.0  # time the search took (not in the JSON: the plan is deterministic)
 
     @property
@@ -89,8 +90,7 @@ class Plan:
 
     def rejection_counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for _, reason in self.rejected:
-            kind = reason.split(":")[0]
+        for _, kind, _ in self.rejected:
             out[kind] = out.get(kind, 0) + 1
         return dict(sorted(out.items()))
 
@@ -98,8 +98,9 @@ class Plan:
         return {"config": self.config, "devices": self.devices, "hardware": self.hardware.to_dict(),
                 "memory_budget_bytes": self.memory_budget, "model": dataclasses.asdict(self.shape),
                 "ranked": [r.to_dict() for r in self.ranked], "why": self.why(),
-                "screened": len(self.screened), "rejected": [{"candidate": k, "reason": r} for k, r in self.rejected],
-                "rejection_counts": self.rejection_counts(), "sensitivity": self.sensitivity}
+                "screened": len(self.screened), "rejected": [{"candidate": k, "kind": kind, "reason": r} for k, kind, r in self.rejected],
+                "rejection_counts": self.rejection_counts(), "dominated": self.dominated,
+                "sensitivity": self.sensitivity}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -109,7 +110,8 @@ class Plan:
         lines.append(f"plan for {self.config} on {self.devices} x {hw.name} ({hw.devices_per_node} per node, "
                      f"{hw.peak_flops / 1e12:.0f} TFLOP/s x {hw.efficiency:.0%}), memory budget "
                      f"{self.memory_budget / GiB:.1f} GiB per device; {len(self.screened)} feasible by formula, "
-                     f"{len(self.ranked)} planned by the partitioner, {len(self.rejected)} rejected"
+                     f"{len(self.ranked)} planned by the partitioner, {len(self.rejected)} rejected, {self.dominated} "
+                     f"dominated"
                      + (f" ({self.seconds:.1f} s)" if self.seconds else ""))
         for i, r in enumerate(self.ranked, 1):
             e = r.estimate
@@ -125,10 +127,24 @@ class Plan:
             moved = "unchanged" if keys == [r.candidate.key for r in self.ranked] else " > ".join(keys[:3])
             lines.append(f"bandwidths x{f}: ranking {moved}")
         lines.append("rejected: " + ", ".join(f"{k} {n}" for k, n in self.rejection_counts().items()))
-        near = [x for x in self.rejected if x[1].startswith("over memory")][:3]
-        for k, reason in near:
+        near = sorted((x for x in self.rejected if x[1] == "over memory"), key=lambda x: _excess(x[2]))[:3]
+        for k, _, reason in near:
             lines.append(f"  {k}: {reason}")
         return "\n".join(lines)
+
+
+def _excess(reason: str) -> float:
+    return float(reason.split("by ")[1].split(" GiB")[0])
+
+
+def _heuristic_order(c: SP.Candidate, comms) -> tuple:
+    """The axes ordered so that those moving the most bytes sit innermost (the fast levels)."""
+    moved = {a: 0.0 for a, _ in c.mesh}
+    for cm in comms:
+        for a in cm.axes:
+            if a in moved:
+                moved[a] += cm.moved
+    return tuple(sorted(c.mesh, key=lambda an: (moved[an[0]], SP.AXES.index(an[0]))))
 
 
 def _best_order(shape, c: SP.Candidate, comms, compute: float, mem: dict, hw: Hardware,
@@ -152,29 +168,42 @@ def plan(cfg: ml_collections.ConfigDict, devices: int, hardware: Hardware, memor
     budget = (memory_gb if memory_gb is not None else hardware.memory_gib) * GiB
     shape = SP.model_shape(cfg)
     screened: list[Ranked] = []
-    rejected: list[tuple[str, str]] = []
+    rejected: list[tuple[str, str, str]] = []
+    dominated = 0
     for sizes in SP.factorizations(devices, SP.AXES):
         mesh_key = ".".join(f"{a}{n}" for a, n in sizes.items() if n > 1) or "one-device"
         reason = SP.mesh_reason(shape, sizes)
         if reason:
-            rejected.append((mesh_key, reason))
+            rejected.append((mesh_key, reason.split(":")[0], reason))
             continue
         orders = SP.orders(sizes)
+        fit: set = set()  # option groups in which a lighter candidate already fits the budget
         for fields, reason in SP.options(shape, sizes, remats, zero_stages):
+            # Dominated, not evaluated: a heavier remat where a lighter one of the same options fits (more
+            # compute, no less communication), or without stages more microbatches where fewer fit (no bubble
+            # to cut; weights gathered per microbatch).
+            same = tuple(v for k, v in fields.items() if k != "remat")
+            fewer = (fields["zero_stage"], fields["epso"], fields["remat"]) if sizes["stage"] == 1 else None
+            if same in fit or fewer in fit:
+                dominated += 1
+                continue
             c = SP.Candidate(orders[0], **fields)
             if reason:
-                rejected.append((c.key, reason))
+                rejected.append((c.key, reason.split(":")[0], reason))
                 continue
             mem = E.memory(shape, c)
             if mem["total"] > budget:
-                rejected.append((c.key, f"over memory by {(mem['total'] - budget) / GiB:.2f} GiB "
-                                        f"({mem['total'] / GiB:.2f} GiB per device, formula)"))
+                rejected.append((c.key, "over memory", f"over memory by {(mem['total'] - budget) / GiB:.2f} GiB "
+                                 f"({mem['total'] / GiB:.2f} GiB per device, formula)"))
                 continue
+            fit.add(same)
+            if fewer is not None:
+                fit.add(fewer)
             comms = E.collectives(shape, c)
             compute = E.compute_time(shape, c, hardware, devices)
-            cand, est = _best_order(shape, c, comms, compute, mem, hardware, orders)
-            screened.append(Ranked(cand, est, len(orders)))
-    screened.sort(key=lambda r: (r.estimate.step, r.candidate.key))
+            cand = dataclasses.replace(c, mesh=_heuristic_order(c, comms))
+            screened.append(Ranked(cand, E.combine(hardware, cand, compute, comms, mem), 1))
+    screened.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.key))
     ranked = _verify(cfg, shape, screened[:max(verify if verify is not None else top, 0)], hardware, budget,
                      rejected, devices)
     ranked = ranked[:top] if top else ranked
@@ -184,7 +213,7 @@ def plan(cfg: ml_collections.ConfigDict, devices: int, hardware: Hardware, memor
         again = [(E.combine(hw2, r.candidate, r.estimate.compute, r.comms, r.estimate.memory).step, r.candidate.key)
                  for r in ranked]
         sensitivity[str(factor)] = [k for _, k in sorted(again)]
-    out = Plan(config_name, devices, hardware, budget, shape, ranked, screened, rejected, sensitivity)
+    out = Plan(config_name, devices, hardware, budget, shape, ranked, screened, rejected, sensitivity, dominated)
     out.seconds = time.perf_counter() - start
     return out
 
@@ -201,11 +230,11 @@ def _verify(cfg, shape, chosen: list[Ranked], hw: Hardware, budget: float, rejec
         mem["batch"] = args.get("batch", 0)
         mem["total"] = sum(v for k, v in mem.items() if k != "total")
         if mem["total"] > budget:
-            rejected.append((r.candidate.key, f"over memory by {(mem['total'] - budget) / GiB:.2f} GiB "
+            rejected.append((r.candidate.key, "over memory", f"over memory by {(mem['total'] - budget) / GiB:.2f} GiB "
                                               f"({mem['total'] / GiB:.2f} GiB per device, planned)"))
             continue
         cand, est = _best_order(shape, r.candidate, comms, r.estimate.compute, mem, hw, SP.orders(r.candidate.sizes))
         est.source = "partitioner"
-        out.append(Ranked(cand, est, r.orders, comms, report))
-    out.sort(key=lambda r: (r.estimate.step, r.candidate.key))
+        out.append(Ranked(cand, est, len(SP.orders(r.candidate.sizes)), comms, report))
+    out.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.key))
     return out
