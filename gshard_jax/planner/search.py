@@ -204,8 +204,8 @@ def plan(cfg: ml_collections.ConfigDict, devices: int, hardware: Hardware, memor
             cand = dataclasses.replace(c, mesh=_heuristic_order(c, comms))
             screened.append(Ranked(cand, E.combine(hardware, cand, compute, comms, mem), 1))
     screened.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.key))
-    ranked = _verify(cfg, shape, screened[:max(verify if verify is not None else top, 0)], hardware, budget,
-                     rejected, devices)
+    ranked = _verify(cfg, shape, screened, max(verify if verify is not None else top, 0), hardware, budget,
+                     rejected)
     ranked = ranked[:top] if top else ranked
     sensitivity = {}
     for factor in (0.5, 2.0):
@@ -218,16 +218,24 @@ def plan(cfg: ml_collections.ConfigDict, devices: int, hardware: Hardware, memor
     return out
 
 
-def _verify(cfg, shape, chosen: list[Ranked], hw: Hardware, budget: float, rejected: list, devices: int) -> list:
-    """The chosen candidates planned by the partitioner: communication and argument bytes of the planned step."""
+def _verify(cfg, shape, screened: list[Ranked], count: int, hw: Hardware, budget: float, rejected: list) -> list:
+    """The `count` fastest screened candidates that the partitioner plans within the budget: communication and
+    argument bytes of the planned step. One the model cannot build or the partitioner cannot plan is rejected
+    with the error, and the next is taken (at most 3 x count tried)."""
     out = []
-    for r in chosen:
-        report = PR.explain(cfg, r.candidate, hw)
+    for r in screened[:3 * count]:
+        if len(out) == count:
+            break
+        try:
+            report = PR.explain(cfg, r.candidate, hw)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            rejected.append((r.candidate.key, "partitioner", f"partitioner: {str(e).splitlines()[0][:300]}"))
+            continue
         comms = PR.comms(report)
         args = report.argument_bytes()
         mem = dict(r.estimate.memory)
         mem["params"], mem["optimizer"] = args.get("params", 0), args.get("optimizer", 0)
-        mem["batch"] = args.get("batch", 0)
+        mem["batch"] = args.get("batch", 0) + args.get("step", 0)  # the rest of the step's arguments
         mem["total"] = sum(v for k, v in mem.items() if k != "total")
         if mem["total"] > budget:
             rejected.append((r.candidate.key, "over memory", f"over memory by {(mem['total'] - budget) / GiB:.2f} GiB "

@@ -1,0 +1,156 @@
+"""The planner: AxoNN's published model reproduced, rejections with one reason, deterministic output, and the
+partitioner's predictions for planned candidates equal to the compiled train step."""
+import json
+import os
+
+import jax
+import pytest
+
+from gshard_jax import cli, configs
+from gshard_jax.partitioner.hlo import collective_stats
+from gshard_jax.planner import PROFILES, axonn, hardware, plan
+from gshard_jax.planner import estimate as E
+from gshard_jax.planner import predict as PR
+from gshard_jax.planner import space as SP
+from gshard_jax.train import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU = PROFILES["cpu-simulation"]
+
+
+def _config(name: str):
+    cfg = configs.load(os.path.join(ROOT, "experiments", f"{name}.py"))
+    cfg.train.update(dict(seq_len=16, batch_size=16))
+    cfg.model.vocab_size = 512
+    return cfg
+
+
+@pytest.mark.parametrize("case", ["gpt_20b_32", "gpt_40b_64", "gpt_80b_4096"])
+def test_axonn_mode_ranks_as_the_published_model(case):
+    """Top 20 (Gr, Gc, Gd, Gdata) in the same order, times to 1e-9 relative, against the output of AxoNN's
+    own comm_model.py on these inputs (tests/data/axonn_published.json says how it was made)."""
+    with open(os.path.join(ROOT, "tests", "data", "axonn_published.json")) as f:
+        want = json.load(f)[case]
+    got = axonn.rank(PROFILES["perlmutter-a100"], want["batch"], want["seq"], want["layers"], want["hidden"],
+                     want["gpus"], want["min_tp"], top=20)
+    assert [(g.gr, g.gc, g.gd, g.gdata) for g in got] == [tuple(r[:4]) for r in want["rows"]]
+    for g, r in zip(got, want["rows"]):
+        assert g.seconds == pytest.approx(r[4], rel=1e-9, abs=0)
+
+
+def test_hierarchical_bandwidth_is_the_table_inside_a_node_and_eq7_across():
+    hw = PROFILES["perlmutter-a100"]  # 4 GPUs per node
+    order = (("data", 8), ("y", 2), ("x", 2))  # x innermost
+    assert hardware.axes_bandwidth(hw, order, ("x",)) == 76e9  # table: ip 1, size 2
+    assert hardware.axes_bandwidth(hw, order, ("y",)) == 76e9  # table: ip 2, size 2 (span 4: one node)
+    assert hardware.axes_bandwidth(hw, order, ("y", "x")) == 225e9  # ip 1, size 4
+    assert hardware.axes_bandwidth(hw, order, ("data",)) == 100e9 / 4  # crosses nodes: beta / min(4, ip 4)
+    assert hardware.axes_bandwidth(hw, (("x", 2), ("data", 8)), ("data",)) == 100e9 / 1  # ip 1 across nodes
+
+
+def test_plan_is_deterministic_and_every_rejection_has_one_reason():
+    cfg = _config("tiny_moe_lm")
+    a = plan(cfg, 8, CPU, top=1, verify=1, remats=("none",))
+    b = plan(cfg, 8, CPU, top=1, verify=1, remats=("none",))
+    assert a.to_json() == b.to_json()
+    kinds = {"experts", "indivisible", "batch", "layers per stage", "schedule", "over memory", "partitioner"}
+    assert a.rejected and all(kind in kinds and reason for _, kind, reason in a.rejected)
+    keys = [k for k, _, _ in a.rejected]
+    assert len(keys) == len(set(keys))  # one reason each
+    assert not {r.candidate.key for r in a.screened} & set(keys)
+    assert a.ranked[0].estimate.source == "partitioner"
+    # A memory budget below every candidate's: nothing ranked, every candidate rejected over memory.
+    tight = plan(cfg, 8, CPU, memory_gb=1e-6, top=1, verify=1, remats=("none",))
+    assert not tight.ranked and tight.rejection_counts()["over memory"] > 0
+    with pytest.raises(ValueError, match="no configuration"):
+        tight.best
+
+
+def test_scaling_every_bandwidth_leaves_the_communication_ranking_unchanged():
+    hw = hardware.Hardware("t", "gpu", 4, 1e14, 0.5, 80.0, 100e9, 25e9, latency=0.0,
+                           table=((1, 1, 2, 2, 76.0), (1, 1, 4, 4, 225.0)))
+    cfg = _config("tiny_moe_lm")
+    shape = SP.model_shape(cfg)
+    screened = plan(cfg, 8, hw, top=0, verify=0).screened
+
+    def ranking(h):  # equal times (up to float rounding in the sums) tie-break by name
+        return sorted((float(f"{sum(c.time(h, r.candidate.mesh) for c in E.collectives(shape, r.candidate)):.9e}"),
+                       r.candidate.key) for r in screened)
+    base = [k for _, k in ranking(hw)]
+    assert len(set(base)) > 100
+    for factor in (0.1, 3.0):
+        assert [k for _, k in ranking(hardware.scaled(hw, factor))] == base
+
+
+def _sweep(name: str) -> list:
+    """One candidate per mesh factorisation of 8 the model accepts, cycling through the training options
+    (zero stages, EPSO, microbatches, schedules and repeats)."""
+    cfg = _config(name)
+    shape = SP.model_shape(cfg)
+    out, n = [], 0
+    for sizes in SP.factorizations(8, SP.AXES):
+        if SP.mesh_reason(shape, sizes):
+            continue
+        opts = [f for f, r in SP.options(shape, sizes, ("none",)) if r is None]
+        if opts:
+            out.append(SP.Candidate(SP.orders(sizes)[0], **opts[n % len(opts)]))
+            n += 1
+    return [(name, c) for c in out]
+
+
+def _assert_planned_equals_compiled(name: str, c: SP.Candidate) -> None:
+    cfg = _config(name)
+    report = PR.explain(cfg, c, CPU)  # what the planner costs: the step on an abstract mesh
+    run = PR.apply(cfg, c)
+    trainer = Trainer(run, "")  # the same step on this host's 8 devices
+    state = jax.eval_shape(trainer.init_state, jax.random.key(0))
+    compiled = trainer.step_fn.lower(state, PR.abstract_batch(run)).compile()
+    stats, predicted = collective_stats(compiled), report.totals()
+    for kind in predicted:
+        assert (predicted[kind]["count"], predicted[kind]["payload_bytes"]) == \
+            (stats[kind]["count"], stats[kind]["payload_bytes"]), (c.key, kind, predicted, stats)
+    assert report.argument_bytes()["total"] == compiled.memory_analysis().argument_size_in_bytes
+
+
+# MoE blocks under 1F1B-family schedules: explain() reports one 4-byte all-reduce more than XLA keeps (a
+# scalar reduction repeated across the schedule's loops, which XLA merges and merge_common does not).
+KNOWN = {"tiny_moe_lm": ("1f1b",)}
+
+
+def _marks(name, c):
+    if any(s in c.schedule for s in KNOWN.get(name, ())) and c.size("expert") > 1 or \
+            (name == "tiny_moe_lm" and "1f1b" in c.schedule and c.size("expert") == 1 and
+             c.size("z") * c.size("data") > 1):
+        return [pytest.mark.xfail(strict=True, reason="one scalar all-reduce more than XLA keeps (see KNOWN)")]
+    return []
+
+
+SWEEP = [pytest.param(n, c, id=f"{n}-{c.key}", marks=[pytest.mark.slow] + _marks(n, c))
+         for name in ("tiny_dense_lm", "tiny_moe_lm", "tiny_moe_encdec") for n, c in _sweep(name)]
+DEFAULT = [pytest.param("tiny_moe_lm", SP.Candidate((("data", 2), ("expert", 4)), zero_stage=1, microbatches=2),
+                        id="tiny_moe_lm-data2.expert4-zero1-m2"),
+           pytest.param("tiny_dense_lm", SP.Candidate((("stage", 2), ("z", 2), ("x", 2)), zero_stage=1,
+                                                       microbatches=4, schedule="1f1b"),
+                        id="tiny_dense_lm-stage2.z2.x2-1f1b")]
+
+
+@pytest.mark.parametrize("name,c", DEFAULT + SWEEP)
+def test_planned_collectives_and_argument_bytes_equal_the_compiled_step(name, c):
+    _assert_planned_equals_compiled(name, c)
+
+
+def test_cli_plan_writes_a_plan_that_train_applies(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    config = os.path.join(ROOT, "experiments", "tiny_dense_lm.py")
+    assert cli.main(["plan", "--config", config, "--devices", "8", "--top", "1", "--verify", "1",
+                     "--out", str(out), "--config.train.seq_len=16", "--config.model.vocab_size=512"]) == 0
+    printed = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    best = saved["ranked"][0]
+    assert best["key"] in printed and best["comm_source"] == "partitioner"
+    applied = configs.load(config)
+    from gshard_jax import overrides
+    overrides.apply(applied, cli._plan_overrides(str(out)))
+    assert {a: applied.mesh[a] for a in SP.AXES} == {a: best["mesh"].get(a, 1) for a in SP.AXES}
+    assert applied.mesh_order == ",".join(best["mesh_order"])
+    assert applied.train.zero_stage == best["zero_stage"] and applied.model.remat == best["remat"]
