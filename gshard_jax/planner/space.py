@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from typing import Iterator, Optional, Sequence
 
 import ml_collections
