@@ -154,3 +154,14 @@ def test_cli_plan_writes_a_plan_that_train_applies(tmp_path, capsys):
     assert {a: applied.mesh[a] for a in SP.AXES} == {a: best["mesh"].get(a, 1) for a in SP.AXES}
     assert applied.mesh_order == ",".join(best["mesh_order"])
     assert applied.train.zero_stage == best["zero_stage"] and applied.model.remat == best["remat"]
+
+
+def test_mesh_order_lays_the_axes_out_as_given_and_names_a_bad_order():
+    from gshard_jax.train import mesh_for
+    cfg = _config("tiny_moe_lm")  # mesh {data 2, expert 4}
+    assert mesh_for(cfg).axis_names == ("data", "expert")
+    cfg.mesh_order = "expert,data"
+    assert mesh_for(cfg).axis_names == ("expert", "data")
+    cfg.mesh_order = "expert,z"
+    with pytest.raises(ValueError, match="mesh_order='expert,z' must list each mesh axis"):
+        mesh_for(cfg)
