@@ -150,6 +150,16 @@ def mula(num_layers: int, d_model: int, num_heads: int, d_ff: int, num_experts: 
     return skeleton(model, dict(data=-1, expert=1), batch_size=1024, seq_len=2048, warmup_steps=2500)
 
 
+def gpt(num_layers: int, d_model: int, num_heads: int, batch_size: int = 256) -> ConfigDict:
+    """AxoNN's GPT (seed 003, Table II shapes): a dense decoder LM with LayerNorm and a GELU MLP of 4 x d_model,
+    heads of 128, sequences of 2048 tokens; data parallel over every device by default."""
+    cfg = mula(num_layers=num_layers, d_model=d_model, num_heads=num_heads, d_ff=4 * d_model)
+    cfg.model.update(dict(ffn_activation="gelu", norm="layernorm", head_dim=128))
+    cfg.mesh.update(dict(data=-1))
+    cfg.train.update(dict(batch_size=batch_size, seq_len=2048))
+    return cfg
+
+
 # --------------------------------------------------------------------------- config -> model
 
 def transformer_config(model: ConfigDict) -> TransformerConfig:

@@ -69,6 +69,12 @@ def default_profile(platform: str) -> HardwareProfile:
     return CPU_PROFILE if platform == "cpu" else DEFAULT_PROFILE
 
 
+def latency_steps(kind: str, group: int) -> int:
+    """Latencies one collective over `group` devices pays: a launch, then one step for a permute or log2 of the
+    group for a tree/recursive-doubling schedule (what libraries achieve for small messages)."""
+    return 1 + (1 if kind == "collective-permute" else math.ceil(math.log2(group)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
     kind: str
@@ -93,8 +99,7 @@ class Collective:
         profile = profile or DEFAULT_PROFILE
         if self.group <= 1:
             return 0.0
-        steps = 1 if self.kind == "collective-permute" else math.ceil(math.log2(self.group))
-        return (1 + steps) * profile.latency + self.moved / profile.bandwidth_of(self.axes)
+        return latency_steps(self.kind, self.group) * profile.latency + self.moved / profile.bandwidth_of(self.axes)
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "axes": list(self.axes), "group": self.group, "payload_bytes": self.payload,

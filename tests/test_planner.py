@@ -1,7 +1,9 @@
 """The planner: AxoNN's published model reproduced, rejections with one reason, deterministic output, and the
 partitioner's predictions for planned candidates equal to the compiled train step."""
+import dataclasses
 import json
 import os
+import re
 
 import jax
 import pytest
@@ -57,7 +59,13 @@ def test_plan_is_deterministic_and_every_rejection_has_one_reason():
     assert a.rejected and all(kind in kinds and reason for _, kind, reason in a.rejected)
     keys = [k for k, _, _ in a.rejected]
     assert len(keys) == len(set(keys))  # one reason each
-    assert not {r.candidate.key for r in a.screened} & set(keys)
+    # ... and none of them ranked: compare candidates whatever order their axes were given
+    kept = {dataclasses.replace(r.candidate, mesh=tuple(sorted(r.candidate.mesh))).key for r in a.screened}
+    assert len(kept) == len(a.screened)
+    rejected_options = {" ".join(k.split()[1:]) + "@" + ".".join(sorted(k.split()[0].split(".")))
+                        for k in keys if " " in k}
+    assert not {" ".join(k.split()[1:]) + "@" + ".".join(sorted(k.split()[0].split("."))) for k in kept} \
+        & rejected_options
     assert a.ranked[0].estimate.source == "partitioner"
     # A memory budget below every candidate's: nothing ranked, every candidate rejected over memory.
     tight = plan(cfg, 8, CPU, memory_gb=1e-6, top=1, verify=1, remats=("none",))
@@ -126,7 +134,7 @@ DEFAULT = [pytest.param("tiny_moe_lm", SP.Candidate((("data", 2), ("expert", 4))
                         id="tiny_moe_lm-data2.expert4-zero1-m2"),
            pytest.param("tiny_dense_lm", SP.Candidate((("stage", 2), ("z", 2), ("x", 2)), zero_stage=1,
                                                        microbatches=4, schedule="1f1b"),
-                        id="tiny_dense_lm-stage2.z2.x2-1f1b")]
+                        id="tiny_dense_lm-stage2.z2.x2-1f1b", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("name,c", DEFAULT + SWEEP)
@@ -160,3 +168,69 @@ def test_mesh_order_lays_the_axes_out_as_given_and_names_a_bad_order():
     cfg.mesh_order = "expert,z"
     with pytest.raises(ValueError, match="mesh_order='expert,z' must list each mesh axis"):
         mesh_for(cfg)
+
+
+def test_the_docs_axonn_table_is_the_models_ranking():
+    """docs/planner.md's side-by-side table: AxoNN's top 5 for GPT-20B on 32 GPUs and GPT-40B on 64."""
+    with open(os.path.join(ROOT, "docs", "planner.md")) as f:
+        rows = [line for line in f if re.match(r"\| \d+, \d+, \d+, \d+ \|", line)]
+    hw = PROFILES["perlmutter-a100"]
+    for col, (layers, hidden, gpus, min_tp) in enumerate(((32, 7168, 32, 16), (38, 9216, 64, 32))):
+        want = axonn.rank(hw, 256, 2048, layers, hidden, gpus, min_tp, top=5)
+        cells = [[c.strip() for c in r.strip().strip("|").split("|")] for r in rows]
+        assert [c[2 * col] for c in cells] == [f"{g.gr}, {g.gc}, {g.gd}, {g.gdata}" for g in want]
+        assert [c[2 * col + 1] for c in cells] == [f"{g.seconds:.4f}" for g in want]
+
+
+def test_a_planned_candidate_takes_the_fastest_order_of_its_axes():
+    """docs/planner.md: the planned candidates try every order of their axes."""
+    cfg = _config("tiny_moe_lm")
+    hw = PROFILES["perlmutter-a100"]  # 4 per node: the order of 8 devices' axes matters
+    ranked = plan(cfg, 8, hw, top=2, verify=2, remats=("none",)).ranked
+    best = [r for r in ranked if len(r.candidate.mesh) > 1][0]
+    steps = [E.combine(hw, dataclasses.replace(best.candidate, mesh=o), best.estimate.compute,
+                       best.comms, best.estimate.memory).step for o in SP.orders(best.candidate.sizes)]
+    assert len(steps) > 1 and best.estimate.step == min(steps)
+
+
+def test_explain_on_an_abstract_mesh_is_the_compiled_program_of_flax_and_optax_code():
+    """A Flax linen MLP trained by optax's adamw with optax's cross-entropy: explain() on an AbstractMesh (as
+    the planner uses it) equals explain() on the devices and the compiled HLO, with XLA's bytes and flops."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import AbstractMesh, AxisType
+
+    import gshard_jax as gs
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(10)(nn.LayerNorm()(nn.gelu(nn.Dense(256)(x))))
+
+    model, opt = MLP(), optax.adamw(1e-3)
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 64)))
+    args = (params, jax.eval_shape(opt.init, params), jax.ShapeDtypeStruct((64, 64), jnp.float32),
+            jax.ShapeDtypeStruct((64,), jnp.int32))
+
+    def step(params, opt_state, x, y):
+        def loss(p):
+            logits = model.apply(p, gs.shard(x, ("data", None)))
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    mesh = gs.make_mesh({"data": 4, "x": 2})
+    abstract = gs.explain(step, AbstractMesh((4, 2), ("data", "x"), axis_types=(AxisType.Auto,) * 2), *args)
+    assert abstract.totals() == gs.explain(step, mesh, *args).totals()
+    ours = gs.partition(step, mesh).lower(*args).compile()
+    xla = gs.partition(step, mesh, backend="xla").lower(*args).compile()
+    stats, predicted = collective_stats(ours), abstract.totals()
+    for kind in predicted:
+        assert (predicted[kind]["count"], predicted[kind]["payload_bytes"]) == \
+            (stats[kind]["count"], stats[kind]["payload_bytes"]), (kind, predicted, stats)
+    assert abstract.argument_bytes()["total"] == ours.memory_analysis().argument_size_in_bytes
+    assert sum(v["payload_bytes"] for v in stats.values()) <= \
+        sum(v["payload_bytes"] for v in collective_stats(xla).values())
+    assert ours.cost_analysis()["flops"] <= xla.cost_analysis()["flops"]

@@ -17,6 +17,7 @@ import math
 from typing import Sequence
 
 from .. import schedules as SC
+from ..partitioner.cost import latency_steps, moved_bytes
 from .hardware import Hardware, axes_bandwidth
 from .space import Candidate, ModelShape
 
@@ -38,20 +39,13 @@ class Comm:
     moved: float
 
     def time(self, hw: Hardware, order: Sequence[tuple[str, int]]) -> float:
+        """Alpha-beta as the partitioner's cost model (cost.Collective.time), at the bandwidth of these axes."""
         sizes = dict(order)
         group = math.prod(sizes.get(a, 1) for a in self.axes)
         if group <= 1 or not self.count:
             return 0.0
-        steps = 1 if self.kind == "collective-permute" else 1 + math.ceil(math.log2(group))
-        return self.count * steps * hw.latency + self.moved / axes_bandwidth(hw, order, self.axes)
-
-
-def _ring(kind: str, group: int) -> float:
-    """Bytes a ring sends per byte of payload."""
-    if group <= 1:
-        return 0.0
-    f = (group - 1) / group
-    return {"all-reduce": 2 * f, "collective-permute": 1.0}.get(kind, f)
+        return self.count * latency_steps(self.kind, group) * hw.latency + \
+            self.moved / axes_bandwidth(hw, order, self.axes)
 
 
 def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
@@ -68,7 +62,7 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     def add(kind, axes, payload, count):
         group = math.prod(s[a] for a in axes)
         if group > 1 and count:
-            out.append(Comm(kind, tuple(axes), count, _ring(kind, group) * payload * count))
+            out.append(Comm(kind, tuple(axes), count, moved_bytes(kind, payload, group) * count))
 
     # Tensor axes: two all-reduces of activations per layer and pass over y (Megatron), the same over x.
     add("all-reduce", ("y",), act, 2 * (fwd + 1) * layers * m)
@@ -134,7 +128,7 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
         out["optimizer"] += held * (8 + 4 * mixed) / (zero[cls] if c.zero_stage >= 1 else 1)
     tokens_mb = shape.tokens / (c.batch_shards * m)
     ff = shape.d_ff * (shape.k * shape.capacity_factor if shape.experts else 1)
-    per_token_layer = {"none": 10 * shape.d_model + 3 * ff + 2.5 * shape.heads * shape.seq / 1,
+    per_token_layer = {"none": 10 * shape.d_model + 3 * ff + 2.5 * shape.heads * shape.seq,
                        "dots": 4 * shape.d_model + 3 * ff, "full": shape.d_model}[c.remat] * b / max(x * y, 1)
     layers = shape.layers * (2 if shape.kind == "encoder_decoder" else 1) / p
     in_flight = 1

@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
-from ..partitioner.cost import CPU_PROFILE, DEFAULT_PROFILE, HardwareProfile
+from ..partitioner.cost import HardwareProfile, default_profile
 from .estimate import Comm
 from .hardware import Hardware
 from .space import AXES, Candidate
@@ -39,8 +39,7 @@ def apply(cfg: ml_collections.ConfigDict, c: Candidate) -> ml_collections.Config
 def partitioner_profile(hw: Hardware) -> HardwareProfile:
     """The cost profile the run itself uses on hw's platform (so the plan's choices are the run's), with
     hw's platform for the wire format of collectives."""
-    base = CPU_PROFILE if hw.platform == "cpu" else DEFAULT_PROFILE
-    return dataclasses.replace(base, platform=hw.platform)
+    return dataclasses.replace(default_profile(hw.platform), platform=hw.platform)
 
 
 def abstract_mesh(c: Candidate) -> AbstractMesh:

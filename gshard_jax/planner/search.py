@@ -146,7 +146,7 @@ def _heuristic_order(c: SP.Candidate, comms) -> tuple:
     return tuple(sorted(c.mesh, key=lambda an: (moved[an[0]], SP.AXES.index(an[0]))))
 
 
-def _best_order(shape, c: SP.Candidate, comms, compute: float, mem: dict, hw: Hardware,
+def _best_order(c: SP.Candidate, comms, compute: float, mem: dict, hw: Hardware,
                 orders: Sequence) -> tuple[SP.Candidate, E.Estimate]:
     best = None
     for order in orders:
@@ -240,7 +240,7 @@ def _verify(cfg, shape, screened: list[Ranked], count: int, hw: Hardware, budget
             rejected.append((r.candidate.key, "over memory", f"over memory by {(mem['total'] - budget) / GiB:.2f} GiB "
                                               f"({mem['total'] / GiB:.2f} GiB per device, planned)"))
             continue
-        cand, est = _best_order(shape, r.candidate, comms, r.estimate.compute, mem, hw, SP.orders(r.candidate.sizes))
+        cand, est = _best_order(r.candidate, comms, r.estimate.compute, mem, hw, SP.orders(r.candidate.sizes))
         est.source = "partitioner"
         out.append(Ranked(cand, est, len(SP.orders(r.candidate.sizes)), comms, report))
     out.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.key))
