@@ -7,21 +7,15 @@ import gc
 from typing import Any, Callable, Optional
 
 import jax
-from jax._src.interpreters import partial_eval as pe
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from . import annotations as A
-from . import pipelining as PL
+from . import passes as P
 from . import specs as S
-from .partitioner import lower as L
 from .partitioner.collective_matmul import check_mode
 from .partitioner.cost import HardwareProfile, default_profile, platform_of
-from .partitioner.fold import fold_pads, merge_common, static_slices
-from .partitioner.roll import fold_rolls
-from .partitioner.program import Value, from_jaxpr
 from .partitioner.propagation import propagate
-from .partitioner.report import Report, ValueInfo
-from .partitioner.sharding import Sharding
+from .partitioner.report import Report
 
 BACKENDS = ("gshard", "xla")
 
@@ -62,12 +56,6 @@ def _check(mesh, backend: str):
     return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
 
-def _without_uneven(s: Sharding, shape, mesh_shape) -> Sharding:
-    """s with the axes of its uneven dims dropped: how a value crosses the program boundary (XLA needs even)."""
-    bad = s.uneven(shape, mesh_shape)
-    return Sharding(tuple(() if d in bad else ax for d, ax in enumerate(s.dims)))
-
-
 def _validate(specs, mesh: Mesh, what: str) -> None:
     """Check axis names now, not at the first call; a top-level tuple may be one spec or one per value."""
     if specs is None:
@@ -83,93 +71,21 @@ def _validate(specs, mesh: Mesh, what: str) -> None:
 
 def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: HardwareProfile,
            report: Optional[Report], placements: tuple, collective_matmul: str = "auto") -> Callable:
-    """The global function: trace fn, plan, and call the per-device program under shard_map.
+    """The global function: trace fn, plan, and call the per-device program under shard_map (passes.py).
 
     `placements` holds, per flat argument leaf, the spec it is committed to on the mesh (None: not committed).
     """
-    mesh_shape = dict(mesh.shape)
-
     def global_fn(*args, **kwargs):
         with _gc_paused():
-            return traced(*args, **kwargs)
-
-    def traced(*args, **kwargs):
-        flat_args, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-        names = S.leaf_names(fn, args, kwargs)
-        arg_names = S.arg_names(fn, len(args))
-        in_specs = S.flat_specs(in_shardings, list(args), mesh, "in_shardings", arg_names,
-                                names[:len(jax.tree_util.tree_leaves(args))])
-        in_specs += [None] * (len(flat_args) - len(in_specs))  # keyword arguments: propagation decides
-
-        def flat_fn(*flat):
-            a, kw = jax.tree_util.tree_unflatten(in_tree, flat)
-            return fn(*a, **kw)
-
-        traced_pipelines = []
-        token = PL.TRACED.set(traced_pipelines)
-        try:
-            with A.active(mesh, "gshard"):
-                closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
-        finally:
-            PL.TRACED.reset(token)
-        # Plan the program XLA will run: values nothing uses (e.g. the forward loss inside jax.grad) are
-        # dropped first, so no collective is planned or reported for them, and there is less to partition.
-        jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
-        closed = jax.extend.core.ClosedJaxpr(jaxpr, closed.consts)
-        out_tree = jax.tree_util.tree_structure(out_shape)
-        out_names = S.output_names(out_shape)
-        multiple = isinstance(out_shape, (tuple, list))
-        outputs = list(out_shape) if multiple else [out_shape]
-        top = [f"out[{i}]" for i in range(len(outputs))] if multiple else ["out"]
-        wrapped = (isinstance(out_shardings, (tuple, list)) and len(out_shardings) == 1
-                   and not S.is_spec_tuple(tuple(out_shardings)))  # (spec,) for the one output
-        single = out_shardings if wrapped else (out_shardings,)
-        out_specs = S.flat_specs(out_shardings if multiple or out_shardings is None else single,
-                                 outputs, mesh, "out_shardings", top, out_names)
-        program = fold_pads(fold_rolls(merge_common(static_slices(from_jaxpr(closed)))))
-        seeds, notes = {}, []
-        placed = [S.to_sharding(p, v.shape, f"placement of {n}") for v, p, n in zip(program.invars, placements, names)]
-        for v, name, spec, at in zip(program.invars, names, in_specs, placed):
-            sh = S.to_sharding(spec, v.shape, f"in_shardings for {name}")
-            if sh is not None:
-                seeds[v] = (sh, f"in_shardings for {name}")
-                if at is not None and at.canonical(v.shape, mesh_shape) != sh.canonical(v.shape, mesh_shape):
-                    notes.append(f"{name}: in_shardings {sh} wins over the array's placement {at}; "
-                                 f"it is resharded on entry")
-            elif at is not None:
-                seeds[v] = (at, f"placement of {name} (committed NamedSharding)")
-        leaving: dict[int, Sharding] = {}  # outputs resharded on exit: an input, another output or a constant
-        for k, (v, name, spec) in enumerate(zip(program.outvars, out_names, out_specs)):
-            sh = S.to_sharding(spec, v.shape, f"out_shardings for {name}")
-            if sh is None:
-                continue
-            if not isinstance(v, Value) or (v in seeds and seeds[v][0] != sh):
-                leaving[k] = sh  # as jax.jit does: the value keeps its own sharding and leaves resharded
-                continue
-            seeds[v] = (sh, f"out_shardings for {name}")
-        plan = propagate(program, mesh_shape, seeds)
-        values = list(program.invars) + [v for v, _ in program.consts]
-        entry = [p if p is not None else _without_uneven(plan.sharding(v), v.shape, mesh_shape)
-                 for v, p in zip(values, placed + [None] * len(program.consts))]
-        exit_ = [_without_uneven(leaving.get(k) or plan.sharding(v), v.shape, mesh_shape)
-                 for k, v in enumerate(program.outvars)]
-        value_names = names + [f"constant {v}" for v, _ in program.consts]
-        lowering = L.Lowering(program, plan, mesh, profile, report, entry, exit_, value_names, out_names,
-                              collective_matmul)
-        if report is not None:
-            report.rows.clear()
-            report.notes = notes
-            report.pipelines = [sc.summary() for sc in traced_pipelines]
-            report.inputs = [ValueInfo(n, tuple(v.shape), str(v.dtype), plan.sharding(v), e,
-                                       plan.origins.get(v, "")) for n, v, e in zip(names, program.invars, entry)]
-            report.outputs = [ValueInfo(n, tuple(v.shape), str(v.aval.dtype), plan.sharding(v), x,
-                                        plan.origins.get(v, "") if isinstance(v, Value) else "constant")
-                              for n, v, x in zip(out_names, program.outvars, exit_)]
-        per_device = jax.shard_map(lambda *xs: tuple(lowering.run(*xs)), mesh=mesh,
-                                   in_specs=tuple(s.spec() for s in entry), out_specs=tuple(s.spec() for s in exit_),
-                                   check_vma=False)
-        outs = per_device(*flat_args, *[c for _, c in program.consts])
-        return jax.tree_util.tree_unflatten(out_tree, list(outs))
+            t = P.trace(fn, mesh, in_shardings, out_shardings, placements, args, kwargs)
+            plan = propagate(t.program, dict(mesh.shape), t.seeds)
+            lowering = P.lower(t, plan, mesh, profile, report, collective_matmul)
+            in_specs, out_specs = P.entry_specs(lowering)
+            per_device = jax.shard_map(lambda *xs: tuple(lowering.run(*xs)), mesh=mesh, in_specs=in_specs,
+                                       out_specs=out_specs, check_vma=False)
+            flat_args = jax.tree_util.tree_leaves((args, kwargs))
+            outs = per_device(*flat_args, *[c for _, c in t.program.consts])
+            return jax.tree_util.tree_unflatten(t.out_tree, list(outs))
 
     return global_fn
 
@@ -256,15 +172,27 @@ def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings:
 
 
 def explain(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, out_shardings: Any = None,
-            profile: Optional[HardwareProfile] = None, collective_matmul: str = "auto", **kwargs) -> Report:
-    """What partition() decides for these arguments (arrays or ShapeDtypeStructs): one row per op, and totals."""
+            profile: Optional[HardwareProfile] = None, collective_matmul: str = "auto",
+            trace_per_device: bool = True, **kwargs) -> Report:
+    """What partition() decides for these arguments (arrays or ShapeDtypeStructs): one row per op, and totals.
+
+    trace_per_device=False decides and reports the same program without tracing the per-device program
+    (Lowering.cost: the choices, reshards and hooks' collectives only), several times faster on a large
+    train step; gs.plan costs its candidates this way.
+    """
     mesh = _check(mesh, "gshard")
     check_mode(collective_matmul)
     _validate(in_shardings, mesh, "in_shardings")
     _validate(out_shardings, mesh, "out_shardings")
     profile = profile or _default_profile(mesh)
     report = Report(dict(mesh.shape), profile)
-    build = _build(fn, mesh, in_shardings, out_shardings, profile, report, _placements(fn, mesh, args, kwargs),
-                   collective_matmul)
-    jax.make_jaxpr(build)(*args, **kwargs)
+    placements = _placements(fn, mesh, args, kwargs)
+    if trace_per_device:
+        jax.make_jaxpr(_build(fn, mesh, in_shardings, out_shardings, profile, report, placements,
+                              collective_matmul))(*args, **kwargs)
+        return report
+    with _gc_paused():
+        t = P.trace(fn, mesh, in_shardings, out_shardings, placements, args, kwargs)
+        plan = propagate(t.program, dict(mesh.shape), t.seeds)
+        P.lower(t, plan, mesh, profile, report, collective_matmul).cost()
     return report

@@ -31,8 +31,9 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
     ids = run.stage_ids
     params_rp = _stacked(params, r, p, ax, param_specs)
     xs, ts = microbatches(x, m), microbatches(targets, m)
-    res = Residuals(run.call, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), params_rp),
-                     jax.tree.map(lambda a: jax.ShapeDtypeStruct(_one(a), a.dtype), xs))
+    res = Residuals(run.vmap, run.call,
+                    jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params_rp),
+                    jax.tree.map(lambda a: jax.ShapeDtypeStruct((p,) + _one(a), a.dtype), xs))
     zeros_state = run.state(jax.tree.map(lambda a: jnp.zeros((p,) + _one(a), a.dtype), xs))
     aux0 = _aux_zeros(run, params_rp, zeros_state)
     weights = jax.tree.map(lambda a, w: jnp.broadcast_to(jnp.asarray(w, a.dtype), a.shape[1:]), aux0,
@@ -76,13 +77,13 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
         valid = mb >= 0
         g = c["b"] if fresh is None else _where(valid & (ids == p - 1) & (rep == r - 1), fresh, c["b"])
 
-        def stage(w, saved, g, ok):
-            vjp = res.rebuild(w, saved)
+        def stage(recomputed, saved, g, ok):
+            vjp = res.rebuild(recomputed, saved)
             dw, dx = vjp((_zero_unless(ok, g), _zero_unless(ok, weights)))
             return _zero_unless(ok, _f32(dw)), _zero_unless(ok, dx)
 
         saved = [jax.vmap(lambda b, i: b[i])(a, jnp.maximum(slot, 0)) for a in c["stash"]]
-        dw, dx = run.vmap(stage)(_chunk(params_rp, rep, r), saved, g, valid)
+        dw, dx = run.vmap(stage)(res.recompute(_chunk(params_rp, rep, r)), saved, g, valid)
         if r == 1:
             acc = jax.tree.map(lambda G, d: G + d[None].astype(G.dtype), c["dw"], dw)
         else:

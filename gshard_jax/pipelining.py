@@ -216,8 +216,9 @@ def _lean_stages(run: "_Run", params_rp, xs, r: int) -> Callable:
 
     if r == 1:  # the one chunk is loop-invariant: autodiff keeps it once
         return plain
-    res = Residuals(run.call, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), params_rp),
-                     jax.tree.map(lambda a: jax.ShapeDtypeStruct(_one(a), a.dtype), xs))
+    res = Residuals(run.vmap, run.call,
+                    jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params_rp),
+                    jax.tree.map(lambda a: jax.ShapeDtypeStruct((run.sc.stages,) + _one(a), a.dtype), xs))
     lean = jax.custom_vjp(plain)
 
     def fwd(params_rp, rep, inp, valid):
@@ -232,11 +233,11 @@ def _lean_stages(run: "_Run", params_rp, xs, r: int) -> Callable:
         params_rp, rep, valid, saved = residuals
         w, chunk_vjp = jax.vjp(lambda prp: _chunk(prp, rep, r), params_rp)
 
-        def stage(w, saved, ct, ok):
-            dw, du = res.rebuild(w, saved)(ct)
+        def stage(recomputed, saved, ct, ok):
+            dw, du = res.rebuild(recomputed, saved)(ct)
             return _zero_unless(ok, dw), _zero_unless(ok, du)
 
-        dw, dinp = run.vmap(stage)(w, saved, ct, valid)
+        dw, dinp = run.vmap(stage)(res.recompute(w), saved, ct, valid)
         return chunk_vjp(dw)[0], None, dinp, None
 
     lean.defvjp(fwd, bwd)

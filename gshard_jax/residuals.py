@@ -4,6 +4,11 @@ Those that depend on the activation are stashed once per microbatch (per
 tick); those that depend on the weights alone (a weight, its cast or
 transpose) are recomputed at the backward instead, so no copy of a stage's
 weights is held per microbatch.
+
+The residuals are probed under the same vmap over stages as the schedule runs
+the stage: a manual region inside a stage (a dropless MoE layer) makes its
+residuals split over every manual mesh axis but the vmap's spmd axis, so a
+probe outside the vmap would see other shapes (and a different backward).
 """
 from __future__ import annotations
 
@@ -13,34 +18,43 @@ import jax
 from jax._src.interpreters import partial_eval as pe
 from jax.extend import core
 
+
 class Residuals:
     """A stage's jax.vjp residuals, split into those that depend on the activation (stashed per microbatch)
     and those that depend on the weights alone (recomputed at the backward: a weight, its cast or transpose,
-    is never stashed once per microbatch)."""
+    is never stashed once per microbatch).
 
-    def __init__(self, stage: Callable, w_shape, x_shape):
+    vmap: the schedule's vmap over stages; w_shape, x_shape: every stage's weights and input, stage-stacked.
+    """
+
+    def __init__(self, vmap: Callable, stage: Callable, w_shape, x_shape):
         def leaves(w, x):
             out, vjp = jax.vjp(stage, w, x)
             flat, self.treedef = jax.tree.flatten(vjp)
             return flat
 
-        closed = jax.make_jaxpr(leaves)(w_shape, x_shape)
+        closed = jax.make_jaxpr(vmap(leaves))(w_shape, x_shape)
         jaxpr, self.consts = pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
         n_w = len(self.consts) + len(jax.tree.leaves(w_shape))
         self.on_x = _depends(jaxpr, n_w)
         weights_only, self.used_in = pe.dce_jaxpr(jaxpr, [not d for d in self.on_x])
         assert not any(self.used_in[n_w:]), "weight-only residuals read the activation"
         self.weights_only = core.ClosedJaxpr(weights_only, [])
-        self.stashed = [v.aval for v, d in zip(jaxpr.outvars, self.on_x) if d]
+        # One stage's view inside the vmap: the stage dim dropped.
+        self.stashed = [jax.ShapeDtypeStruct(v.aval.shape[1:], v.aval.dtype)
+                        for v, d in zip(jaxpr.outvars, self.on_x) if d]
 
     def split(self, flat):
         return [f for f, d in zip(flat, self.on_x) if d]
 
-    def rebuild(self, w, stashed):
-        """The vjp function of a stage from its weights and its stashed residuals."""
+    def recompute(self, w) -> list:
+        """The weight-only residuals of every stage (stage-stacked, as w is); outside the vmap."""
         args = [a for a, u in zip(self.consts + jax.tree.leaves(w), self.used_in) if u]
-        recomputed = iter(core.jaxpr_as_fun(self.weights_only)(*args))
-        stashed = iter(stashed)
+        return list(core.jaxpr_as_fun(self.weights_only)(*args))
+
+    def rebuild(self, recomputed, stashed):
+        """The vjp function of one stage (inside the vmap) from its weight-only and stashed residuals."""
+        recomputed, stashed = iter(recomputed), iter(stashed)
         flat = [next(stashed) if d else next(recomputed) for d in self.on_x]
         return jax.tree.unflatten(self.treedef, flat)
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-import jax
-
 from .sharding import Sharding
 
 Link = tuple  # (a, b, tag, stacked, stacked_b)
@@ -68,8 +66,8 @@ def _scan_lower(lo, eqn, env, log):
                         carry_sh + y_sh, log, "scan", length)
         return tuple(outs[:nk]), tuple(outs[nk:])
 
-    carry, ys = jax.lax.scan(step, tuple(a for a, _ in ins[nc:]), tuple(xs), length=length,
-                             reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
+    carry, ys = lo.scan(step, tuple(a for a, _ in ins[nc:]), tuple(xs), length, eqn.params["reverse"],
+                        eqn.params["unroll"])
     results = list(zip(carry, carry_sh)) + [(y, stacked(s)) for y, s in zip(ys, y_sh)]
     return results, f"scan x{length}: carry {' '.join(map(str, carry_sh)) or '-'}"
 
@@ -104,7 +102,7 @@ def _while_lower(lo, eqn, env, log):
     def body_fn(carry):
         return tuple(lo._body(body, env, bconsts + list(zip(carry, carry_sh)), carry_sh, log, "while.body", 1))
 
-    carry = jax.lax.while_loop(cond_fn, body_fn, tuple(init))
+    carry = lo.while_loop(cond_fn, body_fn, tuple(init))
     return list(zip(carry, carry_sh)), f"while: carry {' '.join(map(str, carry_sh)) or '-'} (predicate replicated)"
 
 
@@ -129,7 +127,7 @@ def _cond_lower(lo, eqn, env, log):
         return lambda *xs: tuple(lo._body(br, env, list(zip(xs, [s for _, s in ops])), out_sh, log,
                                           f"cond.branch{i}", 1))
 
-    outs = jax.lax.switch(index, [branch_fn(i, b) for i, b in enumerate(branches)], *[x for x, _ in ops])
+    outs = lo.switch(index, [branch_fn(i, b) for i, b in enumerate(branches)], *[x for x, _ in ops])
     return list(zip(outs, out_sh)), f"cond over {len(branches)} branches (index replicated)"
 
 

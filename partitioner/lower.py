@@ -12,6 +12,13 @@ registry.py: position offsets, combines of split reductions, masked gathers
 and scatters, cumulative fix-ups, halo exchanges, re-laid pieces. An
 equation with no rule runs replicated (the fallback) and is flagged in the
 report.
+
+Lowering.cost() walks the same program without arrays: every choice, reshard
+and hook's collectives are decided and reported as run() decides them, but no
+per-device program is traced (a planner costs candidates this way). Local
+values are then opaque tokens, one per array run() would make, so what run()
+reuses by identity (an identity hook's result, a closed-over constant) is
+reused the same way.
 """
 from __future__ import annotations
 
@@ -36,7 +43,12 @@ from .program import Const, Eqn, Program, Value
 from .propagation import Plan
 from .report import Operand, Report, Result, Row
 from .sharding import Sharding
-from .strategy import Choice, Strategy
+from .strategy import Choice, Strategy, StrategyCache
+
+
+class Token:
+    """A local value in a walk without arrays (Lowering.cost): only its identity matters."""
+    __slots__ = ()
 
 
 def checkpoint_region(fn, args: list, params: dict, positions: list[int]) -> list:
@@ -61,24 +73,22 @@ class Lowering(Strategy):
     def __init__(self, program: Program, plan: Plan, mesh: jax.sharding.Mesh, profile: HardwareProfile,
                  report: Optional[Report] = None, entry: Optional[Sequence[Sharding]] = None,
                  exit: Optional[Sequence[Sharding]] = None, in_names: Sequence[str] = (),
-                 out_names: Sequence[str] = (), collective_matmul: str = "auto"):
+                 out_names: Sequence[str] = (), collective_matmul: str = "auto",
+                 cache: Optional[StrategyCache] = None):
         """entry / exit: how each input (then constant) arrives and each output leaves the per-device program
         (default: as planned); the reshards to and from the plan are part of the program and of the report.
-        collective_matmul: one of collective_matmul.MODES."""
-        self.program, self.plan, self.profile = program, plan, profile
-        self.collective_matmul = CM.check_mode(collective_matmul)
+        collective_matmul: one of collective_matmul.MODES. cache: the strategy's memo tables (shareable
+        between lowerings on one mesh shape and profile)."""
+        super().__init__(plan, dict(mesh.shape), tuple(mesh.axis_names), profile, collective_matmul, cache)
+        self.program = program
         values = list(program.invars) + [v for v, _ in program.consts]
         self.entry = list(entry) if entry is not None else [plan.sharding(v) for v in values]
         self.exit = list(exit) if exit is not None else [plan.sharding(v) for v in program.outvars]
         self.in_names = list(in_names) + [str(v) for v in values[len(in_names):]]
         self.out_names = list(out_names) + [f"out[{i}]" for i in range(len(out_names), len(program.outvars))]
-        self.mesh_shape: dict[str, int] = dict(mesh.shape)
-        self.mesh_axes: tuple[str, ...] = tuple(mesh.axis_names)
         self.platform: str = platform_of(mesh, profile)
         self.report = report
-        self._plans: dict = {}
-        self._times: dict = {}
-        self._choices: dict = {}
+        self.dry = False  # walking without arrays (cost())
 
     # ------------------------------------------------------------------ execution
     def run(self, *local_args):
@@ -101,6 +111,35 @@ class Lowering(Strategy):
             if isinstance(v, Value) and x != self.plan.sharding(v):
                 self._boundary_row("output", name, v, self.plan.sharding(v), x, log)
         return outs
+
+    def cost(self) -> None:
+        """Decide and report everything run() does, without arrays or tracing (see the module docstring)."""
+        if self.report is None:
+            raise ValueError("Lowering.cost() fills a report: construct the Lowering with report=Report(...)")
+        self.dry = True
+        try:
+            self.run(*[Token() for _ in range(len(self.entry))])
+        finally:
+            self.dry = False
+
+    # Loops and branches, run on local shards (or walked once per body, as tracing them does, when dry).
+    def scan(self, step, init: tuple, xs: tuple, length: int, reverse: bool, unroll):
+        if not self.dry:
+            return jax.lax.scan(step, init, xs, length=length, reverse=reverse, unroll=unroll)
+        carry, ys = step(tuple(Token() for _ in init), tuple(Token() for _ in xs))
+        return tuple(Token() for _ in carry), tuple(Token() for _ in ys)
+
+    def while_loop(self, cond_fn, body_fn, init: tuple):
+        if not self.dry:
+            return jax.lax.while_loop(cond_fn, body_fn, init)
+        cond_fn(tuple(Token() for _ in init))
+        return tuple(Token() for _ in body_fn(tuple(Token() for _ in init)))
+
+    def switch(self, index, branches: list, *ops):
+        if not self.dry:
+            return jax.lax.switch(index, branches, *ops)
+        outs = [br(*[Token() for _ in ops]) for br in branches]
+        return tuple(Token() for _ in outs[0])
 
     def _boundary_row(self, kind: str, name: str, v: Value, src: Sharding, dst: Sharding, log: list) -> None:
         """A report row for the reshard of an input on entry (placement, padding) or an output on exit (cut)."""
@@ -135,7 +174,7 @@ class Lowering(Strategy):
     def _read(self, env, v, dst: Sharding, log: list):
         """v's local value in sharding dst (constants are replicated scalars)."""
         if isinstance(v, Const):
-            return jnp.full(dst.local_shape(v.shape, self.mesh_shape), v.val, v.aval.dtype)
+            return Token() if self.dry else jnp.full(dst.local_shape(v.shape, self.mesh_shape), v.val, v.aval.dtype)
         return self._reshard(env, v, dst, log)[0]
 
     def _store(self, env, v: Value, x, have: Sharding, log: list) -> None:
@@ -149,7 +188,7 @@ class Lowering(Strategy):
         if src == dst:
             return x, src
         if 0 in v.shape:  # an empty array: every sharding holds nothing, so nothing moves
-            return jnp.zeros(dst.local_shape(v.shape, self.mesh_shape), v.dtype), dst
+            return (Token() if self.dry else jnp.zeros(dst.local_shape(v.shape, self.mesh_shape), v.dtype)), dst
         key = (v, dst)
         if key not in self._cache:
             # Another value may hold the very same local array (an op that is the identity on this device's
@@ -166,7 +205,7 @@ class Lowering(Strategy):
                     done = self._cache.get((v, st.after))
                     if done is None:
                         log.extend(RS.collectives([st], v.shape, v.dtype, self.mesh_shape))
-                        done = RS.apply([st], y, self.mesh_shape)
+                        done = Token() if self.dry else RS.apply([st], y, self.mesh_shape)
                         if not st.after.partial:
                             self._cache[(v, st.after)] = done
                     y = done
@@ -208,7 +247,10 @@ class Lowering(Strategy):
             finally:
                 self._cache, self._resharded, self._prefix = saved
 
-        outs = checkpoint_region(region, args, eqn.params, [eqn.invars.index(v) for v in ins])
+        if self.dry:
+            outs = [Token() for _ in region(*[Token() for _ in args])]
+        else:
+            outs = checkpoint_region(region, args, eqn.params, [eqn.invars.index(v) for v in ins])
         for v, x in zip(eqn.outvars, outs):
             env[v] = (x, self.plan.sharding(v))
         policy = eqn.params["policy"]
@@ -233,7 +275,8 @@ class Lowering(Strategy):
         local_in = [self._read(env, x, s, log) for x, s in zip(eqn.invars, ins)]
         inner = M.collectives(eqn.params["jaxpr"], self.mesh_shape)
         log.extend(inner)
-        for v, o, m in zip(eqn.outvars, M.run(eqn, local_in), outs):
+        results = [Token() for _ in eqn.outvars] if self.dry else M.run(eqn, local_in)
+        for v, o, m in zip(eqn.outvars, results, outs):
             self._store(env, v, o, m, log)
         have = [env[x][1] if isinstance(x, Value) else s for x, s in zip(eqn.invars, ins)]
         auto = M.auto_axes(eqn, self.mesh_shape)
@@ -254,7 +297,9 @@ class Lowering(Strategy):
             made = [Sharding.replicated(len(v.shape)) for v in eqn.outvars]
             choice = Choice({}, need, made, 0.0)
         else:
-            choice = self.choose(eqn, rule, have)
+            ready = tuple(frozenset(self._resharded.get(x, ())) if isinstance(x, Value) else frozenset()
+                          for x in eqn.invars)
+            choice = self.choose(eqn, rule, have, ready)
         local_in = []
         for x, n in zip(eqn.invars, choice.need):
             local_in.append(self._reshard(env, x, n, log)[0] if isinstance(x, Value) else x.val)
@@ -301,6 +346,8 @@ class Lowering(Strategy):
                 params["new_sizes"] = local_out
 
         def bind(*args, **kw):
+            if self.dry:
+                return [Token() for _ in eqn.outvars]
             outs = eqn.prim.bind(*args, **kw)
             return list(outs) if eqn.prim.multiple_results else [outs]
 
@@ -316,12 +363,19 @@ class Lowering(Strategy):
                               f"the ring's loop: {ring.n - 1} trips, a collective-permute per direction each",
                               CM.collectives(ring, tuple(piece), x.aval.dtype),
                               None, 0.0, self._trips * (ring.n - 1))
+            if self.dry:
+                return [Token()]
             local_out = choice.made[0].local_shape(eqn.outvars[0].shape, self.mesh_shape)
             return [CM.run(ring, rule, local_in, tuple(local_out), self.mesh_shape, lambda *xs: bind(*xs, **params))]
         ctx = H.OpContext(eqn, rule, choice.fs, choice.made, self.mesh_shape, choice.need, self._cache, self.profile)
-        local_in = H.mask_padding(ctx, local_in)
+        if not self.dry:
+            local_in = H.mask_padding(ctx, local_in)
         hook = REG.hook(eqn.name)
         if hook is None:
             return bind(*local_in, **params)
         log.extend(REG.collectives(ctx))
+        if self.dry:  # the hook's results, without running it: an identity's is its operand
+            for key in REG.received(ctx):
+                self._cache[key] = Token()
+            return [local_in[0]] if hook is H.identity_hook else bind()
         return hook(ctx, local_in, params, bind)

@@ -6,7 +6,8 @@ windowed.py, reorder.py) says how its dims map to factors and carries the
 op's policy as fields (pointwise, late_backward, rings, ...); its hook
 (hooks.py, windowed.py, reorder.py) is what the op needs beyond binding on
 local shards, and its collectives function is what that hook sends, for the
-cost model and the report. Propagation and lowering read this table and
+cost model and the report (with, for hooks that share what they receive with later ops, the cache
+entries they fill). Propagation and lowering read this table and
 nothing else about an op; a primitive without an entry runs replicated (the
 fallback) and is flagged in the report.
 """
@@ -32,6 +33,7 @@ class Op:
     rule: Callable[[Eqn], Optional[Rule]]
     hook: Optional[Hook] = None
     collectives: Optional[Callable[["H.OpContext"], list[Collective]]] = None
+    received: Optional[Callable[["H.OpContext"], list[tuple]]] = None  # cache entries the hook fills
 
 
 POINTWISE = frozenset("""
@@ -47,7 +49,7 @@ _COMBINE = Op(R.reduction, H.combine_hook, H.combine_collectives)
 _ARG = Op(R.reduction, H.arg_reduce_hook, H.arg_reduce_collectives)
 _CUMULATIVE = Op(R.cumulative, H.cumulative_hook, H.cumulative_collectives)
 _KEYS = Op(R.trailing)
-_POOL = Op(W.pool_rule, W.pool_hook, W.collectives)
+_POOL = Op(W.pool_rule, W.pool_hook, W.collectives, W.received_keys)
 _SCATTER = Op(R.scatter_rule, H.scatter_hook)
 
 OPS: dict[str, Op] = {
@@ -56,7 +58,7 @@ OPS: dict[str, Op] = {
     "bitcast_convert_type": Op(R.bitcast_convert_type),
     "broadcast_in_dim": Op(R.broadcast_in_dim),
     "concatenate": Op(RO.concat_rule, RO.concat_hook, RO.concat_collectives),
-    "conv_general_dilated": Op(W.conv_rule, W.conv_hook, W.collectives),
+    "conv_general_dilated": Op(W.conv_rule, W.conv_hook, W.collectives, W.received_keys),
     "cumlogsumexp": _CUMULATIVE,
     "cummax": _CUMULATIVE,
     "cummin": _CUMULATIVE,
@@ -68,7 +70,7 @@ OPS: dict[str, Op] = {
     "gather": Op(R.gather_rule, H.gather_hook),
     "iota": Op(R.iota, H.iota_hook),
     "name": Op(R.elementwise),  # jax.ad_checkpoint.checkpoint_name: an identity that names a value for remat
-    "pad": Op(W.pool_rule, W.pad_hook, W.collectives),
+    "pad": Op(W.pool_rule, W.pad_hook, W.collectives, W.received_keys),
     "random_bits": Op(R.random_bits_rule, H.random_bits_hook),
     "random_clone": _KEYS,
     "random_fold_in": _KEYS,
@@ -82,7 +84,7 @@ OPS: dict[str, Op] = {
     "reduce_or": _COMBINE,
     "reduce_prod": _COMBINE,
     "reduce_sum": Op(R.reduction),
-    "reduce_window": Op(W.generic_pool_rule, W.generic_pool_hook, W.collectives),
+    "reduce_window": Op(W.generic_pool_rule, W.generic_pool_hook, W.collectives, W.received_keys),
     "reduce_window_max": _POOL,
     "reduce_window_min": _POOL,
     "reduce_window_sum": _POOL,
@@ -92,10 +94,10 @@ OPS: dict[str, Op] = {
     "roll": Op(RL.roll_rule, RL.roll_hook, RL.roll_collectives),
     "scatter": _SCATTER,
     "scatter-add": _SCATTER,
-    "select_and_gather_add": Op(W.gather_rule, W.gather_hook, W.collectives),
-    "select_and_scatter_add": Op(W.scatter_rule, W.scatter_hook, W.collectives),
+    "select_and_gather_add": Op(W.gather_rule, W.gather_hook, W.collectives, W.received_keys),
+    "select_and_scatter_add": Op(W.scatter_rule, W.scatter_hook, W.collectives, W.received_keys),
     "sharding_annotation": Op(R.elementwise, H.identity_hook),  # our annotations: resolved by the plan
-    "slice": Op(W.pool_rule, W.slice_hook, W.collectives),
+    "slice": Op(W.pool_rule, W.slice_hook, W.collectives, W.received_keys),
     "sort": Op(R.along_axis),
     "split": Op(RO.split_rule, RO.split_hook, RO.split_collectives),
     "squeeze": Op(R.squeeze),
@@ -121,6 +123,12 @@ def collectives(ctx: "H.OpContext") -> list[Collective]:
     """What the hook of ctx's primitive communicates under ctx's factor sharding."""
     op = op_for(ctx.eqn.name)
     return op.collectives(ctx) if op is not None and op.collectives is not None else []
+
+
+def received(ctx: "H.OpContext") -> list[tuple]:
+    """The cache entries the hook of ctx's primitive fills (values it receives that later ops reuse)."""
+    op = op_for(ctx.eqn.name)
+    return op.received(ctx) if op is not None and op.received is not None else []
 
 
 def hook(name: str) -> Optional[Hook]:

@@ -1,9 +1,15 @@
-"""The strategy choice: for each equation, the cheapest factor sharding its rule allows (DESIGN.md section 5).
+"""The strategy choice: for each equation, the cheapest factor sharding its rule allows.
 
 Candidates come from what the operands have and what the plan wants for the results; each is costed with the
 alpha-beta model (reshards in, reshards out, the hook's own communication, local compute). A windowed op
 keeps a split windowed dim split where memory matters; a dot_general may take a collective matmul in place of
-its plan's all-gather or reduce-scatter. Choices repeat across a model's layers, so they are memoized.
+its plan's all-gather or reduce-scatter.
+
+The choice is a pure function of the plan, the profile, the equation, the shardings its operands have and
+those they are already available in (`ready`: an earlier op's reshard): nothing is read from a run in
+progress, so a planner can cost a program without tracing it. Choices repeat across a model's layers, so
+they are memoized in a StrategyCache that the caller passes in (and may share between lowerings of one
+mesh and profile).
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from . import registry as REG
 from . import reshard as RS
 from . import factors as F
 from .cost import Collective, _fmt_bytes, compute_time
-from .program import Const, Eqn, Value
+from .program import Const, Eqn
 from .sharding import Sharding
 
 
@@ -59,6 +65,12 @@ def _choice_key(eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Shar
     return key
 
 
+def _fresh(have: Sequence[Sharding], need: Sequence[Sharding], ready: Ready) -> list[Sharding]:
+    """What each operand has, or what it needs where a reshard to that is already materialised (an earlier op
+    gathered it: holding it costs nothing more)."""
+    return [n if n in r else h for h, n, r in zip(have, need, ready)]
+
+
 def _materialises_split_dim(rule: F.Rule, have: Sequence[Sharding], need: Sequence[Sharding],
                             made: Sequence[Sharding], planned: Sequence[Sharding]) -> bool:
     """Whether a windowed op's candidate holds the whole of a split windowed dim: an operand gathered there, or
@@ -71,14 +83,33 @@ def _materialises_split_dim(rule: F.Rule, have: Sequence[Sharding], need: Sequen
                 return True
     return False
 
+@dataclasses.dataclass
+class StrategyCache:
+    """Memo tables of the strategy choice for one mesh shape and profile: reshard plans, their times, choices."""
+    plans: dict = dataclasses.field(default_factory=dict)
+    times: dict = dataclasses.field(default_factory=dict)
+    choices: dict = dataclasses.field(default_factory=dict)
+
+
+Ready = tuple  # per operand: the shardings it is already available in (frozensets; empty for literals)
+
+
 class Strategy:
-    """The strategy choice of a Lowering (which holds the plan, mesh, profile and the reshards made so far)."""
+    """The strategy choice for a planned program on a mesh and profile (see the module docstring)."""
+
+    def __init__(self, plan, mesh_shape: dict[str, int], mesh_axes: tuple[str, ...], profile,
+                 collective_matmul: str = "auto", cache: Optional[StrategyCache] = None):
+        self.plan, self.profile = plan, profile
+        self.mesh_shape, self.mesh_axes = dict(mesh_shape), tuple(mesh_axes)
+        self.collective_matmul = CM.check_mode(collective_matmul)
+        self.cache = cache if cache is not None else StrategyCache()
 
     def reshard_steps(self, src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple:
         key = (src, dst, tuple(shape))
-        if key not in self._plans:
-            self._plans[key] = tuple(RS.plan(src, dst, shape, self.mesh_shape, self.mesh_axes))
-        return self._plans[key]
+        plans = self.cache.plans
+        if key not in plans:
+            plans[key] = tuple(RS.plan(src, dst, shape, self.mesh_shape, self.mesh_axes))
+        return plans[key]
 
     def reshard_collectives(self, src: Sharding, dst: Sharding, shape, dtype) -> list[Collective]:
         if src == dst:
@@ -89,28 +120,33 @@ class Strategy:
         if src == dst:
             return 0.0
         key = (src, dst, tuple(shape), dtype)
-        if key not in self._times:
-            self._times[key] = sum(c.time(self.profile) for c in self.reshard_collectives(src, dst, shape, dtype))
-        return self._times[key]
+        times = self.cache.times
+        if key not in times:
+            times[key] = sum(c.time(self.profile) for c in self.reshard_collectives(src, dst, shape, dtype))
+        return times[key]
 
-    def choose(self, eqn: Eqn, rule: F.Rule, have: list[Sharding]) -> Choice:
-        """The cheapest factor sharding for eqn given what its operands have and the plan for its results.
+    def choose(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], ready: Ready = ()) -> Choice:
+        """The cheapest factor sharding for eqn given what its operands have (and are `ready` in: operands
+        already resharded for an earlier op cost nothing to have that way) and the plan for its results.
 
         The choice depends only on the op, its params, dtypes, rule, and those shardings, so equations
         that repeat (the layers of an unrolled model) are decided once.
         """
+        ready = tuple(ready) or (frozenset(),) * len(eqn.invars)
         planned = [self.plan.sharding(v) for v in eqn.outvars]
         key = _choice_key(eqn, rule, have, planned)
-        if key is not None:  # operands already resharded (for an earlier op) cost nothing to have that way
-            key += (tuple(frozenset(self._resharded.get(x, ())) for x in eqn.invars if isinstance(x, Value)),)
-        choice = self._choices.get(key) if key is not None else None
+        if key is not None:
+            key += (ready,)
+        choices = self.cache.choices
+        choice = choices.get(key) if key is not None else None
         if choice is None:
-            choice = self._choose(eqn, rule, have, planned)
+            choice = self._choose(eqn, rule, have, planned, ready)
             if key is not None:
-                self._choices[key] = choice
+                choices[key] = choice
         return choice
 
-    def _choose(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Sharding]) -> Choice:
+    def _choose(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Sharding],
+                ready: Ready) -> Choice:
         proposals = [_merge_fs(rule.to_factors(tf, s, self.mesh_shape))
                      for tf, s in zip(rule.results, planned)]
         proposals += [_merge_fs(rule.to_factors(tf, s, self.mesh_shape))
@@ -126,15 +162,15 @@ class Strategy:
             if layout is None:
                 continue
             need, made = layout
-            whole = keep_split and _materialises_split_dim(rule, self._fresh(eqn, have, need), need, made, planned)
+            whole = keep_split and _materialises_split_dim(rule, _fresh(have, need, ready), need, made, planned)
             if best is not None and whole and not best_whole:
                 continue
             hook = REG.collectives(H.OpContext(eqn, rule, fs, made, self.mesh_shape, need, profile=self.profile))
             # A hook that gathers (rows of a base-dilated input out of phase) keeps no exchange either.
             whole = whole or (keep_split and any(c.kind == "all-gather" for c in hook))
             cost = 0.0
-            for x, h, n in zip(eqn.invars, have, need):
-                if len(x.shape) and not (isinstance(x, Value) and n in self._resharded.get(x, ())):
+            for x, h, n, r in zip(eqn.invars, have, need, ready):
+                if len(x.shape) and n not in r:
                     cost += self.reshard_time(h, n, x.shape, x.aval.dtype)
             for v, m, p in zip(eqn.outvars, made, planned):
                 cost += self.reshard_time(m, p, v.shape, v.dtype)
@@ -147,13 +183,13 @@ class Strategy:
         if best is None:  # the all-replicated candidate always exists unless a rule is inexpressible
             raise AssertionError(f"no valid factor sharding for {eqn.name} {rule.signature()}")
         if rule.rings and self.collective_matmul != "off":
-            return self._ring(eqn, rule, have, planned, best)
+            return self._ring(eqn, rule, have, planned, best, ready)
         held = f" ({_fmt_bytes(best.peak)} per device)"
         if best_whole:
             best.note = (f"a split windowed dim is held whole{held}: no factor sharding from the operands and the "
                          f"plan keeps it split with a halo exchange (rows that cannot split over those axes, or a "
                          f"base-dilated input whose shards start out of phase)")
-        elif rule.ties and not keep_split and _materialises_split_dim(rule, self._fresh(eqn, have, best.need),
+        elif rule.ties and not keep_split and _materialises_split_dim(rule, _fresh(have, best.need, ready),
                                                                       best.need, best.made, planned):
             best.note = f"a split windowed dim is held whole{held}: the profile says memory is no concern"
         return best
@@ -165,18 +201,13 @@ class Strategy:
                 + sum(math.prod(m.local_shape(v.shape, self.mesh_shape)) * v.aval.dtype.itemsize
                       for v, m in zip(eqn.outvars, made)))
 
-    def _fresh(self, eqn: Eqn, have: list[Sharding], need: list[Sharding]) -> list[Sharding]:
-        """What each operand has, or what it needs where a reshard to that is already materialised (an
-        earlier op gathered it: holding it costs nothing more)."""
-        return [n if isinstance(x, Value) and n in self._resharded.get(x, ()) else h
-                for x, h, n in zip(eqn.invars, have, need)]
-
-    def _ring(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Sharding], best: Choice) -> Choice:
+    def _ring(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Sharding], best: Choice,
+              ready: Ready) -> Choice:
         """The chosen plan, or a collective matmul in place of its all-gather of an operand or reduce-scatter
         of the result: the cheaper under "auto", the ring wherever one applies when a direction is forced."""
         ins = [x for x in eqn.invars]
-        in_steps = [() if not len(x.shape) or h == n or (isinstance(x, Value) and n in self._resharded.get(x, ()))
-                    else self.reshard_steps(h, n, x.shape) for x, h, n in zip(ins, have, best.need)]
+        in_steps = [() if not len(x.shape) or h == n or n in r else self.reshard_steps(h, n, x.shape)
+                    for x, h, n, r in zip(ins, have, best.need, ready)]
         out = eqn.outvars[0]
         out_steps = () if best.made[0] == planned[0] else self.reshard_steps(best.made[0], planned[0], out.shape)
         rings = CM.find(rule, have, best.need, best.made[0], planned[0], in_steps, out_steps,

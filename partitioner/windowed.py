@@ -224,6 +224,21 @@ def collectives(ctx) -> list[Collective]:
     return out
 
 
+def received_keys(ctx) -> list[tuple]:
+    """The cache entries the hook fills (the halo pieces it receives, reused by later ops), for a walk that
+    costs the program without running the hook (Lowering.cost)."""
+    if ctx.cache is None:
+        return []
+    if ctx.eqn.name == GATHER:
+        operands = [0, 1]
+    elif ctx.eqn.name == GENERIC:
+        operands = list(range(len(ctx.eqn.outvars)))
+    else:
+        operands = [_input(ctx.eqn)]
+    return [key + (sp.lhs, axes, hop, rows) for i in operands for _, sp, axes, _, h, key in _keyed_plans(ctx, i)
+            if h is not None and key is not None for hop, rows in h.pieces()]
+
+
 def _receives(ctx, operand: Optional[int] = None) -> list[Collective]:
     """What the hook receives: halo pieces not received already, gathers."""
     i = _input(ctx.eqn) if operand is None else operand

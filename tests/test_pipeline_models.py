@@ -16,9 +16,11 @@ from helpers import hlo_stats
 B, L, V = 16, 8, 64
 
 
-def _config(moe: bool, **kw) -> T.TransformerConfig:
+def _config(moe, **kw) -> T.TransformerConfig:
+    """moe: False, True (GShard's einsum dispatch) or "dropless" (sort + grouped matmul in a manual region)."""
+    dispatch = "dropless" if moe == "dropless" else "einsum"
     fields = dict(vocab_size=V, d_model=32, num_heads=2, head_dim=16, d_ff=64, num_layers=8, scan=True,
-                  moe=MoeConfig(num_experts=4, d_ff=32) if moe else None, moe_every=1)
+                  moe=MoeConfig(num_experts=4, d_ff=32, dispatch=dispatch) if moe else None, moe_every=1)
     return T.TransformerConfig(**dict(fields, **kw))
 
 
@@ -148,6 +150,20 @@ def test_partitioned_pipelined_lm(mesh_name, schedule, moe):
     stacked = [v for v in report.inputs if "layers" in v.name]
     assert stacked and all("stage" in v.planned.dims[0] for v in stacked)
     assert not any(c.kind == "all-gather" and "stage" in c.axes for c in report.collectives)
+
+
+@pytest.mark.parametrize("mesh_name,schedule", [
+    ("stage4_data2", "1f1b"),
+    pytest.param("stage2_expert2_data2", "interleaved_1f1b", marks=pytest.mark.slow),
+    pytest.param("stage2_x2_y2", "circular", marks=pytest.mark.slow),
+])
+def test_dropless_moe_in_a_pipeline(mesh_name, schedule):
+    """A dropless MoE layer is a manual region whose vjp residuals are split over every manual axis but the
+    stage vmap's: the schedules that stash residuals probe them under that vmap (they used to crash with
+    "Incompatible shapes for broadcasting")."""
+    jitted, params, batch, mesh, f = _partitioned_case(mesh_name, schedule, "dropless")
+    report = gs.explain(f, mesh, params, batch)
+    assert any("manual region" in r.strategy for r in report.rows)
 
 
 @pytest.mark.slow

@@ -55,8 +55,11 @@ def abstract_batch(cfg: ml_collections.ConfigDict) -> dict:
     return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in data.model_batch(cfg.model.kind, windows).items()}
 
 
-def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware) -> Any:
-    """The partition report of candidate c's train step on an abstract mesh (gs.Report)."""
+def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware, trace_per_device: bool = False) -> Any:
+    """The partition report of candidate c's train step on an abstract mesh (gs.Report).
+
+    By default the per-device program is walked, not traced (gs.explain's trace_per_device=False): the
+    same report, without the cost of tracing it."""
     import gshard_jax as gs
 
     from ..train import Trainer, state_kind
@@ -66,7 +69,8 @@ def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware) -> Any:
     batch = abstract_batch(run)
     report = gs.explain(trainer.train_step, trainer.mesh, state, batch,
                         in_shardings=(trainer.state_specs, trainer.batch_spec),
-                        out_shardings=(trainer.state_specs, None), profile=partitioner_profile(hw))
+                        out_shardings=(trainer.state_specs, None), profile=partitioner_profile(hw),
+                        trace_per_device=trace_per_device)
     report.kind_of = state_kind
     return report
 

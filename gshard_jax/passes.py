@@ -1,0 +1,146 @@
+"""The partitioner's stages for one global function, each a function of the one before:
+
+    trace(fn, ...)  -> Traced: the program (folded) and its seeds (in/out shardings, committed placements)
+    propagate(...)  -> Plan: a sharding for every value (partitioner/propagation.py)
+    lower(...)      -> Lowering: the per-device program; .run() on local shards inside shard_map, or .cost()
+                       to decide and report it without arrays
+
+A planner adds shardings (seeds) and reads the costs; it never rewrites the program (Shardy's contract for
+an auto-partitioner).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+from jax._src.interpreters import partial_eval as pe
+
+from . import annotations as A
+from . import pipelining as PL
+from . import specs as S
+from .partitioner import lower as L
+from .partitioner.cost import HardwareProfile
+from .partitioner.fold import fold_pads, merge_common, static_slices
+from .partitioner.program import Program, Value, from_jaxpr
+from .partitioner.propagation import Plan
+from .partitioner.report import Report, ValueInfo
+from .partitioner.roll import fold_rolls
+from .partitioner.sharding import Sharding
+from .partitioner.strategy import StrategyCache
+
+
+@dataclasses.dataclass
+class Traced:
+    """A global function traced for partitioning: its program, seeds, and how its values are named."""
+    program: Program
+    seeds: dict  # Value -> (Sharding, where it came from)
+    notes: list[str]  # in_shardings that override a committed placement
+    names: list[str]  # per flat input leaf
+    out_names: list[str]  # per flat output leaf
+    out_tree: Any
+    placed: list[Optional[Sharding]]  # per input leaf: the sharding it arrives in (None: not committed)
+    leaving: dict[int, Sharding]  # outputs resharded on exit (an input, another output or a constant)
+    pipelines: list  # the schedules of the pipelines traced in fn
+
+
+def trace(fn: Callable, mesh, in_shardings, out_shardings, placements: tuple, args: tuple, kwargs: dict) -> Traced:
+    """fn traced to a program (values nothing uses dropped, folds applied) with its seeds.
+
+    `placements` holds, per flat argument leaf, the spec it is committed to on the mesh (None: not committed).
+    """
+    mesh_shape = dict(mesh.shape)
+    flat_args, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+    names = S.leaf_names(fn, args, kwargs)
+    arg_names = S.arg_names(fn, len(args))
+    in_specs = S.flat_specs(in_shardings, list(args), mesh, "in_shardings", arg_names,
+                            names[:len(jax.tree_util.tree_leaves(args))])
+    in_specs += [None] * (len(flat_args) - len(in_specs))  # keyword arguments: propagation decides
+
+    def flat_fn(*flat):
+        a, kw = jax.tree_util.tree_unflatten(in_tree, flat)
+        return fn(*a, **kw)
+
+    traced_pipelines: list = []
+    token = PL.TRACED.set(traced_pipelines)
+    try:
+        with A.active(mesh, "gshard"):
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
+    finally:
+        PL.TRACED.reset(token)
+    # Plan the program XLA will run: values nothing uses (e.g. the forward loss inside jax.grad) are
+    # dropped first, so no collective is planned or reported for them, and there is less to partition.
+    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
+    closed = jax.extend.core.ClosedJaxpr(jaxpr, closed.consts)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    out_names = S.output_names(out_shape)
+    multiple = isinstance(out_shape, (tuple, list))
+    outputs = list(out_shape) if multiple else [out_shape]
+    top = [f"out[{i}]" for i in range(len(outputs))] if multiple else ["out"]
+    wrapped = (isinstance(out_shardings, (tuple, list)) and len(out_shardings) == 1
+               and not S.is_spec_tuple(tuple(out_shardings)))  # (spec,) for the one output
+    single = out_shardings if wrapped else (out_shardings,)
+    out_specs = S.flat_specs(out_shardings if multiple or out_shardings is None else single,
+                             outputs, mesh, "out_shardings", top, out_names)
+    program = fold_pads(fold_rolls(merge_common(static_slices(from_jaxpr(closed)))))
+    seeds, notes = {}, []
+    placed = [S.to_sharding(p, v.shape, f"placement of {n}") for v, p, n in zip(program.invars, placements, names)]
+    for v, name, spec, at in zip(program.invars, names, in_specs, placed):
+        sh = S.to_sharding(spec, v.shape, f"in_shardings for {name}")
+        if sh is not None:
+            seeds[v] = (sh, f"in_shardings for {name}")
+            if at is not None and at.canonical(v.shape, mesh_shape) != sh.canonical(v.shape, mesh_shape):
+                notes.append(f"{name}: in_shardings {sh} wins over the array's placement {at}; "
+                             f"it is resharded on entry")
+        elif at is not None:
+            seeds[v] = (at, f"placement of {name} (committed NamedSharding)")
+    leaving: dict[int, Sharding] = {}
+    for k, (v, name, spec) in enumerate(zip(program.outvars, out_names, out_specs)):
+        sh = S.to_sharding(spec, v.shape, f"out_shardings for {name}")
+        if sh is None:
+            continue
+        if not isinstance(v, Value) or (v in seeds and seeds[v][0] != sh):
+            leaving[k] = sh  # as jax.jit does: the value keeps its own sharding and leaves resharded
+            continue
+        seeds[v] = (sh, f"out_shardings for {name}")
+    return Traced(program, seeds, notes, names, out_names, out_tree, placed, leaving, traced_pipelines)
+
+
+def _without_uneven(s: Sharding, shape, mesh_shape) -> Sharding:
+    """s with the axes of its uneven dims dropped: how a value crosses the program boundary (XLA needs even)."""
+    bad = s.uneven(shape, mesh_shape)
+    return Sharding(tuple(() if d in bad else ax for d, ax in enumerate(s.dims)))
+
+
+def boundary(t: Traced, plan: Plan, mesh_shape: dict) -> tuple[list[Sharding], list[Sharding]]:
+    """How each input (then constant) enters and each output leaves the per-device program."""
+    values = list(t.program.invars) + [v for v, _ in t.program.consts]
+    entry = [p if p is not None else _without_uneven(plan.sharding(v), v.shape, mesh_shape)
+             for v, p in zip(values, t.placed + [None] * len(t.program.consts))]
+    exit_ = [_without_uneven(t.leaving.get(k) or plan.sharding(v), v.shape, mesh_shape)
+             for k, v in enumerate(t.program.outvars)]
+    return entry, exit_
+
+
+def lower(t: Traced, plan: Plan, mesh, profile: HardwareProfile, report: Optional[Report],
+          collective_matmul: str = "auto", cache: Optional[StrategyCache] = None) -> L.Lowering:
+    """The per-device program of a traced, planned function (the report's header filled when there is one)."""
+    entry, exit_ = boundary(t, plan, dict(mesh.shape))
+    value_names = t.names + [f"constant {v}" for v, _ in t.program.consts]
+    lowering = L.Lowering(t.program, plan, mesh, profile, report, entry, exit_, value_names, t.out_names,
+                          collective_matmul, cache)
+    if report is not None:
+        report.rows.clear()
+        report.notes = list(t.notes)
+        report.pipelines = [sc.summary() for sc in t.pipelines]
+        report.inputs = [ValueInfo(n, tuple(v.shape), str(v.dtype), plan.sharding(v), e,
+                                   plan.origins.get(v, "")) for n, v, e in zip(t.names, t.program.invars, entry)]
+        report.outputs = [ValueInfo(n, tuple(v.shape), str(v.aval.dtype), plan.sharding(v), x,
+                                    plan.origins.get(v, "") if isinstance(v, Value) else "constant")
+                          for n, v, x in zip(t.out_names, t.program.outvars, exit_)]
+    return lowering
+
+
+def entry_specs(lowering: L.Lowering) -> tuple[Sequence, Sequence]:
+    """shard_map's in_specs and out_specs for a lowering."""
+    return tuple(s.spec() for s in lowering.entry), tuple(s.spec() for s in lowering.exit)
