@@ -21,7 +21,7 @@ from . import pipelining as PL
 from . import specs as S
 from .partitioner import lower as L
 from .partitioner.cost import HardwareProfile
-from .partitioner.fold import fold_pads, merge_common, static_slices
+from .partitioner.fold import fold_constant_reductions, fold_pads, merge_common, static_slices
 from .partitioner.program import Program, Value, from_jaxpr
 from .partitioner.propagation import Plan
 from .partitioner.report import Report, ValueInfo
@@ -82,7 +82,7 @@ def trace(fn: Callable, mesh, in_shardings, out_shardings, placements: tuple, ar
     single = out_shardings if wrapped else (out_shardings,)
     out_specs = S.flat_specs(out_shardings if multiple or out_shardings is None else single,
                              outputs, mesh, "out_shardings", top, out_names)
-    program = fold_pads(fold_rolls(merge_common(static_slices(from_jaxpr(closed)))))
+    program = fold_pads(fold_rolls(merge_common(fold_constant_reductions(static_slices(from_jaxpr(closed))))))
     seeds, notes = {}, []
     placed = [S.to_sharding(p, v.shape, f"placement of {n}") for v, p, n in zip(program.invars, placements, names)]
     for v, name, spec, at in zip(program.invars, names, in_specs, placed):

@@ -5,6 +5,10 @@ Common subexpressions: two equations with the same primitive, params and operand
 (the gradient of a bias and of a norm's offset fed by one cotangent, say); XLA's CSE merges them and their
 collectives, so they are merged here first.
 
+Reductions of a broadcast constant (a mask of ones summed for a count, over dims that may be split) are
+the constant they compute, as XLA's algebraic simplifier folds them; left in, each would be an all-reduce
+that XLA hoists out of the loops it sits in and merges (one for two 1F1B phases, where the plan had two).
+
 Fold a pad into the windowed op that reads it (as XLA's algebraic simplifier does).
 
 `jnp.pad(x, ((1, 0),))[:-1]` (an LM's shift right), the transpose of a
@@ -181,6 +185,41 @@ def static_slices(program: Program) -> Program:
             e.params = {"start_indices": tuple(starts), "limit_indices": tuple(a + s for a, s in zip(starts, sizes)),
                         "strides": None}
     visit(program)
+    return program
+
+
+_FOLDED_REDUCTIONS = {"reduce_sum": lambda c, n: c * n, "reduce_max": lambda c, n: c, "reduce_min": lambda c, n: c,
+                      "reduce_and": lambda c, n: c, "reduce_or": lambda c, n: c}
+
+
+def fold_constant_reductions(program: Program) -> Program:
+    """Reductions (through conversions) of a scalar broadcast to a shape become that broadcast's result: a
+    broadcast of the reduced value (in place; sums only where the product is exact in the dtype)."""
+    def visit(p: Program, known: dict) -> None:  # known: Value -> the scalar every element of it holds
+        for e in p.eqns:
+            ins = [known.get(x) if isinstance(x, Value) else None for x in e.invars]
+            for sub in e.subs.values():  # a scan's constants are known in its body
+                inner = {}
+                if e.name == "scan":
+                    inner = {b: k for b, k in zip(sub.invars[:e.params["num_consts"]], ins) if k is not None}
+                visit(sub, inner)
+            if e.name == "broadcast_in_dim" and isinstance(e.invars[0], Const) and len(e.invars) == 1:
+                known[e.outvars[0]] = np.asarray(e.invars[0].val)
+            elif e.name in ("sharding_annotation", "reshard", "copy") and ins[0] is not None:
+                known[e.outvars[0]] = ins[0]  # identities of the global view
+            elif e.name == "convert_element_type" and ins[0] is not None:
+                known[e.outvars[0]] = np.asarray(ins[0]).astype(e.outvars[0].dtype)
+            elif e.name in _FOLDED_REDUCTIONS and len(e.invars) == 1 and ins[0] is not None:
+                n = math.prod(e.invars[0].shape[d] for d in e.params["axes"])
+                out = e.outvars[0]
+                exact = _FOLDED_REDUCTIONS[e.name](ins[0].item(), n)
+                value = np.asarray(exact).astype(out.dtype)
+                if value.item() != exact:
+                    continue
+                known[out] = value
+                e.prim, e.invars = lax.broadcast_in_dim_p, [Const(value, out.aval.update(shape=()))]
+                e.params = {"shape": tuple(out.shape), "broadcast_dimensions": (), "sharding": None}
+    visit(program, {})
     return program
 
 

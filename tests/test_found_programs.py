@@ -94,6 +94,31 @@ def test_a_constant_shared_by_differently_split_values_is_not_re_laid():
     assert hlo_counts(f, a, b) == {}
 
 
+def test_a_count_of_a_constant_mask_is_folded_not_reduced():
+    """A MoE router's count of valid choices (the sum of a mask of ones, over split dims) is a constant, as
+    XLA's simplifier folds it: no all-reduce is planned, in a loop or out of it, and the numbers stay exact."""
+    mesh = gs.make_mesh({"data": 4, "model": 2})
+    x = np.arange(64.0, dtype=np.float32).reshape(8, 8)
+
+    def fn(x):
+        x = gs.shard(x, ("data", "model"))
+        valid = gs.shard(jnp.ones(x.shape, bool), ("data", "model"))  # split, as a router's mask is
+        count = jnp.maximum(jnp.sum(valid), 1)
+        top = jnp.max(gs.shard(jnp.full(x.shape, 3, jnp.int32), ("data", "model")))
+        body = lambda c, _: (c + x / jnp.sum(valid.astype(jnp.float32)), None)  # noqa: E731
+        y, _ = jax.lax.scan(body, x, None, length=3)
+        inexact = jnp.sum(gs.shard(jnp.full((8, 6), 0.1, jnp.float32), ("data", "model")))  # 48 x 0.1f: left
+        return y * count + top, inexact
+
+    f = gs.partition(fn, mesh)
+    for got, want in zip(f(x), jax.jit(fn)(x)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    report = gs.explain(fn, mesh, x)
+    reduced = [r for r in report.rows if r.collectives and "reduce" in r.primitive]
+    assert len(reduced) == 1 and reduced[0].collectives[0].shape == ()  # only the inexact float sum
+    assert_report_matches_hlo(report, hlo_stats(f, x))
+
+
 def test_an_identity_slice_of_another_global_shape_is_resharded_on_its_own():
     """Random program 100418: a slice that is the identity on a device's block holds the same local array as
     its operand; their reshards (to leave the program) pad and cut to different global shapes."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 from .. import schedules as SC
 from ..partitioner.cost import latency_steps, moved_bytes
@@ -24,10 +24,19 @@ from .space import Candidate, ModelShape
 GiB = 1024 ** 3
 
 
+@dataclasses.dataclass(frozen=True)
+class ScheduleFacts:
+    """What the screen reads of a schedule's table."""
+    ticks: int
+    stash: int
+    bubble: float
+
+
 @functools.lru_cache(maxsize=4096)
-def schedule(name: str, stages: int, microbatches: int, repeats: int) -> SC.Schedule:
-    """A schedule's table (built once per shape: candidates share them)."""
-    return SC.make(name, stages, microbatches, repeats)
+def schedule(name: str, stages: int, microbatches: int, repeats: int) -> ScheduleFacts:
+    """A schedule's table, read once per shape (candidates share them)."""
+    sc = SC.make(name, stages, microbatches, repeats)
+    return ScheduleFacts(sc.ticks, sc.stash, sc.bubble)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,14 +47,29 @@ class Comm:
     count: float
     moved: float
 
-    def time(self, hw: Hardware, order: Sequence[tuple[str, int]]) -> float:
+    def time(self, hw: Hardware, order: Sequence[tuple[str, int]], sizes: Optional[dict] = None) -> float:
         """Alpha-beta as the partitioner's cost model (cost.Collective.time), at the bandwidth of these axes."""
-        sizes = dict(order)
-        group = math.prod(sizes.get(a, 1) for a in self.axes)
+        sizes = sizes if sizes is not None else dict(order)
+        group = 1
+        for a in self.axes:
+            group *= sizes.get(a, 1)
         if group <= 1 or not self.count:
             return 0.0
         return self.count * latency_steps(self.kind, group) * hw.latency + \
-            self.moved / axes_bandwidth(hw, order, self.axes)
+            self.moved / _bandwidth(hw, order, self.axes)
+
+
+_BANDWIDTHS: dict = {}
+
+
+def _bandwidth(hw: Hardware, order: tuple, axes: tuple) -> float:
+    """axes_bandwidth, memoized by the hardware's identity (hashing its table per call cost a third of a
+    screen)."""
+    key = (id(hw), order, axes)
+    got = _BANDWIDTHS.get(key)
+    if got is None or got[0] is not hw:
+        got = _BANDWIDTHS[key] = (hw, axes_bandwidth(hw, order, axes))
+    return got[1]
 
 
 def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
@@ -60,7 +84,9 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     out: list[Comm] = []
 
     def add(kind, axes, payload, count):
-        group = math.prod(s[a] for a in axes)
+        group = 1
+        for a in axes:
+            group *= s[a]
         if group > 1 and count:
             out.append(Comm(kind, tuple(axes), count, moved_bytes(kind, payload, group) * count))
 
@@ -177,8 +203,9 @@ def combine(hw: Hardware, c: Candidate, compute: float, comms: Sequence[Comm], m
             source: str = "formula") -> Estimate:
     """An Estimate from compute seconds, the step's collectives and memory, on `c`'s axis order."""
     by: dict = {}
+    sizes = c.sizes
     for cm in comms:
-        t = cm.time(hw, c.mesh)
+        t = cm.time(hw, c.mesh, sizes)
         if t:
             key = f"{cm.kind}[{','.join(cm.axes)}]"
             by[key] = by.get(key, 0.0) + t

@@ -8,6 +8,7 @@ the planned program's, and the final ranking is theirs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from typing import Optional, Sequence
@@ -45,10 +46,15 @@ class Plan:
     shape: SP.ModelShape
     ranked: list[Ranked]
     screened: list[Ranked]  # every feasible candidate by formula, fastest first
-    rejected: list[tuple[str, str, str]]  # (candidate or mesh, kind of reason, reason)
+    rejections: list[tuple]  # (Candidate or mesh name, kind of reason, reason)
     sensitivity: dict  # bandwidth factor -> the top candidates' keys in their new order
     dominated: int = 0  # candidates not evaluated: a lighter remat or fewer microbatches of theirs fits
     seconds: float = 0.0  # time the search took (not in the JSON: the plan is deterministic)
+
+    @functools.cached_property
+    def rejected(self) -> list[tuple[str, str, str]]:
+        """(candidate key or mesh, kind of reason, reason) per rejection (keys named when first asked for)."""
+        return [(c if isinstance(c, str) else c.key, kind, reason) for c, kind, reason in self.rejections]
 
     @property
     def best(self) -> Ranked:
@@ -89,7 +95,7 @@ class Plan:
 
     def rejection_counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for _, kind, _ in self.rejected:
+        for _, kind, _ in self.rejections:
             out[kind] = out.get(kind, 0) + 1
         return dict(sorted(out.items()))
 
@@ -109,7 +115,7 @@ class Plan:
         lines.append(f"plan for {self.config} on {self.devices} x {hw.name} ({hw.devices_per_node} per node, "
                      f"{hw.peak_flops / 1e12:.0f} TFLOP/s x {hw.efficiency:.0%}), memory budget "
                      f"{self.memory_budget / GiB:.1f} GiB per device; {len(self.screened)} feasible by formula, "
-                     f"{len(self.ranked)} planned by the partitioner, {len(self.rejected)} rejected, {self.dominated} "
+                     f"{len(self.ranked)} planned by the partitioner, {len(self.rejections)} rejected, {self.dominated} "
                      f"dominated"
                      + (f" ({self.seconds:.1f} s)" if self.seconds else ""))
         for i, r in enumerate(self.ranked, 1):
@@ -126,7 +132,8 @@ class Plan:
             moved = "unchanged" if keys == [r.candidate.key for r in self.ranked] else " > ".join(keys[:3])
             lines.append(f"bandwidths x{f}: ranking {moved}")
         lines.append("rejected: " + ", ".join(f"{k} {n}" for k, n in self.rejection_counts().items()))
-        near = sorted((x for x in self.rejected if x[1] == "over memory"), key=lambda x: _excess(x[2]))[:3]
+        near = sorted((x for x in self.rejections if x[1] == "over memory"), key=lambda x: _excess(x[2]))[:3]
+        near = [(c if isinstance(c, str) else c.key, kind, reason) for c, kind, reason in near]
         for k, _, reason in near:
             lines.append(f"  {k}: {reason}")
         return "\n".join(lines)
@@ -167,7 +174,7 @@ def plan(cfg: ml_collections.ConfigDict, devices: int, hardware: Hardware, memor
     budget = (memory_gb if memory_gb is not None else hardware.memory_gib) * GiB
     shape = SP.model_shape(cfg)
     screened: list[Ranked] = []
-    rejected: list[tuple[str, str, str]] = []
+    rejected: list[tuple] = []
     dominated = 0
     for sizes in SP.factorizations(devices, SP.AXES):
         mesh_key = ".".join(f"{a}{n}" for a, n in sizes.items() if n > 1) or "one-device"
@@ -181,18 +188,19 @@ def plan(cfg: ml_collections.ConfigDict, devices: int, hardware: Hardware, memor
             # Dominated, not evaluated: a heavier remat where a lighter one of the same options fits (more
             # compute, no less communication), or without stages more microbatches where fewer fit (no bubble
             # to cut; weights gathered per microbatch).
-            same = tuple(v for k, v in fields.items() if k != "remat")
+            same = (fields["zero_stage"], fields["epso"], fields["microbatches"], fields["schedule"],
+                    fields["repeats"])
             fewer = (fields["zero_stage"], fields["epso"], fields["remat"]) if sizes["stage"] == 1 else None
             if same in fit or fewer in fit:
                 dominated += 1
                 continue
             c = SP.Candidate(orders[0], **fields)
             if reason:
-                rejected.append((c.key, reason.split(":")[0], reason))
+                rejected.append((c, reason.split(":")[0], reason))
                 continue
             mem = E.memory(shape, c)
             if mem["total"] > budget:
-                rejected.append((c.key, "over memory", f"over memory by {(mem['total'] - budget) / GiB:.2f} GiB "
+                rejected.append((c, "over memory", f"over memory by {(mem['total'] - budget) / GiB:.2f} GiB "
                                  f"({mem['total'] / GiB:.2f} GiB per device, formula)"))
                 continue
             fit.add(same)
@@ -200,9 +208,9 @@ def plan(cfg: ml_collections.ConfigDict, devices: int, hardware: Hardware, memor
                 fit.add(fewer)
             comms = E.collectives(shape, c)
             compute = E.compute_time(shape, c, hardware, devices)
-            cand = dataclasses.replace(c, mesh=_heuristic_order(c, comms))
+            cand = SP.Candidate(_heuristic_order(c, comms), **fields)
             screened.append(Ranked(cand, E.combine(hardware, cand, compute, comms, mem), 1))
-    screened.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.key))
+    screened.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.order_key))
     ranked = _verify(cfg, shape, screened, max(verify if verify is not None else top, 0), hardware, budget,
                      rejected)
     ranked = ranked[:top] if top else ranked
@@ -243,5 +251,5 @@ def _verify(cfg, shape, screened: list[Ranked], count: int, hw: Hardware, budget
         cand, est = _best_order(r.candidate, comms, r.estimate.compute, mem, hw, SP.orders(r.candidate.sizes))
         est.source = "partitioner"
         out.append(Ranked(cand, est, len(SP.orders(r.candidate.sizes)), comms, report))
-    out.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.key))
+    out.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.order_key))
     return out

@@ -99,12 +99,22 @@ class Candidate:
     repeats: int = 1
     remat: str = "none"
 
+    def __post_init__(self):  # sizes are read for every candidate screened: computed once
+        sizes = dict.fromkeys(AXES, 1)
+        sizes.update(self.mesh)
+        object.__setattr__(self, "_sizes", sizes)
+
     def size(self, axis: str) -> int:
-        return dict(self.mesh).get(axis, 1)
+        return self._sizes[axis]
 
     @property
     def sizes(self) -> dict[str, int]:
-        return {a: self.size(a) for a in AXES}
+        return dict(self._sizes)
+
+    @property
+    def order_key(self) -> tuple:
+        """A total order of candidates (ties in the ranking are broken by it: deterministic)."""
+        return (self.mesh, self.zero_stage, self.epso, self.microbatches, self.schedule, self.repeats, self.remat)
 
     @property
     def batch_shards(self) -> int:
