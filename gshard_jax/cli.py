@@ -120,12 +120,21 @@ def _plan(args: argparse.Namespace) -> int:
                 print(f"{i:>3} {g.gr:>5} {g.gc:>5} {g.gd:>5} {g.gdata:>6} {g.seconds:>10.4f}")
         return 0
     result = search.plan(cfg, args.devices, hw, memory_gb=args.memory_gb, top=args.top, verify=args.verify,
-                         config_name=args.config)
+                         config_name=args.config, pin=[_mesh_arg(m) for m in args.rank_of])
     if args.out:
         with open(args.out, "w") as f:
             f.write(result.to_json() + "\n")
     print(result.to_json() if args.json else result)
     return 0 if result.ranked else EXIT_HALTED
+
+
+def _mesh_arg(text: str) -> dict[str, int]:
+    """"data=256,expert=12" -> {"data": 256, "expert": 12}."""
+    try:
+        return {k.strip(): int(v) for k, v in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise ValueError(f"--rank-of {text!r}: expected axis=size pairs separated by commas, e.g. "
+                         f"data=256,expert=12") from None
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -213,6 +222,9 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--comm-model", choices=("ours", "axonn"), default="ours", help="axonn: AxoNN's published "
                    "communication model over its 4D grids (powers of two, x/y/z/data), for comparison")
     q.add_argument("--min-tp", type=int, default=1, metavar="T", help="--comm-model axonn: the least Gc Gr Gd")
+    q.add_argument("--rank-of", action="append", default=[], metavar="AXIS=N,...", help="a mesh to place in "
+                   "the ranking whatever its rank (a paper's own configuration): its best variant is planned by "
+                   "the partitioner too and compared with #1 (repeatable)")
     q.add_argument("--json", action="store_true", help="print the plan as JSON")
     q.add_argument("--out", default="", metavar="PLAN.json", help="write the plan as JSON (for train --plan)")
     q.set_defaults(run=_plan)

@@ -19,9 +19,14 @@ def moved_bytes(kind: str, payload: int, group: int) -> float:
     """Bytes one device sends for a collective over `group` devices (ring algorithms)."""
     if group <= 1:
         return 0.0
+    if kind == "collective-permute":
+        return float(payload)
     frac = (group - 1) / group
-    return {"all-gather": frac, "all-to-all": frac, "reduce-scatter": frac,
-            "all-reduce": 2 * frac, "collective-permute": 1.0}[kind] * payload
+    if kind == "all-reduce":
+        return 2 * frac * payload
+    if kind in ("all-gather", "all-to-all", "reduce-scatter"):
+        return frac * payload
+    raise KeyError(kind)
 
 
 @dataclasses.dataclass(frozen=True)

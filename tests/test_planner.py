@@ -50,6 +50,23 @@ def test_hierarchical_bandwidth_is_the_table_inside_a_node_and_eq7_across():
     assert hardware.axes_bandwidth(hw, (("x", 2), ("data", 8)), ("data",)) == 100e9 / 1  # ip 1 across nodes
 
 
+def test_a_pinned_mesh_is_planned_and_placed_in_the_ranking():
+    """--rank-of: a paper's own mesh, planned whatever its formula rank, compared with #1; a mesh that cannot
+    run says why; a mesh of the wrong size is refused."""
+    cfg = _config("tiny_moe_lm")
+    a = plan(cfg, 8, CPU, top=1, verify=1, remats=("none",), pin=[{"data": 8}, {"stage": 8}])
+    (sizes, rank, r, why), (_, no_rank, none, reasons) = a.pinned
+    assert sizes == {"data": 8} and r.candidate.sizes["data"] == 8 and r.estimate.source == "partitioner"
+    assert a.screened[rank - 1].candidate.sizes == r.candidate.sizes
+    assert all(x.candidate.sizes != r.candidate.sizes for x in a.screened[:rank - 1])  # its best variant's rank
+    text = str(a)
+    assert f"pinned data8: its best variant ranks {rank} of {len(a.screened)}" in text
+    assert no_rank is None and none is None and "layers per stage" in reasons[0]  # 2 layers over 8 stages
+    assert json.loads(a.to_json())["pinned"][0]["planned"]["key"] == r.candidate.key
+    with pytest.raises(ValueError, match="multiplying to 8 devices"):
+        plan(cfg, 8, CPU, top=1, verify=0, remats=("none",), pin=[{"data": 4}])
+
+
 def test_plan_is_deterministic_and_every_rejection_has_one_reason():
     cfg = _config("tiny_moe_lm")
     a = plan(cfg, 8, CPU, top=1, verify=1, remats=("none",))

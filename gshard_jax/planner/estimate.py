@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from .. import schedules as SC
 from ..partitioner.cost import latency_steps, moved_bytes
@@ -39,9 +39,10 @@ def schedule(name: str, stages: int, microbatches: int, repeats: int) -> Schedul
     return ScheduleFacts(sc.ticks, sc.stash, sc.bubble)
 
 
-@dataclasses.dataclass(frozen=True)
-class Comm:
-    """Collectives of one kind over one group of axes in a step: `count` of them, `moved` bytes per device."""
+class Comm(NamedTuple):
+    """Collectives of one kind over one group of axes in a step: `count` of them, `moved` bytes per device.
+
+    (A named tuple: the screen makes millions.)"""
     kind: str
     axes: tuple[str, ...]
     count: float
@@ -60,6 +61,7 @@ class Comm:
 
 
 _BANDWIDTHS: dict = {}
+_KEYS: dict = {}  # (kind, axes) -> "kind[axes]"
 
 
 def _bandwidth(hw: Hardware, order: tuple, axes: tuple) -> float:
@@ -93,9 +95,22 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     # Tensor axes: two all-reduces of activations per layer and pass over y (Megatron), the same over x.
     add("all-reduce", ("y",), act, 2 * (fwd + 1) * layers * m)
     add("all-reduce", ("x",), act * x / y, 2 * (fwd + 1) * layers * m)
-    # Experts: dispatch and combine all-to-alls per MoE layer and pass.
+    # Experts: dispatch and combine all-to-alls per MoE layer and pass. GShard's einsum dispatch sends
+    # capacity_factor x k rows per token; a dropless all-to-all sends each peer a buffer that holds every
+    # local row (or peer_bound x rows / peers), its all-gather exchange gathers the tokens.
     if shape.experts and e > 1:
-        add("all-to-all", ("expert",), act * shape.k * shape.capacity_factor, 2 * (fwd + 1) * layers * m)
+        if not shape.dropless:
+            add("all-to-all", ("expert",), act * shape.k * shape.capacity_factor, 2 * (fwd + 1) * layers * m)
+        else:
+            runs = schedule(c.schedule, p, m, c.repeats).ticks / c.repeats if p > 1 else m
+            if shape.exchange == "all_gather":
+                add("all-gather", ("expert",), act * e, (fwd + 1) * layers * runs)
+                add("reduce-scatter", ("expert",), act * e, (fwd + 1) * layers * runs)
+            else:
+                rows = act * shape.k
+                per_peer = e if shape.exchange == "all_to_all" and not shape.peer_bound else \
+                    (min(e, shape.peer_bound) if shape.exchange == "all_to_all" else 1)
+                add("all-to-all", ("expert",), rows * per_peer, 2 * (fwd + 1) * layers * runs)
     # Weights per device as the layout stores them (before the storage axes), per class.
     split_e, split_l, split_v = e * y * x * p, y * x * p, y * x
     w = {"expert": shape.expert_params / split_e, "layer": shape.layer_params / split_l,
@@ -115,6 +130,18 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
             axes = dp_axes[cls] if c.epso or cls == "expert" else ("data",)
             add("reduce-scatter", axes, store * 4, m if c.zero_stage == 2 else 1)
             add("all-gather", axes, store * b, 1)
+    # A dropless MoE layer is a manual region over the token (data, z), expert and FFN (y) axes, run once per
+    # microbatch (per tick in a pipeline, bubbles included): its expert weights, whole over the other axes,
+    # leave gradients (in their dtype) all-reduced over them (data, z, x) every run, and along x it gathers tokens and weights
+    # and all-reduces its output.
+    if shape.dropless:
+        runs = schedule(c.schedule, p, m, c.repeats).ticks if p > 1 else m
+        moe_layers = shape.periods * (2 if shape.kind == "encoder_decoder" else 1) / (p * c.repeats)
+        per_layer = shape.expert_params / max(shape.periods, 1) / (e * y)
+        add("all-reduce", tuple(a for a in ("data", "z", "x") if s[a] > 1), per_layer * b, moe_layers * runs)
+        add("all-gather", ("x",), act * x, (fwd + 1) * moe_layers * runs)
+        add("all-gather", ("x",), per_layer * b, (fwd + 1) * moe_layers * runs)
+        add("all-reduce", ("x",), act * x, (fwd + 1) * moe_layers * runs)
     # Pipeline: one permute of the activations per tick and direction.
     if p > 1:
         sched = schedule(c.schedule, p, m, c.repeats)
@@ -207,7 +234,9 @@ def combine(hw: Hardware, c: Candidate, compute: float, comms: Sequence[Comm], m
     for cm in comms:
         t = cm.time(hw, c.mesh, sizes)
         if t:
-            key = f"{cm.kind}[{','.join(cm.axes)}]"
+            key = _KEYS.get(cm[:2])
+            if key is None:
+                key = _KEYS[cm[:2]] = f"{cm.kind}[{','.join(cm.axes)}]"
             by[key] = by.get(key, 0.0) + t
     frac = bubble(c)
     idle = compute * frac / (1 - frac) if frac < 1 else math.inf

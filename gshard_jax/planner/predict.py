@@ -55,17 +55,20 @@ def abstract_batch(cfg: ml_collections.ConfigDict) -> dict:
     return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in data.model_batch(cfg.model.kind, windows).items()}
 
 
-def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware, trace_per_device: bool = False) -> Any:
+def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware, trace_per_device: bool = False,
+            state: Any = None) -> Any:
     """The partition report of candidate c's train step on an abstract mesh (gs.Report).
 
     By default the per-device program is walked, not traced (gs.explain's trace_per_device=False): the
-    same report, without the cost of tracing it."""
+    same report, without the cost of tracing it. state: the abstract train state, when known (its shapes
+    depend on the model alone, not on the mesh or the training options: `abstract_state`)."""
     import gshard_jax as gs
 
     from ..train import Trainer, state_kind
     run = apply(cfg, c)
     trainer = Trainer(run, "", mesh=abstract_mesh(c))
-    state = jax.eval_shape(trainer.init_state, jax.random.key(0))
+    if state is None:
+        state = jax.eval_shape(trainer.init_state, jax.random.key(0))
     batch = abstract_batch(run)
     report = gs.explain(trainer.train_step, trainer.mesh, state, batch,
                         in_shardings=(trainer.state_specs, trainer.batch_spec),
@@ -73,6 +76,26 @@ def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware, trace_pe
                         trace_per_device=trace_per_device)
     report.kind_of = state_kind
     return report
+
+
+def abstract_state(cfg: ml_collections.ConfigDict, c: Candidate) -> Any:
+    """The train state's shapes and dtypes (ShapeDtypeStructs) for cfg, shared by every candidate."""
+    from ..train import Trainer
+    return jax.eval_shape(Trainer(apply(cfg, c), "", mesh=abstract_mesh(c)).init_state, jax.random.key(0))
+
+
+_STATES: dict = {}  # the abstract train state per model config (this process's)
+
+
+def plan_one(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware) -> tuple[list[Comm], dict]:
+    """Candidate c planned: (its collectives per step, its argument bytes by kind). A top-level function, so
+    a worker process can run it for the planner."""
+    key = cfg.model.to_json() + cfg.train.to_json()
+    if key not in _STATES:
+        _STATES.clear()
+        _STATES[key] = abstract_state(cfg, c)
+    report = explain(cfg, c, hw, state=_STATES[key])
+    return comms(report), report.argument_bytes()
 
 
 def comms(report: Any) -> list[Comm]:

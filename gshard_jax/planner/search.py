@@ -7,9 +7,13 @@ the planned program's, and the final ranking is theirs.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
+import math
+import multiprocessing
+import os
 import time
 from typing import Optional, Sequence
 
@@ -29,7 +33,6 @@ class Ranked:
     estimate: E.Estimate
     orders: int = 1  # axis orders tried; the others were slower
     comms: list = dataclasses.field(default_factory=list)  # the partitioner's collectives (planned ones only)
-    report: Optional[object] = None  # the partition report of the planned step (planned ones only)
 
     def to_dict(self) -> dict:
         return {**self.candidate.to_dict(), **self.estimate.to_dict(), "orders_tried": self.orders,
@@ -49,12 +52,13 @@ class Plan:
     rejections: list[tuple]  # (Candidate or mesh name, kind of reason, reason)
     sensitivity: dict  # bandwidth factor -> the top candidates' keys in their new order
     dominated: int = 0  # candidates not evaluated: a lighter remat or fewer microbatches of theirs fits
+    pinned: list = dataclasses.field(default_factory=list)  # (mesh sizes, formula rank, Ranked or None, why)
     seconds: float = 0.0  # time the search took (not in the JSON: the plan is deterministic)
 
     @functools.cached_property
     def rejected(self) -> list[tuple[str, str, str]]:
         """(candidate key or mesh, kind of reason, reason) per rejection (keys named when first asked for)."""
-        return [(c if isinstance(c, str) else c.key, kind, reason) for c, kind, reason in self.rejections]
+        return [(_name(c), kind, reason) for c, kind, reason in self.rejections]
 
     @property
     def best(self) -> Ranked:
@@ -67,7 +71,10 @@ class Plan:
         """The largest differences between the best candidate and the runner-up."""
         if len(self.ranked) < 2:
             return ["the only candidate left"]
-        a, b = self.ranked[0], self.ranked[1]
+        return self.compare(self.ranked[0], self.ranked[1], "#2")
+
+    def compare(self, a: Ranked, b: Ranked, name: str) -> list[str]:
+        """The largest differences between candidate a and candidate b (called `name`)."""
         fields = [f"{k}: {v} vs {w}" for k, v, w in (
             ("mesh", a.candidate.key.split()[0], b.candidate.key.split()[0]),
             ("zero", a.candidate.zero_stage, b.candidate.zero_stage),
@@ -80,7 +87,7 @@ class Plan:
         for k in set(a.estimate.comm) | set(b.estimate.comm):
             parts[k] = (a.estimate.comm.get(k, 0.0), b.estimate.comm.get(k, 0.0))
         diffs = sorted(((x - y, k) for k, (x, y) in parts.items() if x != y), key=lambda t: (t[0], t[1]))
-        lines = [f"vs #2 ({b.candidate.key}): {a.estimate.step * 1e3:.2f} ms against {b.estimate.step * 1e3:.2f} ms"
+        lines = [f"vs {name} ({b.candidate.key}): {a.estimate.step * 1e3:.2f} ms against {b.estimate.step * 1e3:.2f} ms"
                  + (f"; differs in {', '.join(fields)}" if fields else "")]
         for d, k in diffs[:3]:
             if d < 0:
@@ -92,6 +99,15 @@ class Plan:
         lines.append(f"  memory: {ma / GiB:.2f} GiB against {mb / GiB:.2f} GiB per device "
                      f"(budget {self.memory_budget / GiB:.1f} GiB)")
         return lines
+
+    def best_against(self, r: Ranked) -> list[str]:
+        """Why #1 beats candidate r (or that r would rank first)."""
+        a = self.ranked[0]
+        if r.candidate == a.candidate:
+            return ["it is #1"]
+        if r.estimate.step < a.estimate.step:
+            return [f"it would rank first: {r.estimate.step * 1e3:.2f} ms against #1's {a.estimate.step * 1e3:.2f}"]
+        return ["#1 " + self.compare(a, r, "it")[0]] + self.compare(a, r, "it")[1:]
 
     def rejection_counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -105,6 +121,8 @@ class Plan:
                 "ranked": [r.to_dict() for r in self.ranked], "why": self.why(),
                 "screened": len(self.screened), "rejected": [{"candidate": k, "kind": kind, "reason": r} for k, kind, r in self.rejected],
                 "rejection_counts": self.rejection_counts(), "dominated": self.dominated,
+                "pinned": [{"mesh": m, "formula_rank": k, "planned": r.to_dict() if r else None, "why": w}
+                           for m, k, r, w in self.pinned],
                 "sensitivity": self.sensitivity}
 
     def to_json(self) -> str:
@@ -128,15 +146,33 @@ class Plan:
         if self.ranked:
             lines.append("why #1: " + "\n".join(self.why()))
             lines.append("run it: gshard-jax train --config " + self.config + " " + " ".join(self.best.candidate.overrides()))
+        for sizes, rank, r, why in self.pinned:
+            name = ".".join(f"{a}{n}" for a, n in sizes.items())
+            lines.append(f"pinned {name}: " + "; ".join(why) if r is None else
+                         f"pinned {name}: its best variant ranks {rank} of {len(self.screened)} by formula; "
+                         f"planned {r.candidate.key}: step {r.estimate.step * 1e3:.2f} ms, memory "
+                         f"{r.estimate.memory['total'] / GiB:.2f} GiB")
+            if r is not None and self.ranked:
+                lines += ["  " + w for w in self.best_against(r)]
         for f, keys in self.sensitivity.items():
             moved = "unchanged" if keys == [r.candidate.key for r in self.ranked] else " > ".join(keys[:3])
             lines.append(f"bandwidths x{f}: ranking {moved}")
         lines.append("rejected: " + ", ".join(f"{k} {n}" for k, n in self.rejection_counts().items()))
         near = sorted((x for x in self.rejections if x[1] == "over memory"), key=lambda x: _excess(x[2]))[:3]
-        near = [(c if isinstance(c, str) else c.key, kind, reason) for c, kind, reason in near]
+        near = [(_name(c), kind, reason) for c, kind, reason in near]
         for k, _, reason in near:
             lines.append(f"  {k}: {reason}")
         return "\n".join(lines)
+
+
+def _name(c) -> str:
+    """The key of a rejected candidate: a mesh name, a Candidate, or its fields not yet made one."""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, SP.Candidate):
+        return c.key
+    mesh, m, sched, r, zero, epso, remat = c
+    return SP.Candidate(mesh, zero, epso, m, sched, r, remat).key
 
 
 def _excess(reason: str) -> float:
@@ -166,11 +202,28 @@ def _best_order(c: SP.Candidate, comms, compute: float, mem: dict, hw: Hardware,
 
 def plan(cfg: ml_collections.ConfigDict, devices: int, hardware: Hardware, memory_gb: Optional[float] = None,
          top: int = 5, verify: Optional[int] = None, remats: Sequence[str] = SP.REMATS,
-         zero_stages: Sequence[int] = SP.ZERO_STAGES, config_name: str = "config") -> Plan:
-    """Rank the configurations of `devices` devices of `hardware` for config `cfg` (see module docstring)."""
+         zero_stages: Sequence[int] = SP.ZERO_STAGES, config_name: str = "config",
+         pin: Sequence[dict] = ()) -> Plan:
+    """Rank the configurations of `devices` devices of `hardware` for config `cfg` (see module docstring).
+
+    pin: meshes ({axis: size}) to place in the ranking whatever their rank (a paper's own configuration):
+    the best variant of each by formula is planned by the partitioner too, and compared with #1.
+    """
     start = time.perf_counter()
     if devices < 1:
         raise ValueError(f"devices={devices}: expected a positive device count")
+    count = max(verify if verify is not None else top, 0)
+    workers = _Workers(count)
+    try:
+        return _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, config_name, pin, workers,
+                     start)
+    finally:
+        workers.close()
+
+
+def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, config_name, pin, workers,
+          start) -> Plan:
+    """plan()'s search (count: candidates to plan with the partitioner)."""
     budget = (memory_gb if memory_gb is not None else hardware.memory_gib) * GiB
     shape = SP.model_shape(cfg)
     screened: list[Ranked] = []
@@ -182,37 +235,39 @@ def plan(cfg: ml_collections.ConfigDict, devices: int, hardware: Hardware, memor
         if reason:
             rejected.append((mesh_key, reason.split(":")[0], reason))
             continue
-        orders = SP.orders(sizes)
+        canonical = tuple((a, sizes[a]) for a in SP.AXES if sizes[a] > 1)  # the screen's order (orders()[0])
         fit: set = set()  # option groups in which a lighter candidate already fits the budget
-        for fields, reason in SP.options(shape, sizes, remats, zero_stages):
-            # Dominated, not evaluated: a heavier remat where a lighter one of the same options fits (more
-            # compute, no less communication), or without stages more microbatches where fewer fit (no bubble
-            # to cut; weights gathered per microbatch).
-            same = (fields["zero_stage"], fields["epso"], fields["microbatches"], fields["schedule"],
-                    fields["repeats"])
-            fewer = (fields["zero_stage"], fields["epso"], fields["remat"]) if sizes["stage"] == 1 else None
-            if same in fit or fewer in fit:
-                dominated += 1
-                continue
-            c = SP.Candidate(orders[0], **fields)
-            if reason:
-                rejected.append((c, reason.split(":")[0], reason))
-                continue
-            mem = E.memory(shape, c)
-            if mem["total"] > budget:
-                rejected.append((c, "over memory", f"over memory by {(mem['total'] - budget) / GiB:.2f} GiB "
-                                 f"({mem['total'] / GiB:.2f} GiB per device, formula)"))
-                continue
-            fit.add(same)
-            if fewer is not None:
-                fit.add(fewer)
-            comms = E.collectives(shape, c)
-            compute = E.compute_time(shape, c, hardware, devices)
-            cand = SP.Candidate(_heuristic_order(c, comms), **fields)
-            screened.append(Ranked(cand, E.combine(hardware, cand, compute, comms, mem), 1))
+        staged = sizes["stage"] > 1
+        for (m, sched, r), reason, variants in SP.option_groups(shape, sizes, remats, zero_stages):
+            kind = reason.split(":")[0] if reason else None
+            for zero, epso, remat in variants:
+                # Dominated, not evaluated: a heavier remat where a lighter one of the same options fits (more
+                # compute, no less communication), or without stages more microbatches where fewer fit (no
+                # bubble to cut; weights gathered per microbatch).
+                same = (zero, epso, m, sched, r)
+                fewer = None if staged else (zero, epso, remat)
+                if same in fit or fewer in fit:
+                    dominated += 1
+                    continue
+                if reason:  # the candidate is named only if asked for (Plan.rejected): most never are
+                    rejected.append(((canonical, m, sched, r, zero, epso, remat), kind, reason))
+                    continue
+                fields = dict(zero_stage=zero, epso=epso, microbatches=m, schedule=sched, repeats=r, remat=remat)
+                c = SP.Candidate(canonical, **fields)
+                mem = E.memory(shape, c)
+                if mem["total"] > budget:
+                    rejected.append((c, "over memory", f"over memory by {(mem['total'] - budget) / GiB:.2f} GiB "
+                                     f"({mem['total'] / GiB:.2f} GiB per device, formula)"))
+                    continue
+                fit.add(same)
+                if fewer is not None:
+                    fit.add(fewer)
+                comms = E.collectives(shape, c)
+                compute = E.compute_time(shape, c, hardware, devices)
+                cand = SP.Candidate(_heuristic_order(c, comms), **fields)
+                screened.append(Ranked(cand, E.combine(hardware, cand, compute, comms, mem), 1))
     screened.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.order_key))
-    ranked = _verify(cfg, shape, screened, max(verify if verify is not None else top, 0), hardware, budget,
-                     rejected)
+    ranked = _verify(cfg, shape, screened, count, hardware, budget, rejected, workers)
     ranked = ranked[:top] if top else ranked
     sensitivity = {}
     for factor in (0.5, 2.0):
@@ -221,35 +276,112 @@ def plan(cfg: ml_collections.ConfigDict, devices: int, hardware: Hardware, memor
                  for r in ranked]
         sensitivity[str(factor)] = [k for _, k in sorted(again)]
     out = Plan(config_name, devices, hardware, budget, shape, ranked, screened, rejected, sensitivity, dominated)
+    out.pinned = [_pinned(cfg, out, sizes, hardware, budget) for sizes in pin]
     out.seconds = time.perf_counter() - start
     return out
 
 
-def _verify(cfg, shape, screened: list[Ranked], count: int, hw: Hardware, budget: float, rejected: list) -> list:
-    """The `count` fastest screened candidates that the partitioner plans within the budget: communication and
-    argument bytes of the planned step. One the model cannot build or the partitioner cannot plan is rejected
-    with the error, and the next is taken (at most 3 x count tried)."""
-    out = []
-    for r in screened[:3 * count]:
-        if len(out) == count:
+def _pinned(cfg, out: Plan, sizes: dict, hw: Hardware, budget: float) -> tuple:
+    """(sizes, formula rank, the planned best variant or None, why) for a pinned mesh."""
+    full = {a: 1 for a in SP.AXES} | dict(sizes)
+    unknown = set(sizes) - set(SP.AXES)
+    if unknown or math.prod(full.values()) != out.devices:
+        raise ValueError(f"pinned mesh {sizes}: expected sizes of {SP.AXES} multiplying to {out.devices} devices")
+    for i, r in enumerate(out.screened, 1):
+        if r.candidate.sizes == full:
+            done = [x for x in out.ranked if x.candidate.sizes == full and
+                    dataclasses.replace(x.candidate, mesh=()) == dataclasses.replace(r.candidate, mesh=())]
+            planned = done or _verify(cfg, out.shape, [r], 1, hw, budget, out.rejections)
+            return dict(sizes), i, (planned[0] if planned else None), (
+                [] if planned else [f"its best variant {r.candidate.key} was rejected when planned"])
+    name = ".".join(f"{a}{full[a]}" for a in SP.AXES if full[a] > 1)
+    reasons = sorted({kind for c, kind, _ in out.rejections if _name(c).split()[0] == name})
+    return dict(sizes), None, None, [f"no variant runs: rejected for {', '.join(reasons) or 'no reason found'}"]
+
+
+class _Workers:
+    """Where candidates are planned: here, and in one worker process when there are cores to spare and
+    several to plan (started before the screen, so it is ready when the screen ends)."""
+
+    def __init__(self, wanted: int):
+        self.pool = None
+        if wanted >= 3 and (os.cpu_count() or 1) > 1:
+            ctx = multiprocessing.get_context("spawn")  # never fork a process that runs JAX
+            self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx)
+            self.pool.submit(_warm)
+
+    def run(self, cfg, batch: list, hw: Hardware) -> list:
+        """plan_one for each candidate of `batch` (the last in the worker), results or exceptions, in order."""
+        remote = None
+        if self.pool is not None and len(batch) > 1:
+            remote = self.pool.submit(PR.plan_one, cfg, batch[-1], hw)
+            batch = batch[:-1]
+        out = []
+        for c in batch:
+            try:
+                out.append(PR.plan_one(cfg, c, hw))
+            except (ValueError, TypeError, NotImplementedError) as e:
+                out.append(e)
+        if remote is not None:
+            try:
+                out.append(remote.result())
+            except (ValueError, TypeError, NotImplementedError) as e:
+                out.append(e)
+        return out
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+
+def _warm() -> None:
+    """Nothing to do: unpickling it imports this module (JAX, the models), the worker's start-up."""
+
+
+def _verify(cfg, shape, screened: list[Ranked], count: int, hw: Hardware, budget: float, rejected: list,
+            workers: Optional[_Workers] = None) -> list:
+    """The `count` fastest screened configurations (mesh, schedule and microbatches; the best-ranked variant of
+    each, so the planned ones differ in more than their optimizer options) that the partitioner plans within
+    the budget: communication and argument bytes of the planned step. One the model cannot build or the
+    partitioner cannot plan is rejected with the error, and the next is taken (at most 3 x count tried).
+    Candidates are planned two at a time when a worker process helps; the result is the same."""
+    workers = workers or _Workers(0)
+    out, taken = [], set()
+    queue = iter(screened)
+    tried = 0
+    while len(out) < count and tried < 3 * count:
+        batch = []
+        for r in queue:  # the next distinct configurations, as many as can be planned at once
+            c = r.candidate
+            shape_key = (tuple(sorted(c.sizes.items())), c.schedule, c.repeats, c.microbatches)
+            if shape_key in taken:
+                continue  # a variant of a configuration taken already: the formula ranks them closely
+            taken.add(shape_key)
+            batch.append(r)
+            if len(batch) == min(2 if workers.pool else 1, count - len(out), 3 * count - tried):
+                break
+        if not batch:
             break
-        try:
-            report = PR.explain(cfg, r.candidate, hw)
-        except (ValueError, TypeError, NotImplementedError) as e:
-            rejected.append((r.candidate.key, "partitioner", f"partitioner: {str(e).splitlines()[0][:300]}"))
-            continue
-        comms = PR.comms(report)
-        args = report.argument_bytes()
-        mem = dict(r.estimate.memory)
-        mem["params"], mem["optimizer"] = args.get("params", 0), args.get("optimizer", 0)
-        mem["batch"] = args.get("batch", 0) + args.get("step", 0)  # the rest of the step's arguments
-        mem["total"] = sum(v for k, v in mem.items() if k != "total")
-        if mem["total"] > budget:
-            rejected.append((r.candidate.key, "over memory", f"over memory by {(mem['total'] - budget) / GiB:.2f} GiB "
-                                              f"({mem['total'] / GiB:.2f} GiB per device, planned)"))
-            continue
-        cand, est = _best_order(r.candidate, comms, r.estimate.compute, mem, hw, SP.orders(r.candidate.sizes))
-        est.source = "partitioner"
-        out.append(Ranked(cand, est, len(SP.orders(r.candidate.sizes)), comms, report))
+        tried += len(batch)
+        for r, got in zip(batch, workers.run(cfg, [r.candidate for r in batch], hw)):
+            if len(out) == count:
+                break
+            if isinstance(got, Exception):
+                rejected.append((r.candidate.key, "partitioner", f"partitioner: {str(got).splitlines()[0][:300]}"))
+                continue
+            comms, args = got
+            mem = dict(r.estimate.memory)
+            mem["params"], mem["optimizer"] = args.get("params", 0), args.get("optimizer", 0)
+            mem["batch"] = args.get("batch", 0) + args.get("step", 0)  # the rest of the step's arguments
+            mem["total"] = sum(v for k, v in mem.items() if k != "total")
+            if mem["total"] > budget:
+                rejected.append((r.candidate.key, "over memory", f"over memory by "
+                                 f"{(mem['total'] - budget) / GiB:.2f} GiB ({mem['total'] / GiB:.2f} GiB per "
+                                 f"device, planned)"))
+                continue
+            orders = SP.orders(r.candidate.sizes)
+            cand, est = _best_order(r.candidate, comms, r.estimate.compute, mem, hw, orders)
+            est.source = "partitioner"
+            out.append(Ranked(cand, est, len(orders), comms))
     out.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.order_key))
     return out

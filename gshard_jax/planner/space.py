@@ -44,6 +44,9 @@ class ModelShape:
     layer_params: int  # other parameters of the layer stacks
     vocab_params: int  # embedding and LM head
     active_params: int  # per token
+    dropless: bool = False  # experts dispatched by sort + grouped matmul in a manual region (moe.dispatch)
+    exchange: str = "all_to_all"  # how dropless tokens reach their experts (moe.exchange)
+    peer_bound: float = 0.0  # dropless all-to-all buffer per peer, in multiples of rows / peers (0: none)
 
     @property
     def total_params(self) -> int:
@@ -84,7 +87,9 @@ def model_shape(cfg: ml_collections.ConfigDict) -> ModelShape:
                       capacity_factor=float(moe.capacity_factor) if moe.num_experts else 1.0,
                       batch=t.batch_size, seq=t.seq_len, param_bytes=2 if m.dtype == "bfloat16" else 4,
                       expert_params=int(expert), layer_params=int(layer), vocab_params=int(vocab),
-                      active_params=int(active))
+                      active_params=int(active),
+                      dropless=bool(moe.num_experts) and moe.get("dispatch", "einsum") == "dropless",
+                      exchange=moe.get("exchange", "all_to_all"), peer_bound=float(moe.get("peer_bound") or 0.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,20 +188,21 @@ def mesh_reason(shape: ModelShape, sizes: dict[str, int]) -> Optional[str]:
     return None
 
 
-def options(shape: ModelShape, sizes: dict[str, int], remats: Sequence[str] = REMATS,
-            zero_stages: Sequence[int] = ZERO_STAGES) -> Iterator[tuple[dict, Optional[str]]]:
-    """The training options on a mesh that runs the model: (fields, reason it cannot run or None)."""
+def option_groups(shape: ModelShape, sizes: dict[str, int], remats: Sequence[str] = REMATS,
+                  zero_stages: Sequence[int] = ZERO_STAGES) -> Iterator[tuple[tuple, Optional[str], list]]:
+    """The training options on a mesh that runs the model, grouped by what decides whether they run:
+    ((microbatches, schedule, repeats), reason they cannot run or None, [(zero_stage, epso, remat), ...]).
+    Microbatches ascend and remat policies are innermost, lightest first (the order dominance reads)."""
     p, shards = sizes["stage"], sizes["data"] * sizes["z"] * sizes["expert"]
     micro = [m for m in divisors(shape.batch) if m <= MAX_MICROBATCHES and m & (m - 1) == 0]
     if p > 1:
         schedules = [(s, r) for s in SC.SCHEDULES for r in ((1,) if s in ("gpipe", "1f1b") else (2, 4))]
     else:
         schedules = [("none", 1)]
-    for zero, epso, m, (sched, r), remat in itertools.product(
-            zero_stages, (True, False) if sizes["expert"] > 1 else (True,), micro, schedules, remats):
-        if not epso and zero == 0:
-            continue  # EPSO shapes only sharded states
-        fields = dict(zero_stage=zero, epso=epso, microbatches=m, schedule=sched, repeats=r, remat=remat)
+    variants = [(zero, epso, remat) for zero, epso, remat in itertools.product(
+        zero_stages, (True, False) if sizes["expert"] > 1 else (True,), remats)
+        if epso or zero]  # EPSO shapes only sharded states
+    for m, (sched, r) in itertools.product(micro, schedules):
         reason = None
         if (shape.batch // m) % shards:
             reason = f"batch: {shape.batch // m} sequences per microbatch do not split over {shards} batch shards"
@@ -208,7 +214,15 @@ def options(shape: ModelShape, sizes: dict[str, int], remats: Sequence[str] = RE
             reason = f"schedule: {m} microbatches leave stages idle for all but {m} of {p} ticks; use m >= {p}"
         elif p > 1 and shape.kind == "encoder_decoder" and sched in SC.OWN_BACKWARD:
             reason = f"schedule: {sched} is built for decoder-only LMs"
-        yield fields, reason
+        yield (m, sched, r), reason, variants
+
+
+def options(shape: ModelShape, sizes: dict[str, int], remats: Sequence[str] = REMATS,
+            zero_stages: Sequence[int] = ZERO_STAGES) -> Iterator[tuple[dict, Optional[str]]]:
+    """The training options on a mesh that runs the model: (fields, reason it cannot run or None)."""
+    for (m, sched, r), reason, variants in option_groups(shape, sizes, remats, zero_stages):
+        for zero, epso, remat in variants:
+            yield dict(zero_stage=zero, epso=epso, microbatches=m, schedule=sched, repeats=r, remat=remat), reason
 
 
 def orders(sizes: dict[str, int]) -> list[tuple[tuple[str, int], ...]]:
