@@ -1,5 +1,6 @@
 """The planner: AxoNN's published model reproduced, rejections with one reason, deterministic output, and the
 partitioner's predictions for planned candidates equal to the compiled train step."""
+import collections
 import dataclasses
 import json
 import os
@@ -50,6 +51,26 @@ def test_hierarchical_bandwidth_is_the_table_inside_a_node_and_eq7_across():
     assert hardware.axes_bandwidth(hw, (("x", 2), ("data", 8)), ("data",)) == 100e9 / 1  # ip 1 across nodes
 
 
+@pytest.mark.parametrize("mesh", [(("data", 2), ("expert", 4)), (("data", 2), ("expert", 2), ("x", 2))])
+def test_the_screen_follows_the_dropless_region(mesh):
+    """The formula's dropless MoE terms against the planned program: the all-to-all's worst-case buffers and
+    the expert-weight gradients all-reduced over the token axes (and x) come within 1% of the planned bytes."""
+    cfg = _config("tiny_moe_lm")
+    cfg.model.moe.dispatch = "dropless"
+    c = SP.Candidate(mesh, zero_stage=0, microbatches=1)
+    shape = SP.model_shape(cfg)
+
+    def moved(comms):
+        out = collections.Counter()
+        for cm in comms:
+            out[(cm.kind, tuple(sorted(cm.axes)))] += cm.moved
+        return out
+    formula, planned = moved(E.collectives(shape, c)), moved(PR.comms(PR.explain(cfg, c, CPU)))
+    grads = ("all-reduce", tuple(a for a in ("data", "x") if c.size(a) > 1))
+    for key in (("all-to-all", ("expert",)), grads):
+        assert formula[key] == pytest.approx(planned[key], rel=0.01), key
+
+
 def test_a_pinned_mesh_is_planned_and_placed_in_the_ranking():
     """--rank-of: a paper's own mesh, planned whatever its formula rank, compared with #1; a mesh that cannot
     run says why; a mesh of the wrong size is refused."""
@@ -84,6 +105,10 @@ def test_plan_is_deterministic_and_every_rejection_has_one_reason():
     assert not {" ".join(k.split()[1:]) + "@" + ".".join(sorted(k.split()[0].split("."))) for k in kept} \
         & rejected_options
     assert a.ranked[0].estimate.source == "partitioner"
+    # The JSON lists whole meshes, over-memory and unplannable candidates, and counts the rest per reason.
+    saved = json.loads(a.to_json())
+    assert len(saved["rejected"]) + sum(saved["rejected_by_reason"].values()) == len(a.rejected)
+    assert all(r["kind"] in ("over memory", "partitioner") or " " not in r["candidate"] for r in saved["rejected"])
     # A memory budget below every candidate's: nothing ranked, every candidate rejected over memory.
     tight = plan(cfg, 8, CPU, memory_gb=1e-6, top=1, verify=1, remats=("none",))
     assert not tight.ranked and tight.rejection_counts()["over memory"] > 0

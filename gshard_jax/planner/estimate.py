@@ -107,7 +107,7 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
                 add("all-gather", ("expert",), act * e, (fwd + 1) * layers * runs)
                 add("reduce-scatter", ("expert",), act * e, (fwd + 1) * layers * runs)
             else:
-                rows = act * shape.k
+                rows = act * x * shape.k  # the region holds whole rows: x gathers them
                 per_peer = e if shape.exchange == "all_to_all" and not shape.peer_bound else \
                     (min(e, shape.peer_bound) if shape.exchange == "all_to_all" else 1)
                 add("all-to-all", ("expert",), rows * per_peer, 2 * (fwd + 1) * layers * runs)
@@ -124,11 +124,14 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
         if c.zero_stage == 3:
             continue
         store = n / (z if z > 1 else 1)
+        reduced = cls == "expert" and shape.dropless  # the region's own all-reduce (above) did it
         if c.zero_stage == 0:
-            add("all-reduce", dp_axes[cls], store * 4, 1)
+            if not reduced:
+                add("all-reduce", dp_axes[cls], store * 4, 1)
         else:
             axes = dp_axes[cls] if c.epso or cls == "expert" else ("data",)
-            add("reduce-scatter", axes, store * 4, m if c.zero_stage == 2 else 1)
+            if not reduced:
+                add("reduce-scatter", axes, store * 4, m if c.zero_stage == 2 else 1)
             add("all-gather", axes, store * b, 1)
     # A dropless MoE layer is a manual region over the token (data, z), expert and FFN (y) axes, run once per
     # microbatch (per tick in a pipeline, bubbles included): its expert weights, whole over the other axes,

@@ -119,11 +119,25 @@ class Plan:
         return {"config": self.config, "devices": self.devices, "hardware": self.hardware.to_dict(),
                 "memory_budget_bytes": self.memory_budget, "model": dataclasses.asdict(self.shape),
                 "ranked": [r.to_dict() for r in self.ranked], "why": self.why(),
-                "screened": len(self.screened), "rejected": [{"candidate": k, "kind": kind, "reason": r} for k, kind, r in self.rejected],
+                "screened": len(self.screened), **self._rejections_dict(),
                 "rejection_counts": self.rejection_counts(), "dominated": self.dominated,
                 "pinned": [{"mesh": m, "formula_rank": k, "planned": r.to_dict() if r else None, "why": w}
                            for m, k, r, w in self.pinned],
                 "sensitivity": self.sensitivity}
+
+    # Rejections a person acts on are listed one by one in the JSON: whole meshes, candidates over the memory
+    # budget, candidates the partitioner could not plan. The rest (a microbatch that does not split, a
+    # schedule that does not fit: millions on a large machine) are counted per reason.
+    LISTED = ("over memory", "partitioner")
+
+    def _rejections_dict(self) -> dict:
+        listed, counted = [], {}
+        for c, kind, reason in self.rejections:
+            if isinstance(c, str) or kind in self.LISTED:
+                listed.append({"candidate": _name(c), "kind": kind, "reason": reason})
+            else:
+                counted[reason] = counted.get(reason, 0) + 1
+        return {"rejected": listed, "rejected_by_reason": dict(sorted(counted.items()))}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
