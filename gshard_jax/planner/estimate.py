@@ -120,7 +120,7 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
         # FSDP (z) and ZeRO-3 gather the weights per microbatch and pass, and reduce-scatter the gradients.
         gather = ("z",) + (dp_axes[cls] if c.zero_stage == 3 else ())
         add("all-gather", gather, n * b, (fwd + 1) * m)
-        add("reduce-scatter", gather, n * 4, m)
+        add("reduce-scatter", gather, n * b, m)  # the gradients of gathered weights, in their dtype
         if c.zero_stage == 3:
             continue
         store = n / (z if z > 1 else 1)

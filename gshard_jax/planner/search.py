@@ -305,9 +305,11 @@ def _pinned(cfg, out: Plan, sizes: dict, hw: Hardware, budget: float) -> tuple:
         if r.candidate.sizes == full:
             done = [x for x in out.ranked if x.candidate.sizes == full and
                     dataclasses.replace(x.candidate, mesh=()) == dataclasses.replace(r.candidate, mesh=())]
+            before = len(out.rejections)
             planned = done or _verify(cfg, out.shape, [r], 1, hw, budget, out.rejections)
-            return dict(sizes), i, (planned[0] if planned else None), (
-                [] if planned else [f"its best variant {r.candidate.key} was rejected when planned"])
+            why = [f"its best variant by formula ({r.candidate.key}, rank {i} of {len(out.screened)}) was "
+                   f"rejected when planned: {reason}" for _, _, reason in out.rejections[before:]]
+            return dict(sizes), i, (planned[0] if planned else None), why
     name = ".".join(f"{a}{full[a]}" for a in SP.AXES if full[a] > 1)
     reasons = sorted({kind for c, kind, _ in out.rejections if _name(c).split()[0] == name})
     return dict(sizes), None, None, [f"no variant runs: rejected for {', '.join(reasons) or 'no reason found'}"]
