@@ -44,6 +44,10 @@ class Checkpoints:
         self.full = _manager(os.path.join(workdir, "checkpoints"), full_every, 2, async_save, "full")
         self.model = _manager(os.path.join(workdir, "model_checkpoints"), model_every, None, async_save, "model")
 
+    def should_save(self, step: int) -> bool:
+        """Whether save(step) writes a checkpoint (full or model-only) by the save policies."""
+        return self.full.should_save(step) or self.model.should_save(step)
+
     def save(self, step: int, state: dict, force: bool = False) -> None:
         """Offer `state` at `step` to both series (each saves when its interval says, or when forced)."""
         meta = self.metadata or None

@@ -50,6 +50,8 @@ def train_defaults() -> ConfigDict:
         seed=0,  # params, data order and routing randomness
         nan_policy="halt",  # non-finite loss or grad norm: "halt" or "skip" the step
         async_checkpoints=True,  # write checkpoints in the background
+        hardware="cpu-simulation",  # planner hardware profile (gshard_jax/planner/hardware.py) whose peak the mfu metric uses
+        peak_flops=0.0,  # flop/s of one device for the mfu metric (0: the hardware profile's peak_flops)
         goldfish_k=0,  # goldfish loss: drop ~1/k of target tokens from the loss (0 or 1: off; AxoNN uses 2)
         goldfish_h=13,  # goldfish loss: tokens of context hashed to choose the dropped ones
         zero_stage=0,  # sharded state over the data-parallel axes: 0 none, 1 optimizer state, 2 + gradients, 3 + params

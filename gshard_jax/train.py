@@ -10,6 +10,7 @@ updates, and ``debug.nan_at_step = N`` poisons the N-th update.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -314,6 +315,61 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def peak_flops(cfg: ml_collections.ConfigDict) -> float:
+    """Flop/s of one device for the mfu metric: train.peak_flops, else the hardware profile's."""
+    if cfg.train.peak_flops:
+        return float(cfg.train.peak_flops)
+    from .planner import hardware
+    return hardware.get(cfg.train.hardware).peak_flops
+
+
+def model_flops_per_token(cfg: ml_collections.ConfigDict) -> float:
+    """The model's flops per trained token (the planner's formula: 6 per active parameter plus attention)."""
+    from .planner import estimate, space
+    return estimate.model_flops_per_token(space.model_shape(cfg))
+
+
+class _Clock:
+    """Step time, throughput and utilisation over the steps since the last logged row, and the time spent
+    waiting on data and checkpoints (each step is timed when its metrics reach the host, one step late)."""
+
+    def __init__(self, t, devices: int, peak: float, flops_per_token: float):
+        self.tokens_per_step = t.batch_size * t.seq_len
+        self.devices, self.peak, self.flops_per_token = devices, peak, flops_per_token
+        self.first = self.prev = time.perf_counter()
+        self.steps, self.seconds = 0, 0.0
+        self.waits = {"data_wait_s": 0.0, "checkpoint_s": 0.0}
+
+    def step_done(self, timed: bool) -> None:
+        now = time.perf_counter()
+        if timed:
+            self.steps, self.seconds = self.steps + 1, self.seconds + now - self.prev
+        self.prev = now
+
+    def pause(self) -> None:
+        self.prev = time.perf_counter()
+
+    @contextlib.contextmanager
+    def waiting(self, what: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.waits[what] += time.perf_counter() - start
+
+    def window(self) -> dict:
+        """The logged row's timing figures; the window starts again."""
+        seconds = self.seconds if self.steps else time.perf_counter() - self.first
+        steps = self.steps or 1
+        tokens_per_s = steps * self.tokens_per_step / seconds
+        row = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.devices,
+               "mfu": self.flops_per_token * tokens_per_s / (self.devices * self.peak),
+               "step_time_s": seconds / steps, **self.waits}
+        self.steps, self.seconds = 0, 0.0
+        self.waits = dict.fromkeys(self.waits, 0.0)
+        return row
+
+
 def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -> dict:
     """Train from the newest valid checkpoint in workdir (or from scratch) to train.num_steps."""
     t = cfg.train
@@ -338,43 +394,57 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -
         from tqdm import tqdm
         bar = tqdm(total=t.num_steps, initial=start, unit="step", dynamic_ncols=True)
     skipped, summary = 0, {"start_step": start}
-    first = prev = time.perf_counter()
-    window_s, window_steps = 0.0, 0
+    clock = _Clock(t, jax.device_count(), peak_flops(cfg), model_flops_per_token(cfg))
+    pending = None  # (step, metrics still on the device): read after the next step is dispatched
+
+    def settle(step: int, m: dict) -> None:
+        """One step's metrics on the host: the NaN check, the logged row, the progress bar."""
+        nonlocal skipped
+        host = {k: float(v) for k, v in m.items()}
+        finite = bool(host.pop("finite"))
+        if not finite:
+            if t.nan_policy == "halt":
+                writer.write(step, {"loss": host["loss"], "grad_norm": host["grad_norm"], "halted": True})
+                raise NonFiniteStep(step, host["loss"], host["grad_norm"])
+            skipped += 1
+            log.warning("step %d: non-finite loss or gradient norm; update skipped (%d so far)", step, skipped)
+        row = dict(host, skipped_steps=skipped)
+        clock.step_done(step > start + 1)  # the first step also compiles: throughput is timed from its end
+        if step % t.log_every == 0 or step == t.num_steps:
+            row.update(clock.window())
+        if step % t.eval_every == 0 or step == t.num_steps:
+            row["eval_loss"] = trainer.evaluate(tokens, state["params"])
+            clock.pause()  # eval time is not training throughput
+        if "tokens_per_s" in row or "eval_loss" in row:
+            writer.write(step, row)
+            summary.update(step=step, **{k: row[k] for k in ("loss", "eval_loss") if k in row})
+        if bar is not None:
+            bar.update(1)
+            post = {"loss": f"{host['loss']:.3f}", "aux": f"{host['aux_loss']:.3f}",
+                    "dropped": f"{host['dropped']:.3f}"}
+            if "tokens_per_s" in row:
+                post["tok/s"] = f"{row['tokens_per_s']:,.0f}"
+                post["mfu"] = f"{row['mfu']:.1%}"
+            bar.set_postfix(post, refresh=False)
+
     try:
         for step in range(start + 1, t.num_steps + 1):
-            state, m = trainer.step_fn(state, trainer.batch(tokens, "train", step))
-            host = {k: float(v) for k, v in m.items()}
-            finite = bool(host.pop("finite"))
-            if not finite:
-                if t.nan_policy == "halt":
-                    writer.write(step, {"loss": host["loss"], "grad_norm": host["grad_norm"], "halted": True})
-                    raise NonFiniteStep(step, host["loss"], host["grad_norm"])
-                skipped += 1
-                log.warning("step %d: non-finite loss or gradient norm; update skipped (%d so far)", step, skipped)
-            row = dict(host, skipped_steps=skipped)
-            now = time.perf_counter()
-            if step > start + 1:  # the first step also compiles: throughput is timed from its end
-                window_s, window_steps = window_s + now - prev, window_steps + 1
-            prev = now
-            if step % t.log_every == 0 or step == t.num_steps:
-                tokens_per_step = t.batch_size * t.seq_len
-                row["tokens_per_s"] = (window_steps * tokens_per_step / window_s if window_steps
-                                       else tokens_per_step / (now - first))
-                window_s, window_steps = 0.0, 0
-            if step % t.eval_every == 0 or step == t.num_steps:
-                row["eval_loss"] = trainer.evaluate(tokens, state["params"])
-                prev = time.perf_counter()  # eval time is not training throughput
-            if "tokens_per_s" in row or "eval_loss" in row:
-                writer.write(step, row)
-                summary.update(step=step, **{k: row[k] for k in ("loss", "eval_loss") if k in row})
-            ckpt.save(step, state, force=step == t.num_steps)  # after its metrics: a resume never loses a row
-            if bar is not None:
-                bar.update(1)
-                post = {"loss": f"{host['loss']:.3f}", "aux": f"{host['aux_loss']:.3f}",
-                        "dropped": f"{host['dropped']:.3f}"}
-                if "tokens_per_s" in row:
-                    post["tok/s"] = f"{row['tokens_per_s']:,.0f}"
-                bar.set_postfix(post, refresh=False)
+            with clock.waiting("data_wait_s"):
+                batch = trainer.batch(tokens, "train", step)
+            state, m = trainer.step_fn(state, batch)
+            if pending is not None:  # the previous step's metrics, while this one runs on the device
+                settle(*pending)
+                pending = None
+            # A step whose state is evaluated or saved is settled first: its metrics are written before its
+            # checkpoint (a resume never loses a row) and a NaN halts before it is saved.
+            if (step % t.eval_every == 0 or step == t.num_steps or ckpt.should_save(step)):
+                settle(step, m)
+            else:
+                pending = (step, m)
+            with clock.waiting("checkpoint_s"):
+                ckpt.save(step, state, force=step == t.num_steps)
+        if pending is not None:
+            settle(*pending)
     finally:
         ckpt.wait()
         ckpt.close()

@@ -98,11 +98,63 @@ def test_training_lowers_the_loss_and_writes_its_records(data_dir, tmp_path):
     assert steps_saved(run) == [20, 24]  # two newest full checkpoints
     assert steps_saved(run, "model_checkpoints") == [8, 16, 24]  # model-only ones kept
     assert os.path.getsize(run / "loss.png") > 1000
-    assert {"loss", "grad_norm", "learning_rate", "tokens_per_s", "eval_loss"} <= tensorboard_tags(run)
+    assert {"loss", "grad_norm", "learning_rate", "tokens_per_s", "eval_loss", "mfu"} <= tensorboard_tags(run)
+    # Utilisation: mfu = model flops per token x tokens/s / (devices x peak), the peak from train.hardware.
+    from gshard_jax import configs, overrides, train as T
+    from gshard_jax.planner import hardware
+    cfg = overrides.apply(configs.load(CONFIG), overrides.split_args(SMALL)[1])
+    per_token, peak = T.model_flops_per_token(cfg), hardware.get(cfg.train.hardware).peak_flops
+    assert per_token > 6 * 1e5 and peak == T.peak_flops(cfg)
+    for x in r:
+        assert x["mfu"] == pytest.approx(per_token * x["tokens_per_s"] / (8 * peak), rel=1e-12)
+        assert x["tokens_per_s_per_device"] == pytest.approx(x["tokens_per_s"] / 8, rel=1e-12)
+        assert x["step_time_s"] > 0 and x["data_wait_s"] >= 0 and x["checkpoint_s"] >= 0
+        assert x["step_time_s"] == pytest.approx(8 * 32 / x["tokens_per_s"], rel=1e-9)
     # eval reads the newest checkpoint and gives the run's final held-out loss.
     out = json.loads(cli("eval", "--config", CONFIG, "--cpu-devices", "8", "--workdir", str(run),
                          f"--config.data.dir={data_dir}", *SMALL).stdout.strip().splitlines()[-1])
     assert out["step"] == 24 and out["eval_loss"] == pytest.approx(evals[-1], rel=1e-6)
+
+
+def test_metrics_are_read_one_step_late(data_dir, tmp_path, monkeypatch):
+    """The host never waits on the device between steps: step N's metrics are read after step N+1 is
+    dispatched, except where step N is evaluated or checkpointed (its row comes before its checkpoint, and
+    a NaN halts before it is saved)."""
+    from gshard_jax import configs, overrides, train as T
+    cfg = overrides.apply(configs.load(CONFIG), overrides.split_args(
+        SMALL + [f"--config.data.dir={data_dir}", "--config.train.num_steps=10"])[1])
+    events = []
+
+    class Read(float):  # a metric that records when the host reads it
+        def __new__(cls, value, step):
+            out = super().__new__(cls, value)
+            out.step = step
+            return out
+
+        def __float__(self):
+            if ("read", self.step) not in events:
+                events.append(("read", self.step))
+            return super().__float__()
+
+    made = T.Trainer.__post_init__
+
+    def instrumented(self):
+        made(self)
+        run = self.step_fn
+
+        def step_fn(state, batch):
+            step = len([e for e in events if e[0] == "dispatch"]) + 1
+            events.append(("dispatch", step))
+            state, m = run(state, batch)
+            return state, {k: Read(float(jax_value), step) for k, jax_value in m.items()}
+        self.step_fn = step_fn
+    monkeypatch.setattr(T.Trainer, "__post_init__", instrumented)
+    T.train(cfg, str(tmp_path / "run"), progress=False)
+    settled_at_once = {4, 8, 10}  # checkpoint_every=4, model_checkpoint_every=8, eval_every=10, the last step
+    for n in range(1, 11):
+        read = events.index(("read", n))
+        last_dispatched = [e for e in events[:read] if e[0] == "dispatch"][-1]
+        assert last_dispatched == ("dispatch", n if n in settled_at_once else n + 1), events
 
 
 @pytest.mark.slow  # 35 s; the encoder-decoder's train step is tested partitioned in test_models.py

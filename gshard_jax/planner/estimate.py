@@ -152,12 +152,16 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     return out
 
 
-def flops(shape: ModelShape, c: Candidate) -> float:
-    """Model flops of a step (6 per active parameter and token, attention's 12 L d S per token), with the
-    recomputed forward of full remat."""
+def model_flops_per_token(shape: ModelShape) -> float:
+    """Model flops per trained token (forward and backward): 6 per active parameter plus attention's
+    12 L d S (Narayanan et al.; what MFU divides by peak)."""
     layers = shape.layers * (2 if shape.kind == "encoder_decoder" else 1)
-    per_token = 6 * shape.active_params + 12 * layers * shape.d_model * shape.seq
-    return per_token * shape.tokens * (4 / 3 if c.remat == "full" else 1.0)
+    return 6 * shape.active_params + 12 * layers * shape.d_model * shape.seq
+
+
+def flops(shape: ModelShape, c: Candidate) -> float:
+    """Model flops of a step, with the recomputed forward of full remat."""
+    return model_flops_per_token(shape) * shape.tokens * (4 / 3 if c.remat == "full" else 1.0)
 
 
 def bubble(c: Candidate) -> float:
