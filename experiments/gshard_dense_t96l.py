@@ -1,4 +1,4 @@
-"""GShard's dense baseline T(96L) (REFERENCE section A): 48 encoder + 48 decoder layers, no experts."""
+"""GShard's dense baseline T(96L) (GShard; docs/references.md): 48 encoder + 48 decoder layers, no experts."""
 from gshard_jax.configs import gshard
 
 

@@ -1,4 +1,4 @@
-"""GShard MoE(128E, 12L) (REFERENCE section A, Table 1): 128 experts per MoE layer, 12 layers."""
+"""GShard MoE(128E, 12L) (GShard Table 1; docs/references.md): 128 experts per MoE layer, 12 layers."""
 from gshard_jax.configs import gshard
 
 

@@ -1,4 +1,4 @@
-"""GShard MoE(128E, 36L) (REFERENCE section A, Table 1): 128 experts per MoE layer, 36 layers."""
+"""GShard MoE(128E, 36L) (GShard Table 1; docs/references.md): 128 experts per MoE layer, 36 layers."""
 from gshard_jax.configs import gshard
 
 

@@ -1,4 +1,4 @@
-"""GShard MoE(2048E, 36L) (REFERENCE section A, Table 1): 2048 experts per MoE layer, 36 layers."""
+"""GShard MoE(2048E, 36L) (GShard Table 1; docs/references.md): 2048 experts per MoE layer, 36 layers."""
 from gshard_jax.configs import gshard
 
 

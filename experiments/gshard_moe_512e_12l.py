@@ -1,4 +1,4 @@
-"""GShard MoE(512E, 12L) (REFERENCE section A, Table 1): 512 experts per MoE layer, 12 layers."""
+"""GShard MoE(512E, 12L) (GShard Table 1; docs/references.md): 512 experts per MoE layer, 12 layers."""
 from gshard_jax.configs import gshard
 
 

@@ -1,4 +1,4 @@
-"""Mula-1B (REFERENCE section B): the dense member, 16 layers, hidden 2048, FFN 8192."""
+"""Mula-1B (seed 001; docs/references.md): the dense member, 16 layers, hidden 2048, FFN 8192."""
 from gshard_jax.configs import mula
 
 

@@ -1,4 +1,4 @@
-"""Mula-7B-A1B (REFERENCE section B): 16 layers, hidden 2048, 64 SwiGLU experts of 1024, 8 chosen per token."""
+"""Mula-7B-A1B (seed 001; docs/references.md): 16 layers, hidden 2048, 64 SwiGLU experts of 1024, 8 chosen per token."""
 from gshard_jax.configs import mula
 
 

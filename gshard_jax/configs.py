@@ -30,7 +30,7 @@ ConfigDict = ml_collections.ConfigDict
 
 
 def train_defaults() -> ConfigDict:
-    """The training section (Mula's recipe, REFERENCE section B, at a small scale by default)."""
+    """The training section (Mula's recipe, seed 001, docs/references.md, at a small scale by default)."""
     return ConfigDict(dict(
         num_steps=1000,  # optimiser steps
         batch_size=16,  # sequences per step (global)
@@ -131,7 +131,7 @@ def model_section(kind: str, moe: ConfigDict, **kw: Any) -> ConfigDict:
 
 
 def gshard(num_experts: int, num_layers: int, **kw: Any) -> ConfigDict:
-    """GShard's M4 MoE Transformer (REFERENCE section A): M 1024, H 8192, 16 heads, L/2 encoder and decoder
+    """GShard's M4 MoE Transformer (GShard; docs/references.md): M 1024, H 8192, 16 heads, L/2 encoder and decoder
     layers, every other FFN top-2 MoE; num_experts = 0 gives the dense T(L)."""
     moe = moe_section(num_experts, 8192, "relu", 2, capacity_factor=2.0, group_size=1024)
     model = model_section("encoder_decoder", moe, vocab_size=32000, d_model=1024, num_heads=16, head_dim=64,
@@ -142,7 +142,7 @@ def gshard(num_experts: int, num_layers: int, **kw: Any) -> ConfigDict:
 
 
 def mula(num_layers: int, d_model: int, num_heads: int, d_ff: int, num_experts: int = 0, **kw: Any) -> ConfigDict:
-    """Mula (REFERENCE section B): OLMoE architecture (RMSNorm, RoPE, SwiGLU, untied embeddings, vocabulary
+    """Mula (seed 001; docs/references.md): OLMoE architecture (RMSNorm, RoPE, SwiGLU, untied embeddings, vocabulary
     50304), every layer MoE with 8 of num_experts; num_experts = 0: the dense Mula-1B."""
     moe = moe_section(num_experts, d_ff if num_experts else 0, "swiglu", 8, second_policy="all", normalize="none",
                       balance="all", dispatch="dropless")

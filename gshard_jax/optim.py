@@ -1,6 +1,6 @@
 """The optimiser and loss options of a training run.
 
-Mula's recipe (REFERENCE section B) is the default: AdamW with weight decay on
+Mula's recipe (seed 001; docs/references.md) is the default: AdamW with weight decay on
 all params, linear warmup to the peak rate and cosine decay to a floor, and
 global-norm clipping that starts only after warmup (early gradients are large
 and clipping them slows the start). Goldfish loss (AxoNN section VIII) drops a

@@ -1,6 +1,6 @@
 """MoE gating: which experts each token goes to, with what weight, and in which buffer slot.
 
-Tokens come in local groups (`G` groups of `S` tokens, REFERENCE section A);
+Tokens come in local groups (`G` groups of `S` tokens, GShard (docs/references.md));
 each expert takes at most `C` tokens per group. One mechanism covers GShard
 top-2, Switch top-1 and OLMoE top-8: every token picks `k` experts
 (:func:`choose`), then slots are handed out choice by choice, so every first

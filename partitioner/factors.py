@@ -1,4 +1,4 @@
-"""Factors: the vocabulary every sharding rule is written in (DESIGN.md section 5).
+"""Factors: the vocabulary every sharding rule is written in.
 
 A rule names a *factor* for every dim of every operand and result. A dim may
 hold several factors (major to minor) when a reshape merged dims. Sharding a

@@ -1,6 +1,6 @@
 """Lowering: run the program equation by equation on local shards inside jax.shard_map.
 
-For every equation one mechanism decides (DESIGN.md section 5; strategy.py):
+For every equation one mechanism decides (docs/partitioner.md; strategy.py):
 enumerate the factor shardings its rule allows from what the operands have
 and what the plan wants for the results, cost each (reshards in, reshards
 out, combines, local compute) with the alpha-beta model, take the cheapest;

@@ -1,4 +1,4 @@
-"""Sharding propagation over a Program through the factor rules (DESIGN.md section 6).
+"""Sharding propagation over a Program through the factor rules.
 
 Shardings only ever grow: a value's dims gain axes, never lose them, so the
 fixed point is reached in a few passes. User shardings (annotations,

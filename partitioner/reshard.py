@@ -1,4 +1,4 @@
-"""Resharding: from one sharding to another in the fewest, cheapest collectives (DESIGN.md section 7).
+"""Resharding: from one sharding to another in the fewest, cheapest collectives.
 
 A change of padding (see sharding.py) happens where the dim is whole: the
 dim is gathered, padded or cut locally, then split again. Otherwise the

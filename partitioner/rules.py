@@ -1,4 +1,4 @@
-"""Factor rules: one einsum-like description per primitive (DESIGN.md section 5).
+"""Factor rules: one einsum-like description per primitive.
 
 Each builder names the factors of an equation's operand and result dims
 (factors.py has the vocabulary); registry.py says which builder each

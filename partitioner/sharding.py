@@ -1,4 +1,4 @@
-"""The sharding type: mesh axes per tensor dim plus partial-sum axes (DESIGN.md section 4).
+"""The sharding type: mesh axes per tensor dim plus partial-sum axes.
 
 It is PartitionSpec plus "unreduced", as in Shardy. A dim's axes are listed
 major to minor; axes that no dim uses are replicated, unless they are

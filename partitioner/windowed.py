@@ -1,4 +1,4 @@
-"""Windowed ops on split dims: convolutions and pooling, by halo exchange (REFERENCE section F).
+"""Windowed ops on split dims: convolutions and pooling, by halo exchange (docs/references.md).
 
 A windowed op's rule ties each spatial dim of its input to the dim a split
 of it carries to (factors.Rule.ties): the output rows (each device computes

@@ -1,4 +1,4 @@
-"""REFERENCE section A's per-op table: the collectives in the compiled HLO, one test per row."""
+"""GShard (docs/references.md)'s per-op table: the collectives in the compiled HLO, one test per row."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -12,7 +12,7 @@ from gshard_jax import configs
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENTS = sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py")))
 
-# REFERENCE section A (GShard Table 1) and B (Mula): (total, active per token); None: not stated.
+# GShard (docs/references.md) (GShard Table 1) and B (Mula): (total, active per token); None: not stated.
 PAPER = {
     "gshard_moe_2048e_36l": (600e9, None), "gshard_moe_2048e_12l": (200e9, None),
     "gshard_moe_512e_36l": (150e9, None), "gshard_moe_512e_12l": (50e9, None),

@@ -1,5 +1,6 @@
 """Installing gshard-jax puts one top-level package on the path: gshard_jax."""
 import os
+import re
 import subprocess
 import sys
 
@@ -34,3 +35,15 @@ def test_partitioner_is_inside_the_namespace():
     import gshard_jax.models  # noqa: F401
     assert gshard_jax.partitioner.__name__ == "gshard_jax.partitioner"
     assert gshard_jax.models.__name__ == "gshard_jax.models"
+
+
+def test_code_and_docs_cite_only_what_the_repository_has():
+    """Docstrings and docs name their sources (docs/references.md), not files a reader does not have."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(["git", "ls-files", "*.py", "*.md", "*.cfg", "*.toml"], cwd=root, capture_output=True,
+                         text=True).stdout.split()
+    assert len(out) > 50 and "docs/references.md" in out
+    for path in out:
+        with open(os.path.join(root, path)) as f:
+            text = f.read()
+        assert not re.search(r"DESIGN\.md|REFERENCE\.md|REFERENCE (section|§)", text), path

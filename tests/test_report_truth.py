@@ -2,7 +2,7 @@
 
 The programs here cover what other test files do not already check this way
 (the ecosystem catalogue, checkpointed regions, train steps, the program
-boundary and REFERENCE's per-op table check it themselves): control flow,
+boundary and GShard's per-op table check it themselves): control flow,
 gathers and scatters, uneven splits, sorting and cumulative ops, random bits, bf16 exchanges.
 """
 import jax

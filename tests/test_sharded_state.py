@@ -98,7 +98,7 @@ def test_gradient_accumulation_equals_the_large_batch():
 
 
 def formula(stage, P, N, dtype):
-    """Seed 002's persistent bytes per device (REFERENCE section D): bf16 params and gradients of 2 bytes,
+    """Seed 002's persistent bytes per device (docs/references.md): bf16 params and gradients of 2 bytes,
     K = 12 of float32 master weights and moments; float32 runs have no master copy (4 + 4 + 8)."""
     p = g = 2 if dtype == "bfloat16" else 4
     k = 12 if dtype == "bfloat16" else 8
