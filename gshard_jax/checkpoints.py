@@ -55,6 +55,13 @@ class Checkpoints:
         self.model.save(step, args=ocp.args.StandardSave({"params": state["params"]}), force=force,
                         custom_metadata=meta)
 
+    def save_now(self, step: int, state: dict) -> None:
+        """A full checkpoint of `step` now (preemption), unless the interval saved it already; then wait."""
+        if step not in self.full.all_steps():
+            self.full.save(step, args=ocp.args.StandardSave(state), force=True,
+                           custom_metadata=self.metadata or None)
+        self.wait()
+
     def restore_latest(self, template: dict, adapt: Optional[Callable] = None) -> Optional[tuple[int, dict]]:
         """(step, state) from the newest full checkpoint that restores, placed like `template` and passed
         through adapt(state, its saved metadata); None if none."""

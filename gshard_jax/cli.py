@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import logging
 import sys
 from typing import Optional, Sequence
@@ -68,6 +69,17 @@ def _train(args: argparse.Namespace) -> int:
         return EXIT_HALTED
     print(json.dumps(summary))
     return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from . import launch
+    cfg = _load(args)  # checked before any process starts
+    opts = launch.Options(args.processes, args.spares, args.cpu_devices, args.hang_timeout, args.startup_timeout,
+                          args.max_restarts, shrink=cfg.mesh.get("data", 1) == -1)
+    os.makedirs(args.workdir, exist_ok=True)
+    train_args = ["--config", args.config, "--workdir", args.workdir]
+    train_args += [f"--config.{k}={v}" for k, v in args.overrides]
+    return launch.launch(opts, train_args, args.workdir)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -182,6 +194,25 @@ def parser() -> argparse.ArgumentParser:
                    "overrides given here still win")
     q.set_defaults(run=_train)
 
+    q = sub.add_parser("launch", help="train as N processes with spare nodes, surviving failures",
+                       description="Run `train` as --processes cooperating processes (jax.distributed), one per "
+                       "node, with --spares spare nodes. A process that exits abnormally or stops beating for "
+                       "--hang-timeout seconds ends the attempt: all are stopped, its node is marked bad, and "
+                       "the run resumes from its newest checkpoint with a spare in its place (with none left, "
+                       "on fewer processes when mesh.data is -1). WORKDIR/launch.jsonl logs every attempt. "
+                       "Exits 0 when the run finishes, 75 when preempted (SIGTERM), 4 when it gives up.")
+    _config_arg(q)
+    q.add_argument("--workdir", required=True, help="the run's directory (as for train)")
+    q.add_argument("--processes", type=int, default=2, metavar="N", help="processes (nodes) the run uses")
+    q.add_argument("--spares", type=int, default=0, metavar="K", help="spare nodes")
+    q.add_argument("--cpu-devices", type=int, default=0, metavar="D", help="simulated CPU devices per process")
+    q.add_argument("--hang-timeout", type=float, default=300.0, metavar="S", help="seconds without progress "
+                   "that count as a hang")
+    q.add_argument("--startup-timeout", type=float, default=900.0, metavar="S", help="seconds allowed before "
+                   "the first step of an attempt (compilation)")
+    q.add_argument("--max-restarts", type=int, default=3, metavar="R", help="relaunches before giving up")
+    q.set_defaults(run=_launch)
+
     q = sub.add_parser("eval", help="held-out loss of WORKDIR's newest checkpoint",
                        description="Print the held-out loss of the newest full or model-only checkpoint as JSON.")
     _run_args(q)
@@ -273,11 +304,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax", "matplotlib", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from .faults import EXIT_PREEMPTED, Preempted
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"gshard-jax {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except Preempted as e:
+        print(f"gshard-jax {args.command}: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
 
 
 if __name__ == "__main__":

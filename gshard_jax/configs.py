@@ -104,7 +104,12 @@ def skeleton(model: ConfigDict, mesh: dict, **train: Any) -> ConfigDict:
     cfg.mesh_order = ""  # the mesh axes outermost first, comma-separated ("": the mesh section's order)
     cfg.data = data_defaults()
     cfg.pipeline = pipeline_defaults()
-    cfg.debug = ConfigDict(dict(nan_at_step=-1))  # poison the loss of this step (1-based) with NaN (-1: never)
+    cfg.debug = ConfigDict(dict(
+        nan_at_step=-1,  # poison the loss of this step (1-based) with NaN (-1: never)
+        fail_process=-1,  # the node (process index, or GSHARD_JAX_NODE under `gshard-jax launch`) that fails
+        fail_at_step=-1,  # ... by dying (os._exit, no cleanup) at the start of this step (-1: never)
+        hang_at_step=-1,  # ... by hanging at the start of this step (-1: never)
+    ))
     return cfg
 
 

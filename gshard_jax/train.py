@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import gshard_jax as gs
 
 from . import configs, data, metrics, optim
+from .faults import Faults, Preempted
 from . import state as sharded
 from .checkpoints import Checkpoints
 from .models import pipelined
@@ -427,8 +428,10 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -
                 post["mfu"] = f"{row['mfu']:.1%}"
             bar.set_postfix(post, refresh=False)
 
+    faults = Faults(cfg.debug)
     try:
         for step in range(start + 1, t.num_steps + 1):
+            faults.before(step)
             with clock.waiting("data_wait_s"):
                 batch = trainer.batch(tokens, "train", step)
             state, m = trainer.step_fn(state, batch)
@@ -443,9 +446,16 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -
                 pending = (step, m)
             with clock.waiting("checkpoint_s"):
                 ckpt.save(step, state, force=step == t.num_steps)
+            if step < t.num_steps and faults.preempted(step):
+                if pending is not None:
+                    settle(*pending)
+                    pending = None
+                ckpt.save_now(step, state)
+                raise Preempted(step)
         if pending is not None:
             settle(*pending)
     finally:
+        faults.close()
         ckpt.wait()
         ckpt.close()
         writer.close()

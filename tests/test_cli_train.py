@@ -157,6 +157,34 @@ def test_metrics_are_read_one_step_late(data_dir, tmp_path, monkeypatch):
         assert last_dispatched == ("dispatch", n if n in settled_at_once else n + 1), events
 
 
+def test_sigterm_saves_at_the_next_step_and_exits_preempted(data_dir, tmp_path):
+    """A preemption notice (SIGTERM) mid-run: a full checkpoint at the next step boundary, exit status 75
+    (not a failure's), and the rerun resumes there with no step lost."""
+    from gshard_jax.faults import EXIT_PREEMPTED
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "gshard_jax.cli", "train", "--config", CONFIG, "--cpu-devices", "8",
+            "--workdir", str(run), "--no-progress", f"--config.data.dir={data_dir}", *SMALL]
+    p = subprocess.Popen(args + ["--config.train.num_steps=500"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and p.poll() is None and (
+                not (run / "metrics.jsonl").exists() or len(rows(run)) < 3):
+            time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == EXIT_PREEMPTED, err[-2000:]
+    last = rows(run)[-1]["step"]
+    assert "preempted" in err and last in steps_saved(run) and last < 500
+    again = train(run, data_dir, last + 2)
+    summary = json.loads(again.stdout.strip().splitlines()[-1])
+    assert summary["start_step"] == last
+    assert [x["step"] for x in rows(run)] == list(range(1, last + 3))
+
+
 @pytest.mark.slow  # 35 s; the encoder-decoder's train step is tested partitioned in test_models.py
 def test_the_tiny_encoder_decoder_trains_through_the_cli(data_dir, tmp_path):
     """docs/models.md: the tiny encoder-decoder trains on a CPU (it reads the first half of each window and
@@ -255,7 +283,7 @@ def test_a_mesh_larger_than_the_devices_says_how_to_fix_it(tmp_path, data_dir):
 
 
 def test_every_subcommand_has_help():
-    for sub in ("train", "eval", "explain", "compare", "params", "prepare-data", "plot"):
+    for sub in ("train", "launch", "eval", "explain", "compare", "params", "prepare-data", "plot"):
         p = cli(sub, "--help")
         assert "usage: gshard-jax " + sub in p.stdout and len(p.stdout) > 200
 
@@ -284,6 +312,31 @@ def test_two_processes_train_to_the_same_losses_as_one(data_dir, tmp_path):
     assert len(got) == len(want) == 6
     assert got == pytest.approx(want, rel=1e-5)
     assert steps_saved(two) == [4, 6] and steps_saved(two, "model_checkpoints") == [6]  # both series save step 6
+
+
+def launch(workdir, data_dir, steps, *extra, processes=2, spares=1, check=True):
+    return cli("launch", "--config", CONFIG, "--workdir", str(workdir), "--processes", str(processes),
+               "--spares", str(spares), "--cpu-devices", str(8 // processes), "--hang-timeout", "20",
+               "--startup-timeout", "300", f"--config.data.dir={data_dir}",
+               f"--config.train.num_steps={steps}", *SMALL, *extra, check=check, timeout=900)
+
+
+def test_launch_replaces_a_dead_node_with_a_spare_and_loses_nothing(data_dir, tmp_path):
+    """2 processes x 4 devices and a spare; node 1 dies at step 6 (os._exit): the supervisor stops the
+    attempt, puts the spare in its place, and the run resumes from step 4 to the same losses as a run that
+    never failed."""
+    from gshard_jax import launch as L
+    whole = tmp_path / "whole"
+    train(whole, data_dir, 8)
+    run = tmp_path / "run"
+    launch(run, data_dir, 8, "--config.debug.fail_process=1", "--config.debug.fail_at_step=6")
+    events = L.read(str(run))
+    assert [e["event"] for e in events] == ["attempt", "failure", "replaced", "attempt", "done"], events
+    assert events[0]["nodes"] == [0, 1] and events[3]["nodes"] == [0, 2]
+    assert events[1]["node"] == 1 and events[1]["detail"] == "exit status 13" and events[2]["by"] == 2
+    got = {x["step"]: x["loss"] for x in rows(run)}
+    assert sorted(got) == list(range(1, 9))  # every step once: the resume dropped what the failure left
+    assert [got[s] for s in range(1, 9)] == pytest.approx([x["loss"] for x in rows(whole)], rel=1e-5)
 
 
 def test_explain_compare_and_plot_subcommands(data_dir, tmp_path):

@@ -1,0 +1,204 @@
+"""`gshard-jax launch`: run `gshard-jax train` as N cooperating processes (one per node, jax.distributed)
+with K spare nodes, and keep the run alive.
+
+The supervisor watches every attempt. An attempt ends when:
+- a process exits abnormally;
+- a process stops beating for `hang_timeout` seconds (its peers wait forever in a collective), after a
+  startup allowance for compilation.
+
+Every process is then stopped, the failed node is marked bad, and the run is relaunched on the remaining
+good nodes (a spare takes the failed one's place). `train` resumes from the newest checkpoint. Without a
+spare, the run goes on with fewer processes when the config lets the data axis take the rest
+(`mesh.data = -1`); the global batch stays. Otherwise it stops with the reason.
+
+Every attempt, failure and replacement goes to WORKDIR/launch.jsonl and is printed. SIGTERM to the
+supervisor is passed to every process; they checkpoint at the next step and exit with EXIT_PREEMPTED, and
+so does the supervisor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+from .faults import EXIT_PREEMPTED, HEARTBEAT_ENV, NODE_ENV
+
+EXIT_GAVE_UP = 4  # the run failed more times than allowed, or too few nodes are left
+TERMINAL = {2: "a usage error", 3: "halted on a non-finite step"}  # cli.EXIT_USAGE, EXIT_HALTED: no retry
+
+
+@dataclasses.dataclass
+class Options:
+    processes: int  # nodes a run uses
+    spares: int  # extra nodes that replace failed ones
+    cpu_devices: int  # simulated devices per process (0: the host's)
+    hang_timeout: float  # seconds without a heartbeat from a running process that count as a hang
+    startup_timeout: float  # seconds allowed before the first heartbeat of an attempt (compilation)
+    max_restarts: int  # relaunches before giving up
+    shrink: bool  # without spares, go on with fewer processes (the config's data axis takes the rest)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Supervisor:
+    def __init__(self, opts: Options, train_args: Sequence[str], workdir: str):
+        self.opts, self.train_args, self.workdir = opts, list(train_args), workdir
+        self.dir = os.path.join(workdir, "launch")
+        self.bad: list[int] = []
+        self.procs: list[subprocess.Popen] = []
+        self.term = False
+
+    def log(self, event: str, **fields) -> None:
+        row = {"time": round(time.time(), 3), "event": event, **fields}
+        with open(os.path.join(self.workdir, "launch.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print("gshard-jax launch: " + " ".join(f"{k}={v}" for k, v in row.items() if k != "time"), flush=True)
+
+    def run(self) -> int:
+        os.makedirs(self.dir, exist_ok=True)
+        previous = signal.signal(signal.SIGTERM, self._on_term)
+        try:
+            return self._attempts()
+        finally:
+            self._stop()
+            signal.signal(signal.SIGTERM, previous)
+
+    def _on_term(self, signum, frame) -> None:
+        self.term = True
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+
+    def _attempts(self) -> int:
+        o = self.opts
+        nodes = list(range(o.processes + o.spares))
+        n = o.processes
+        for attempt in range(o.max_restarts + 1):
+            good = [x for x in nodes if x not in self.bad]
+            if len(good) < n:
+                if not o.shrink or not good:
+                    self.log("stopped", reason=f"{len(good)} good nodes left for {n} processes and no spare; "
+                             f"rerun with more --spares, or let the data axis shrink (mesh.data=-1, --shrink)")
+                    return EXIT_GAVE_UP
+                self.log("shrink", processes=len(good), was=n)
+                n = len(good)
+            chosen = good[:n]
+            self.log("attempt", attempt=attempt, nodes=chosen, processes=n)
+            failed = self._one(attempt, chosen)
+            if failed is None:
+                self.log("done", attempt=attempt)
+                return 0
+            if failed == "preempted":
+                self.log("preempted", attempt=attempt)
+                return EXIT_PREEMPTED
+            node, kind, detail = failed
+            if kind == "terminal":  # the run itself is wrong (a bad config, a NaN under halt): no retry
+                self.log("stopped", attempt=attempt, node=node, reason=f"exit status {detail} "
+                         f"({TERMINAL[detail]}); see {self.dir}")
+                return detail
+            self.bad.append(node)
+            spare = [x for x in nodes if x not in self.bad and x not in chosen]
+            self.log("failure", attempt=attempt, node=node, process=chosen.index(node), kind=kind, detail=detail)
+            if spare:
+                self.log("replaced", node=node, by=spare[0])
+        self.log("stopped", reason=f"the run failed {o.max_restarts + 1} times; see {self.dir}")
+        return EXIT_GAVE_UP
+
+    def _one(self, attempt: int, chosen: list[int]):
+        """Run one attempt: None when every process finished, "preempted", or (node, kind, detail)."""
+        o = self.opts
+        beats = os.path.join(self.dir, f"heartbeat.{attempt}")
+        os.makedirs(beats, exist_ok=True)
+        port = _free_port()
+        self.procs = []
+        for i, node in enumerate(chosen):
+            args = [sys.executable, "-m", "gshard_jax.cli", "train", *self.train_args, "--no-progress",
+                    "--num-processes", str(len(chosen)), "--process-id", str(i)]
+            if len(chosen) > 1:
+                args += ["--coordinator", f"127.0.0.1:{port}"]
+            if o.cpu_devices:
+                args += ["--cpu-devices", str(o.cpu_devices)]
+            env = dict(os.environ, **{NODE_ENV: str(node), HEARTBEAT_ENV: beats})
+            out = open(os.path.join(self.dir, f"attempt{attempt}.node{node}.log"), "w")
+            self.procs.append(subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                               start_new_session=True))
+            out.close()
+        started = time.time()
+        try:
+            while True:
+                time.sleep(0.2)
+                codes = [p.poll() for p in self.procs]
+                if all(c == 0 for c in codes):
+                    return None
+                if self.term and all(c is not None for c in codes):
+                    return "preempted"
+                for node, c in zip(chosen, codes):
+                    if c in TERMINAL:
+                        return node, "terminal", c
+                    if c not in (None, 0) and not self.term:
+                        return node, "exit", f"exit status {c}"
+                if self.term:
+                    continue
+                hung = self._hung(beats, chosen, started)
+                if hung is not None:
+                    return hung
+        finally:
+            self._stop()
+
+    def _hung(self, beats: str, chosen: list[int], started: float):
+        """(node, "hang", detail) when the run stopped beating: the node with the oldest step is blamed."""
+        o = self.opts
+        seen = {}
+        for i, node in enumerate(chosen):
+            path = os.path.join(beats, f"{i}.step")
+            if os.path.exists(path):
+                with open(path) as f:
+                    text = f.read().strip()
+                seen[node] = (int(text or 0), os.path.getmtime(path))
+        now = time.time()
+        if len(seen) < len(chosen):
+            if now - started > o.startup_timeout:
+                node = next(x for x in chosen if x not in seen)
+                return node, "hang", f"no heartbeat within --startup-timeout {o.startup_timeout:.0f} s"
+            return None
+        if now - max(t for _, t in seen.values()) <= o.hang_timeout:
+            return None
+        node = min(seen, key=lambda x: (seen[x][0], seen[x][1]))
+        return node, "hang", f"no process advanced for {o.hang_timeout:.0f} s; node {node} is at step {seen[node][0]}"
+
+    def _stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs:
+            p.wait()
+
+
+def launch(opts: Options, train_args: Sequence[str], workdir: str) -> int:
+    """Supervise `gshard-jax train TRAIN_ARGS` (they include --config and --workdir) as opts says."""
+    if opts.processes < 1 or opts.spares < 0 or opts.max_restarts < 0:
+        raise ValueError(f"--processes {opts.processes}, --spares {opts.spares}, --max-restarts "
+                         f"{opts.max_restarts}: expected at least 1 process and no negative counts")
+    return Supervisor(opts, train_args, workdir).run()
+
+
+def read(workdir: str) -> list[dict]:
+    """The events of WORKDIR/launch.jsonl."""
+    path = os.path.join(workdir, "launch.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
