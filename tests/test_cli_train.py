@@ -339,6 +339,68 @@ def test_launch_replaces_a_dead_node_with_a_spare_and_loses_nothing(data_dir, tm
     assert [got[s] for s in range(1, 9)] == pytest.approx([x["loss"] for x in rows(whole)], rel=1e-5)
 
 
+@pytest.mark.slow  # 2 minutes: the hang is waited out
+def test_launch_finds_a_hung_node_and_replaces_it(data_dir, tmp_path):
+    """Node 1 stops answering at step 6 and node 0 waits in a collective: no heartbeat moves for the
+    --hang-timeout, the node with the oldest step is blamed and replaced, and the run finishes."""
+    from gshard_jax import launch as L
+    whole = tmp_path / "whole"
+    train(whole, data_dir, 8)
+    run = tmp_path / "run"
+    launch(run, data_dir, 8, "--config.debug.fail_process=1", "--config.debug.hang_at_step=6")
+    events = L.read(str(run))
+    assert [e["event"] for e in events] == ["attempt", "failure", "replaced", "attempt", "done"], events
+    assert events[1]["node"] == 1 and events[1]["kind"] == "hang" and "step 5" in events[1]["detail"]
+    assert events[1]["time"] - events[0]["time"] < 300  # found within the startup allowance plus the timeout
+    got = {x["step"]: x["loss"] for x in rows(run)}
+    assert [got[s] for s in range(1, 9)] == pytest.approx([x["loss"] for x in rows(whole)], rel=1e-5)
+
+
+@pytest.mark.slow  # 2 minutes
+def test_launch_without_a_spare_shrinks_the_data_axis_or_stops(data_dir, tmp_path):
+    """No spare: with mesh.data = -1 the run goes on as one process of 4 devices (the data axis shrinks, the
+    global batch stays); with a fixed data axis it stops and says how to go on."""
+    from gshard_jax import launch as L
+    shrunk = tmp_path / "shrunk"
+    launch(shrunk, data_dir, 8, "--config.debug.fail_process=1", "--config.debug.fail_at_step=6",
+           "--config.mesh.data=-1", spares=0)
+    events = L.read(str(shrunk))
+    assert [e["event"] for e in events] == ["attempt", "failure", "shrink", "attempt", "done"], events
+    assert events[3]["processes"] == 1 and sorted({x["step"] for x in rows(shrunk)}) == list(range(1, 9))
+    stopped = tmp_path / "stopped"
+    p = launch(stopped, data_dir, 8, "--config.debug.fail_process=1", "--config.debug.fail_at_step=6",
+               spares=0, check=False)
+    assert p.returncode == L.EXIT_GAVE_UP
+    last = L.read(str(stopped))[-1]
+    assert last["event"] == "stopped" and "--spares" in last["reason"]
+
+
+@pytest.mark.slow  # 1-2 minutes
+def test_sigterm_to_the_supervisor_preempts_every_process(data_dir, tmp_path):
+    """SIGTERM to `gshard-jax launch`: its processes agree on a step (JAX's preemption sync point), save a
+    full checkpoint there and exit 75; so does the supervisor, and launch.jsonl says so."""
+    from gshard_jax import launch as L
+    from gshard_jax.faults import EXIT_PREEMPTED
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "gshard_jax.cli", "launch", "--config", CONFIG, "--workdir",
+                          str(run), "--processes", "2", "--cpu-devices", "4", f"--config.data.dir={data_dir}",
+                          "--config.train.num_steps=500", *SMALL], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline and p.poll() is None and (
+                not (run / "metrics.jsonl").exists() or len(rows(run)) < 3):
+            time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == EXIT_PREEMPTED, (out[-2000:], err[-2000:])
+    assert L.read(str(run))[-1]["event"] == "preempted"
+    assert rows(run)[-1]["step"] in steps_saved(run)
+
+
 def test_explain_compare_and_plot_subcommands(data_dir, tmp_path):
     common = ["--config", CONFIG, "--cpu-devices", "8", "--workdir", str(tmp_path / "w"),
               f"--config.data.dir={data_dir}", *SMALL]
