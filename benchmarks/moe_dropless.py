@@ -33,7 +33,7 @@ import gshard_jax as gs  # noqa: E402
 from gshard_jax.models.gating import GatingConfig  # noqa: E402
 from gshard_jax.models.moe import MoeConfig, MoeFFN  # noqa: E402
 from gshard_jax.models.sharding import DEFAULT_RULES  # noqa: E402
-from gshard_jax.timing import median_times  # noqa: E402
+from gshard_jax.training.timing import median_times  # noqa: E402
 
 # (name, experts, k, d_model, expert d_ff, activation): a GShard-like top-2 layer and an OLMoE-like top-8 one.
 SHAPES = [("top2 E8", 8, 2, 256, 1024, "relu"), ("top8 E64", 64, 8, 256, 256, "swiglu")]

@@ -42,12 +42,13 @@ import optax  # noqa: E402
 
 import gshard_jax as gs  # noqa: E402
 from gshard_jax.models import cnn, lm  # noqa: E402
-from gshard_jax import configs, data  # noqa: E402
+from gshard_jax import configs  # noqa: E402
+from gshard_jax.training import data  # noqa: E402
 from gshard_jax.models.gating import GatingConfig  # noqa: E402
 from gshard_jax.models.moe import MoeConfig, MoeFFN, expert_einsums  # noqa: E402
 from gshard_jax.models.sharding import DEFAULT_RULES, loss_fn  # noqa: E402
 from gshard_jax.partitioner.hlo import collective_stats  # noqa: E402
-from gshard_jax.timing import median_times  # noqa: E402
+from gshard_jax.training.timing import median_times  # noqa: E402
 
 
 # --------------------------------------------------------------------------- programs

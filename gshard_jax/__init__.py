@@ -23,5 +23,13 @@ from .mesh import make_mesh
 from .pipelining import pipeline, pipeline_value_and_grad
 
 __all__ = ["make_mesh", "replicate", "split", "shard", "manual", "partition", "explain", "Report", "Sharding",
-           "HardwareProfile", "collective_stats", "pipeline", "pipeline_value_and_grad"]
+           "HardwareProfile", "collective_stats", "pipeline", "pipeline_value_and_grad", "plan"]
+
+
+def __getattr__(name: str):
+    """gs.plan: the planner (gshard_jax.planner.plan), imported when first used."""
+    if name == "plan":
+        from .planner import plan
+        return plan
+    raise AttributeError(f"module 'gshard_jax' has no attribute {name!r}")
 __version__ = "0.1.0"

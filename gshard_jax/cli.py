@@ -16,7 +16,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from . import data, overrides
+from .training import data, overrides
 
 EXIT_USAGE, EXIT_HALTED = 2, 3
 
@@ -30,7 +30,7 @@ def _load(args: argparse.Namespace):
 def _setup(args: argparse.Namespace):
     """The config with its overrides (checked before any work), then the devices and jax.distributed."""
     cfg = _load(args)
-    from .train import init_devices
+    from .training.train import init_devices
     init_devices(args.cpu_devices, args.coordinator, args.num_processes, args.process_id)
     return cfg
 
@@ -61,7 +61,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.plan:  # the plan's choice first: explicit overrides on the command line still win
         args.overrides = _plan_overrides(args.plan) + list(args.overrides)
     cfg = _setup(args)
-    from . import train
+    from .training import train
     try:
         summary = train.train(cfg, args.workdir, progress=not args.no_progress)
     except train.NonFiniteStep as e:
@@ -72,7 +72,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from . import launch
+    from .training import launch
     cfg = _load(args)  # checked before any process starts
     opts = launch.Options(args.processes, args.spares, args.cpu_devices, args.hang_timeout, args.startup_timeout,
                           args.max_restarts, shrink=cfg.mesh.get("data", 1) == -1)
@@ -84,14 +84,14 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     cfg = _setup(args)
-    from . import train
+    from .training import train
     print(json.dumps(train.evaluate(cfg, args.workdir)))
     return 0
 
 
 def _explain(args: argparse.Namespace) -> int:
     cfg = _setup(args)
-    from . import train
+    from .training import train
     trainer, state, batch = train.first_step(cfg, args.workdir)
     report = trainer.explain(state, batch)
     print(report.to_json() if args.json else (report.table() if args.table else report))
@@ -100,7 +100,7 @@ def _explain(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     cfg = _setup(args)
-    from . import compare
+    from .training import compare
     rows = compare.train_step(cfg, args.workdir, steps=args.steps)
     print(json.dumps(rows) if args.json else compare.format_rows(rows))
     return 0
@@ -157,7 +157,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from . import metrics
+    from .training import metrics
     print(metrics.plot(args.workdirs, args.out, labels=args.labels.split(",") if args.labels else None))
     return 0
 
@@ -304,7 +304,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax", "matplotlib", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from .faults import EXIT_PREEMPTED, Preempted
+    from .training.faults import EXIT_PREEMPTED, Preempted
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as e:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from . import data
+from .training import data
 from .models.gating import GatingConfig
 from .models.moe import MoeConfig
 from .models.pipelined import PipelineConfig
@@ -61,7 +61,7 @@ def train_defaults() -> ConfigDict:
 
 
 def data_defaults() -> ConfigDict:
-    """The data section: where tokens come from (see gshard_jax/data.py)."""
+    """The data section: where tokens come from (see gshard_jax/training/data.py)."""
     return ConfigDict(dict(
         dir="",  # prepared token shards ("": WORKDIR/data, prepared on first use)
         source="",  # directory of text files to prepare from ("": the Python standard library's sources)

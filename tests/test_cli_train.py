@@ -100,7 +100,8 @@ def test_training_lowers_the_loss_and_writes_its_records(data_dir, tmp_path):
     assert os.path.getsize(run / "loss.png") > 1000
     assert {"loss", "grad_norm", "learning_rate", "tokens_per_s", "eval_loss", "mfu"} <= tensorboard_tags(run)
     # Utilisation: mfu = model flops per token x tokens/s / (devices x peak), the peak from train.hardware.
-    from gshard_jax import configs, overrides, train as T
+    from gshard_jax import configs
+    from gshard_jax.training import overrides, train as T
     from gshard_jax.planner import hardware
     cfg = overrides.apply(configs.load(CONFIG), overrides.split_args(SMALL)[1])
     per_token, peak = T.model_flops_per_token(cfg), hardware.get(cfg.train.hardware).peak_flops
@@ -120,7 +121,8 @@ def test_metrics_are_read_one_step_late(data_dir, tmp_path, monkeypatch):
     """The host never waits on the device between steps: step N's metrics are read after step N+1 is
     dispatched, except where step N is evaluated or checkpointed (its row comes before its checkpoint, and
     a NaN halts before it is saved)."""
-    from gshard_jax import configs, overrides, train as T
+    from gshard_jax import configs
+    from gshard_jax.training import overrides, train as T
     cfg = overrides.apply(configs.load(CONFIG), overrides.split_args(
         SMALL + [f"--config.data.dir={data_dir}", "--config.train.num_steps=10"])[1])
     events = []
@@ -160,7 +162,7 @@ def test_metrics_are_read_one_step_late(data_dir, tmp_path, monkeypatch):
 def test_sigterm_saves_at_the_next_step_and_exits_preempted(data_dir, tmp_path):
     """A preemption notice (SIGTERM) mid-run: a full checkpoint at the next step boundary, exit status 75
     (not a failure's), and the rerun resumes there with no step lost."""
-    from gshard_jax.faults import EXIT_PREEMPTED
+    from gshard_jax.training.faults import EXIT_PREEMPTED
     run = tmp_path / "run"
     args = [sys.executable, "-m", "gshard_jax.cli", "train", "--config", CONFIG, "--cpu-devices", "8",
             "--workdir", str(run), "--no-progress", f"--config.data.dir={data_dir}", *SMALL]
@@ -325,7 +327,7 @@ def test_launch_replaces_a_dead_node_with_a_spare_and_loses_nothing(data_dir, tm
     """2 processes x 4 devices and a spare; node 1 dies at step 6 (os._exit): the supervisor stops the
     attempt, puts the spare in its place, and the run resumes from step 4 to the same losses as a run that
     never failed."""
-    from gshard_jax import launch as L
+    from gshard_jax.training import launch as L
     whole = tmp_path / "whole"
     train(whole, data_dir, 8)
     run = tmp_path / "run"
@@ -343,7 +345,7 @@ def test_launch_replaces_a_dead_node_with_a_spare_and_loses_nothing(data_dir, tm
 def test_launch_finds_a_hung_node_and_replaces_it(data_dir, tmp_path):
     """Node 1 stops answering at step 6 and node 0 waits in a collective: no heartbeat moves for the
     --hang-timeout, the node with the oldest step is blamed and replaced, and the run finishes."""
-    from gshard_jax import launch as L
+    from gshard_jax.training import launch as L
     whole = tmp_path / "whole"
     train(whole, data_dir, 8)
     run = tmp_path / "run"
@@ -360,7 +362,7 @@ def test_launch_finds_a_hung_node_and_replaces_it(data_dir, tmp_path):
 def test_launch_without_a_spare_shrinks_the_data_axis_or_stops(data_dir, tmp_path):
     """No spare: with mesh.data = -1 the run goes on as one process of 4 devices (the data axis shrinks, the
     global batch stays); with a fixed data axis it stops and says how to go on."""
-    from gshard_jax import launch as L
+    from gshard_jax.training import launch as L
     shrunk = tmp_path / "shrunk"
     launch(shrunk, data_dir, 8, "--config.debug.fail_process=1", "--config.debug.fail_at_step=6",
            "--config.mesh.data=-1", spares=0)
@@ -379,8 +381,8 @@ def test_launch_without_a_spare_shrinks_the_data_axis_or_stops(data_dir, tmp_pat
 def test_sigterm_to_the_supervisor_preempts_every_process(data_dir, tmp_path):
     """SIGTERM to `gshard-jax launch`: its processes agree on a step (JAX's preemption sync point), save a
     full checkpoint there and exit 75; so does the supervisor, and launch.jsonl says so."""
-    from gshard_jax import launch as L
-    from gshard_jax.faults import EXIT_PREEMPTED
+    from gshard_jax.training import launch as L
+    from gshard_jax.training.faults import EXIT_PREEMPTED
     run = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "gshard_jax.cli", "launch", "--config", CONFIG, "--workdir",
                           str(run), "--processes", "2", "--cpu-devices", "4", f"--config.data.dir={data_dir}",

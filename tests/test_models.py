@@ -35,7 +35,7 @@ def model_and_batch(name, **overrides):
         params = model.init(jax.random.key(2), batch["source"], batch["inputs"])
     else:
         params = model.init(jax.random.key(2), batch["inputs"])
-    return model, nn.unbox(params), batch  # the arrays; their logical axes are what gshard_jax.state reads
+    return model, nn.unbox(params), batch  # the arrays; their logical axes are what gshard_jax.training.state reads
 
 
 def mesh_of(name):

@@ -15,7 +15,7 @@ from gshard_jax.planner import PROFILES, axonn, hardware, plan
 from gshard_jax.planner import estimate as E
 from gshard_jax.planner import predict as PR
 from gshard_jax.planner import space as SP
-from gshard_jax.train import Trainer
+from gshard_jax.training.train import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = PROFILES["cpu-simulation"]
@@ -86,6 +86,11 @@ def test_a_pinned_mesh_is_planned_and_placed_in_the_ranking():
     assert json.loads(a.to_json())["pinned"][0]["planned"]["key"] == r.candidate.key
     with pytest.raises(ValueError, match="multiplying to 8 devices"):
         plan(cfg, 8, CPU, top=1, verify=0, remats=("none",), pin=[{"data": 4}])
+
+
+def test_gs_plan_is_the_planner():
+    import gshard_jax as gs
+    assert gs.plan is plan and "plan" in gs.__all__
 
 
 def test_plan_is_deterministic_and_every_rejection_has_one_reason():
@@ -186,7 +191,7 @@ def test_cli_plan_writes_a_plan_that_train_applies(tmp_path, capsys):
     best = saved["ranked"][0]
     assert best["key"] in printed and best["comm_source"] == "partitioner"
     applied = configs.load(config)
-    from gshard_jax import overrides
+    from gshard_jax.training import overrides
     overrides.apply(applied, cli._plan_overrides(str(out)))
     assert {a: applied.mesh[a] for a in SP.AXES} == {a: best["mesh"].get(a, 1) for a in SP.AXES}
     assert applied.mesh_order == ",".join(best["mesh_order"])
@@ -194,7 +199,7 @@ def test_cli_plan_writes_a_plan_that_train_applies(tmp_path, capsys):
 
 
 def test_mesh_order_lays_the_axes_out_as_given_and_names_a_bad_order():
-    from gshard_jax.train import mesh_for
+    from gshard_jax.training.train import mesh_for
     cfg = _config("tiny_moe_lm")  # mesh {data 2, expert 4}
     assert mesh_for(cfg).axis_names == ("data", "expert")
     cfg.mesh_order = "expert,data"

@@ -7,7 +7,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from gshard_jax import configs, data, optim, overrides
+from gshard_jax import configs
+from gshard_jax.training import data, optim, overrides
 
 
 def test_overrides_parse_to_the_fields_types():
@@ -93,7 +94,7 @@ def test_batches_are_a_pure_function_of_seed_and_step_split_over_processes(tmp_p
 def test_goldfish_loss_is_the_train_steps_loss_over_the_kept_tokens(tmp_path):
     """train_step with goldfish_k=2 computes the loss over the tokens goldfish_weights keeps."""
     from gshard_jax.models.transformer import loss_fn
-    from gshard_jax.train import Trainer
+    from gshard_jax.training.train import Trainer
     cfg = configs.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
                                     "tiny_dense_lm.py"))
     cfg.train.update(dict(goldfish_k=2, seq_len=32, batch_size=8))
@@ -114,7 +115,7 @@ def test_the_trainers_programs_partition_without_fallback_and_as_reported(tmp_pa
     skip): no fallback row, and explain() equal to the compiled HLO (bf16 exchanges counted as XLA:CPU sends
     them)."""
     import gshard_jax as gs
-    from gshard_jax.train import Trainer
+    from gshard_jax.training.train import Trainer
     from helpers import assert_report_matches_hlo, hlo_stats
     cfg = configs.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
                                     "tiny_moe_encdec.py"))
@@ -134,7 +135,7 @@ def test_the_trainers_programs_partition_without_fallback_and_as_reported(tmp_pa
 
 def test_metrics_on_resume_keep_each_step_once(tmp_path):
     """A crashed run's rows after the resumed step are dropped; a torn last line is ignored."""
-    from gshard_jax import metrics
+    from gshard_jax.training import metrics
     w = metrics.MetricsWriter(str(tmp_path))
     for step in range(1, 6):
         w.write(step, {"loss": float(step)})
@@ -149,7 +150,7 @@ def test_metrics_on_resume_keep_each_step_once(tmp_path):
 
 def test_mesh_sizes_of_minus_one_take_the_rest_and_size_one_axes_are_dropped():
     """experiments/README.md: mesh axis sizes, -1 = the rest."""
-    from gshard_jax.train import mesh_for
+    from gshard_jax.training.train import mesh_for
     cfg = ml_collections.ConfigDict({"mesh": {"data": -1, "expert": 4, "model": 1}})
     assert dict(mesh_for(cfg).shape) == {"data": 2, "expert": 4}
     cfg.mesh.update(dict(data=1, expert=8))

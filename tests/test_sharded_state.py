@@ -1,4 +1,4 @@
-"""Sharded training state (gshard_jax/state.py): ZeRO stages 0-3, EPSO, AxoNN's x/y/z layout, gradient
+"""Sharded training state (gshard_jax/training/state.py): ZeRO stages 0-3, EPSO, AxoNN's x/y/z layout, gradient
 accumulation, bf16 master weights, and memory in explain(), on 8 simulated devices.
 
 Every sharded run is compared with the same train step run unpartitioned (one device, annotations off)."""
@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gshard_jax import configs, train
-from gshard_jax import state as S
-from gshard_jax.checkpoints import Checkpoints
+from gshard_jax import configs
+from gshard_jax.training import train
+from gshard_jax.training import state as S
+from gshard_jax.training.checkpoints import Checkpoints
 from gshard_jax.partitioner.hlo import collectives
 from helpers import assert_report_matches_hlo, hlo_stats
 

@@ -49,7 +49,7 @@ def abstract_mesh(c: Candidate) -> AbstractMesh:
 
 
 def abstract_batch(cfg: ml_collections.ConfigDict) -> dict:
-    from .. import data
+    from ..training import data
     t = cfg.train
     windows = np.zeros((t.batch_size, data.window_length(cfg.model.kind, t.seq_len)), np.int32)
     return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in data.model_batch(cfg.model.kind, windows).items()}
@@ -64,7 +64,7 @@ def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware, trace_pe
     depend on the model alone, not on the mesh or the training options: `abstract_state`)."""
     import gshard_jax as gs
 
-    from ..train import Trainer, state_kind
+    from ..training.train import Trainer, state_kind
     run = apply(cfg, c)
     trainer = Trainer(run, "", mesh=abstract_mesh(c))
     if state is None:
@@ -80,7 +80,7 @@ def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware, trace_pe
 
 def abstract_state(cfg: ml_collections.ConfigDict, c: Candidate) -> Any:
     """The train state's shapes and dtypes (ShapeDtypeStructs) for cfg, shared by every candidate."""
-    from ..train import Trainer
+    from ..training.train import Trainer
     return jax.eval_shape(Trainer(apply(cfg, c), "", mesh=abstract_mesh(c)).init_state, jax.random.key(0))
 
 

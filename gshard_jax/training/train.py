@@ -28,13 +28,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import gshard_jax as gs
 
-from . import configs, data, metrics, optim
+from .. import configs
+from . import data, metrics, optim
 from .faults import Faults, Preempted
 from . import state as sharded
 from .checkpoints import Checkpoints
-from .models import pipelined
-from .models.sharding import axes_of, mesh_spec
-from .models.transformer import loss_fn
+from ..models import pipelined
+from ..models.sharding import axes_of, mesh_spec
+from ..models.transformer import loss_fn
 
 log = logging.getLogger("gshard_jax")
 NAN_POLICIES = ("halt", "skip")
@@ -320,13 +321,13 @@ def peak_flops(cfg: ml_collections.ConfigDict) -> float:
     """Flop/s of one device for the mfu metric: train.peak_flops, else the hardware profile's."""
     if cfg.train.peak_flops:
         return float(cfg.train.peak_flops)
-    from .planner import hardware
+    from ..planner import hardware
     return hardware.get(cfg.train.hardware).peak_flops
 
 
 def model_flops_per_token(cfg: ml_collections.ConfigDict) -> float:
     """The model's flops per trained token (the planner's formula: 6 per active parameter plus attention)."""
-    from .planner import estimate, space
+    from ..planner import estimate, space
     return estimate.model_flops_per_token(space.model_shape(cfg))
 
 
