@@ -159,6 +159,7 @@ def test_metrics_are_read_one_step_late(data_dir, tmp_path, monkeypatch):
         assert last_dispatched == ("dispatch", n if n in settled_at_once else n + 1), events
 
 
+@pytest.mark.slow  # 30 s; SIGTERM of a launched run is slow too
 def test_sigterm_saves_at_the_next_step_and_exits_preempted(data_dir, tmp_path):
     """A preemption notice (SIGTERM) mid-run: a full checkpoint at the next step boundary, exit status 75
     (not a failure's), and the rerun resumes there with no step lost."""
@@ -207,6 +208,7 @@ def test_the_tiny_encoder_decoder_trains_through_the_cli(data_dir, tmp_path):
         assert json.load(f)["train"]["num_steps"] == 30
 
 
+@pytest.mark.slow  # 50 s; the launch test resumes a killed run to the same losses by default
 def test_kill_and_rerun_resumes_to_the_same_losses(data_dir, tmp_path):
     ref = tmp_path / "ref"
     train(ref, data_dir, 16)
@@ -297,6 +299,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # 40 s; the launch test trains 2 x 4 against 1 x 8 by default
 def test_two_processes_train_to_the_same_losses_as_one(data_dir, tmp_path):
     """2 processes x 4 CPU devices (jax.distributed, gloo) against 1 process x 8 devices, same global batches."""
     one = tmp_path / "one"

@@ -152,8 +152,8 @@ def test_partitioned_pipelined_lm(mesh_name, schedule, moe):
     assert not any(c.kind == "all-gather" and "stage" in c.axes for c in report.collectives)
 
 
-@pytest.mark.parametrize("mesh_name,schedule", [
-    ("stage4_data2", "1f1b"),
+@pytest.mark.parametrize("mesh_name,schedule", [  # slow: test_cost_walk traces the trainer's dropless 1F1B step
+    pytest.param("stage4_data2", "1f1b", marks=pytest.mark.slow),
     pytest.param("stage2_expert2_data2", "interleaved_1f1b", marks=pytest.mark.slow),
     pytest.param("stage2_x2_y2", "circular", marks=pytest.mark.slow),
 ])
