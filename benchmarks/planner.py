@@ -24,7 +24,7 @@ def main() -> None:
     t0 = time.perf_counter()
     screen = plan(cfg, a.devices, hw, top=0, verify=0)
     t1 = time.perf_counter()
-    full = plan(cfg, a.devices, hw, top=a.verify, verify=a.verify)
+    full = plan(cfg, a.devices, hw, top=a.verify, verify=a.verify, worker=True)
     t2 = time.perf_counter()
     print(f"{a.config} on {a.devices} x {hw.name}: {len(screen.screened)} feasible, {len(screen.rejected)} rejected, "
           f"{screen.dominated} dominated")

@@ -132,7 +132,7 @@ def _plan(args: argparse.Namespace) -> int:
                 print(f"{i:>3} {g.gr:>5} {g.gc:>5} {g.gd:>5} {g.gdata:>6} {g.seconds:>10.4f}")
         return 0
     result = search.plan(cfg, args.devices, hw, memory_gb=args.memory_gb, top=args.top, verify=args.verify,
-                         config_name=args.config, pin=[_mesh_arg(m) for m in args.rank_of])
+                         config_name=args.config, pin=[_mesh_arg(m) for m in args.rank_of], worker=True)
     if args.out:
         with open(args.out, "w") as f:
             f.write(result.to_json() + "\n")

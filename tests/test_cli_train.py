@@ -82,10 +82,16 @@ def test_prepared_data_is_deterministic_and_split(data_dir, tmp_path):
     assert meta["splits"]["eval"]["files"] == max(1, round(0.05 * files))  # README: holds out 5% of the files
 
 
-def test_training_lowers_the_loss_and_writes_its_records(data_dir, tmp_path):
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def run24(data_dir, tmp_path_factory):
+    """A 24-step run of the small config (its printed summary, its workdir), shared by the tests that read it."""
+    run = tmp_path_factory.mktemp("run24")
     p = train(run, data_dir, 24)
-    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    return json.loads(p.stdout.strip().splitlines()[-1]), run
+
+
+def test_training_lowers_the_loss_and_writes_its_records(data_dir, run24):
+    summary, run = run24
     r = rows(run)
     assert [x["step"] for x in r] == list(range(1, 25))
     assert all({"step", "loss", "tokens_per_s", "aux_loss", "dropped", "grad_norm", "learning_rate"} <= set(x)
@@ -117,6 +123,7 @@ def test_training_lowers_the_loss_and_writes_its_records(data_dir, tmp_path):
     assert out["step"] == 24 and out["eval_loss"] == pytest.approx(evals[-1], rel=1e-6)
 
 
+@pytest.mark.slow  # 15 s
 def test_metrics_are_read_one_step_late(data_dir, tmp_path, monkeypatch):
     """The host never waits on the device between steps: step N's metrics are read after step N+1 is
     dispatched, except where step N is evaluated or checkpointed (its row comes before its checkpoint, and
@@ -326,22 +333,53 @@ def launch(workdir, data_dir, steps, *extra, processes=2, spares=1, check=True):
                f"--config.train.num_steps={steps}", *SMALL, *extra, check=check, timeout=900)
 
 
-def test_launch_replaces_a_dead_node_with_a_spare_and_loses_nothing(data_dir, tmp_path):
-    """2 processes x 4 devices and a spare; node 1 dies at step 6 (os._exit): the supervisor stops the
-    attempt, puts the spare in its place, and the run resumes from step 4 to the same losses as a run that
-    never failed."""
-    from gshard_jax.training import launch as L
-    whole = tmp_path / "whole"
-    train(whole, data_dir, 8)
+@pytest.mark.slow  # starts two training processes
+def test_a_killed_supervisor_leaves_no_process_behind(data_dir, tmp_path):
+    """SIGKILL to `gshard-jax launch` (no cleanup of its own): its training processes die with it."""
     run = tmp_path / "run"
-    launch(run, data_dir, 8, "--config.debug.fail_process=1", "--config.debug.fail_at_step=6")
+    p = subprocess.Popen([sys.executable, "-m", "gshard_jax.cli", "launch", "--config", CONFIG, "--workdir",
+                          str(run), "--processes", "2", "--cpu-devices", "4", f"--config.data.dir={data_dir}",
+                          "--config.train.num_steps=500", *SMALL], cwd=ROOT, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    beats = run / "launch" / "heartbeat.0"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (beats.exists() and len(os.listdir(beats)) >= 2):
+        time.sleep(0.2)
+    children = [int(x) for x in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True,
+                                               text=True).stdout.split()]
+    assert len(children) == 2
+    p.kill()
+    p.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and any(os.path.exists(f"/proc/{c}") and _alive(c) for c in children):
+        time.sleep(0.2)
+    assert not any(os.path.exists(f"/proc/{c}") and _alive(c) for c in children)
+
+
+def _alive(pid: int) -> bool:
+    """Running (not a zombie left for its parent to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_launch_replaces_a_dead_node_with_a_spare_and_loses_nothing(data_dir, tmp_path, run24):
+    """2 processes x 4 devices and a spare; node 1 dies at step 6 (os._exit): the supervisor stops the
+    attempt, puts the spare in its place, and the run resumes from step 4 to the same losses as a 1 x 8 run
+    that never failed (the first 8 steps of the 24-step run, on its learning-rate schedule)."""
+    from gshard_jax.training import launch as L
+    run = tmp_path / "run"
+    launch(run, data_dir, 8, "--config.debug.fail_process=1", "--config.debug.fail_at_step=6",
+           "--config.train.decay_steps=24")
     events = L.read(str(run))
     assert [e["event"] for e in events] == ["attempt", "failure", "replaced", "attempt", "done"], events
     assert events[0]["nodes"] == [0, 1] and events[3]["nodes"] == [0, 2]
     assert events[1]["node"] == 1 and events[1]["detail"] == "exit status 13" and events[2]["by"] == 2
     got = {x["step"]: x["loss"] for x in rows(run)}
     assert sorted(got) == list(range(1, 9))  # every step once: the resume dropped what the failure left
-    assert [got[s] for s in range(1, 9)] == pytest.approx([x["loss"] for x in rows(whole)], rel=1e-5)
+    assert [got[s] for s in range(1, 9)] == pytest.approx([x["loss"] for x in rows(run24[1])[:8]], rel=1e-5)
 
 
 @pytest.mark.slow  # 2 minutes: the hang is waited out

@@ -88,6 +88,16 @@ def test_a_pinned_mesh_is_planned_and_placed_in_the_ranking():
         plan(cfg, 8, CPU, top=1, verify=0, remats=("none",), pin=[{"data": 4}])
 
 
+@pytest.mark.slow  # starts a worker process
+def test_a_worker_process_plans_the_same():
+    """plan(worker=True), as the CLI calls it: every second candidate planned in a spawned process, the
+    same plan."""
+    cfg = _config("tiny_moe_lm")
+    alone = plan(cfg, 8, CPU, top=3, remats=("none",))
+    helped = plan(cfg, 8, CPU, top=3, remats=("none",), worker=True)
+    assert len(helped.ranked) == 3 and helped.to_json() == alone.to_json()
+
+
 def test_gs_plan_is_the_planner():
     import gshard_jax as gs
     assert gs.plan is plan and "plan" in gs.__all__

@@ -22,6 +22,7 @@ import ml_collections
 from . import estimate as E
 from . import predict as PR
 from . import space as SP
+from ..training.faults import die_with_parent
 from .hardware import Hardware, scaled
 
 GiB = 1024 ** 3
@@ -217,17 +218,20 @@ def _best_order(c: SP.Candidate, comms, compute: float, mem: dict, hw: Hardware,
 def plan(cfg: ml_collections.ConfigDict, devices: int, hardware: Hardware, memory_gb: Optional[float] = None,
          top: int = 5, verify: Optional[int] = None, remats: Sequence[str] = SP.REMATS,
          zero_stages: Sequence[int] = SP.ZERO_STAGES, config_name: str = "config",
-         pin: Sequence[dict] = ()) -> Plan:
+         pin: Sequence[dict] = (), worker: bool = False) -> Plan:
     """Rank the configurations of `devices` devices of `hardware` for config `cfg` (see module docstring).
 
     pin: meshes ({axis: size}) to place in the ranking whatever their rank (a paper's own configuration):
     the best variant of each by formula is planned by the partitioner too, and compared with #1.
+    worker: plan every second candidate in a spawned process (the same result, sooner on 2+ cores); the
+    process imports the caller's __main__, so only a script with an `if __name__ == "__main__"` guard
+    should ask (the CLI does).
     """
     start = time.perf_counter()
     if devices < 1:
         raise ValueError(f"devices={devices}: expected a positive device count")
     count = max(verify if verify is not None else top, 0)
-    workers = _Workers(count)
+    workers = _Workers(count, worker)
     try:
         return _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, config_name, pin, workers,
                      start)
@@ -316,22 +320,27 @@ def _pinned(cfg, out: Plan, sizes: dict, hw: Hardware, budget: float) -> tuple:
 
 
 class _Workers:
-    """Where candidates are planned: here, and in one worker process when there are cores to spare and
-    several to plan (started before the screen, so it is ready when the screen ends)."""
+    """Where candidates are planned: here, and in one worker process when asked for (`gshard-jax plan` does),
+    there are cores to spare and several to plan (started before the screen, so it is ready when the screen
+    ends). A spawned worker imports the caller's __main__: only a script with a main guard may ask."""
 
-    def __init__(self, wanted: int):
+    def __init__(self, wanted: int, allowed: bool = False):
         self.pool = None
-        if wanted >= 3 and (os.cpu_count() or 1) > 1:
+        if allowed and wanted >= 3 and (os.cpu_count() or 1) > 1:
             ctx = multiprocessing.get_context("spawn")  # never fork a process that runs JAX
-            self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx)
+            self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, initializer=die_with_parent)
             self.pool.submit(_warm)
 
     def run(self, cfg, batch: list, hw: Hardware) -> list:
         """plan_one for each candidate of `batch` (the last in the worker), results or exceptions, in order."""
-        remote = None
+        remote, batch_last = None, batch[-1:]
         if self.pool is not None and len(batch) > 1:
-            remote = self.pool.submit(PR.plan_one, cfg, batch[-1], hw)
-            batch = batch[:-1]
+            try:
+                remote = self.pool.submit(PR.plan_one, cfg, batch[-1], hw)
+                batch = batch[:-1]
+            except concurrent.futures.process.BrokenProcessPool:
+                self.close()
+                self.pool = None
         out = []
         for c in batch:
             try:
@@ -343,6 +352,10 @@ class _Workers:
                 out.append(remote.result())
             except (ValueError, TypeError, NotImplementedError) as e:
                 out.append(e)
+            except concurrent.futures.process.BrokenProcessPool:  # the worker died: plan it here, and alone
+                self.close()
+                self.pool = None
+                out += self.run(cfg, batch_last, hw)
         return out
 
     def close(self) -> None:

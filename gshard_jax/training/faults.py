@@ -21,6 +21,15 @@ NODE_ENV = "GSHARD_JAX_NODE"
 HEARTBEAT_ENV = "GSHARD_JAX_HEARTBEAT"  # a directory: each process writes its last dispatched step there
 
 
+def die_with_parent() -> None:
+    """In a child process: on Linux, die when the parent dies, even by SIGKILL (no orphans left behind)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the parent's own cleanup stops its children
+
+
 def node() -> int:
     return int(os.environ.get(NODE_ENV, jax.process_index()))
 

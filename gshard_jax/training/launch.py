@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Sequence
 
-from .faults import EXIT_PREEMPTED, HEARTBEAT_ENV, NODE_ENV
+from .faults import EXIT_PREEMPTED, HEARTBEAT_ENV, NODE_ENV, die_with_parent
 
 EXIT_GAVE_UP = 4  # the run failed more times than allowed, or too few nodes are left
 TERMINAL = {2: "a usage error", 3: "halted on a non-finite step"}  # cli.EXIT_USAGE, EXIT_HALTED: no retry
@@ -131,7 +131,7 @@ class Supervisor:
             env = dict(os.environ, **{NODE_ENV: str(node), HEARTBEAT_ENV: beats})
             out = open(os.path.join(self.dir, f"attempt{attempt}.node{node}.log"), "w")
             self.procs.append(subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                               start_new_session=True))
+                                               start_new_session=True, preexec_fn=die_with_parent))
             out.close()
         started = time.time()
         try:
