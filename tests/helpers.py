@@ -93,3 +93,32 @@ def check(fn, args, mesh, seed, n=6, out_random=True, rtol=1e-5, atol=1e-5, arg_
 
 
 __all__ = ["randn", "all_specs", "hlo_counts", "hlo_stats", "assert_close", "assert_report_matches_hlo", "check", "get_mesh", "gs"]
+
+
+def flax_optax_step(batch: int, features: int, hidden: int, classes: int):
+    """Library code nobody here wrote: a Flax linen MLP (Dense, gelu, LayerNorm) trained by optax's adamw on
+    optax's cross-entropy, its batch split over `data`. (step, abstract args): step(params, opt_state, x, y)
+    -> (params, opt_state, loss)."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+    import optax
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(classes)(nn.LayerNorm()(nn.gelu(nn.Dense(hidden)(x))))
+
+    model, opt = MLP(), optax.adamw(1e-3)
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, features)))
+    args = (params, jax.eval_shape(opt.init, params), jax.ShapeDtypeStruct((batch, features), jnp.float32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32))
+
+    def step(params, opt_state, x, y):
+        def loss(p):
+            logits = model.apply(p, gs.shard(x, ("data", None)))
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return step, args

@@ -64,6 +64,24 @@ def tensorboard_tags(workdir):
     return tags
 
 
+def sigterm_after_3_rows(args, run):
+    """Start `args` in a session of its own, SIGTERM it once metrics.jsonl has 3 rows, and wait: (process,
+    stdout, stderr). Whatever is left of its session is killed."""
+    p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline and p.poll() is None and (
+                not (run / "metrics.jsonl").exists() or len(rows(run)) < 3):
+            time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    return p, out, err
+
+
 def steps_saved(workdir, kind="checkpoints"):
     d = os.path.join(workdir, kind)
     return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
@@ -174,18 +192,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_preempted(data_dir, tmp_path):
     run = tmp_path / "run"
     args = [sys.executable, "-m", "gshard_jax.cli", "train", "--config", CONFIG, "--cpu-devices", "8",
             "--workdir", str(run), "--no-progress", f"--config.data.dir={data_dir}", *SMALL]
-    p = subprocess.Popen(args + ["--config.train.num_steps=500"], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline and p.poll() is None and (
-                not (run / "metrics.jsonl").exists() or len(rows(run)) < 3):
-            time.sleep(0.2)
-        p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=300)
-    finally:
-        if p.poll() is None:
-            p.kill()
+    p, _, err = sigterm_after_3_rows(args + ["--config.train.num_steps=500"], run)
     assert p.returncode == EXIT_PREEMPTED, err[-2000:]
     last = rows(run)[-1]["step"]
     assert "preempted" in err and last in steps_saved(run) and last < 500
@@ -425,20 +432,10 @@ def test_sigterm_to_the_supervisor_preempts_every_process(data_dir, tmp_path):
     from gshard_jax.training import launch as L
     from gshard_jax.training.faults import EXIT_PREEMPTED
     run = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "gshard_jax.cli", "launch", "--config", CONFIG, "--workdir",
-                          str(run), "--processes", "2", "--cpu-devices", "4", f"--config.data.dir={data_dir}",
-                          "--config.train.num_steps=500", *SMALL], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.time() + 400
-        while time.time() < deadline and p.poll() is None and (
-                not (run / "metrics.jsonl").exists() or len(rows(run)) < 3):
-            time.sleep(0.2)
-        p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=300)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+    p, out, err = sigterm_after_3_rows([sys.executable, "-m", "gshard_jax.cli", "launch", "--config", CONFIG,
+                                        "--workdir", str(run), "--processes", "2", "--cpu-devices", "4",
+                                        f"--config.data.dir={data_dir}", "--config.train.num_steps=500", *SMALL],
+                                       run)
     assert p.returncode == EXIT_PREEMPTED, (out[-2000:], err[-2000:])
     assert L.read(str(run))[-1]["event"] == "preempted"
     assert rows(run)[-1]["step"] in steps_saved(run)

@@ -2,15 +2,14 @@
 report of the traced lowering, row for row, on programs with the lowering's every path: halo exchanges
 whose pieces later ops reuse, identity annotations, loops, branches, checkpoints, manual regions, pipelines,
 a Flax + optax step and the trainer's MoE train step."""
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import gshard_jax as gs
 from gshard_jax import configs
+from helpers import flax_optax_step
 from gshard_jax.planner import hardware, predict as PR, space as SP
 
 F32 = jnp.float32
@@ -79,24 +78,8 @@ def test_loops_branches_checkpoints_and_manual_regions():
 
 
 def test_a_flax_optax_step():
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(8)(nn.LayerNorm()(nn.gelu(nn.Dense(64)(x))))
-
-    model, opt = MLP(), optax.adamw(1e-3)
-    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 16)))
-    ostate = jax.eval_shape(opt.init, params)
-
-    def step(params, ostate, x, y):
-        def loss(p):
-            return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, gs.shard(x, P("data"))), y).mean()
-        g = jax.grad(loss)(params)
-        u, ostate = opt.update(g, ostate, params)
-        return optax.apply_updates(params, u), ostate
-
-    x, y = jax.ShapeDtypeStruct((32, 16), F32), jax.ShapeDtypeStruct((32,), jnp.int32)
-    _same(step, gs.make_mesh({"data": 4, "x": 2}), params, ostate, x, y)
+    step, args = flax_optax_step(batch=32, features=16, hidden=64, classes=8)
+    _same(step, gs.make_mesh({"data": 4, "x": 2}), *args)
 
 
 @pytest.mark.parametrize("mesh,schedule", [

@@ -245,31 +245,12 @@ def test_a_planned_candidate_takes_the_fastest_order_of_its_axes():
 def test_explain_on_an_abstract_mesh_is_the_compiled_program_of_flax_and_optax_code():
     """A Flax linen MLP trained by optax's adamw with optax's cross-entropy: explain() on an AbstractMesh (as
     the planner uses it) equals explain() on the devices and the compiled HLO, with XLA's bytes and flops."""
-    import flax.linen as nn
-    import jax.numpy as jnp
-    import optax
     from jax.sharding import AbstractMesh, AxisType
 
     import gshard_jax as gs
+    from helpers import flax_optax_step
 
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(10)(nn.LayerNorm()(nn.gelu(nn.Dense(256)(x))))
-
-    model, opt = MLP(), optax.adamw(1e-3)
-    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 64)))
-    args = (params, jax.eval_shape(opt.init, params), jax.ShapeDtypeStruct((64, 64), jnp.float32),
-            jax.ShapeDtypeStruct((64,), jnp.int32))
-
-    def step(params, opt_state, x, y):
-        def loss(p):
-            logits = model.apply(p, gs.shard(x, ("data", None)))
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-        value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
+    step, args = flax_optax_step(batch=64, features=64, hidden=256, classes=10)
     mesh = gs.make_mesh({"data": 4, "x": 2})
     abstract = gs.explain(step, AbstractMesh((4, 2), ("data", "x"), axis_types=(AxisType.Auto,) * 2), *args)
     assert abstract.totals() == gs.explain(step, mesh, *args).totals()
