@@ -109,6 +109,8 @@ def skeleton(model: ConfigDict, mesh: dict, **train: Any) -> ConfigDict:
         fail_process=-1,  # the node (process index, or GSHARD_JAX_NODE under `gshard-jax launch`) that fails
         fail_at_step=-1,  # ... by dying (os._exit, no cleanup) at the start of this step (-1: never)
         hang_at_step=-1,  # ... by hanging at the start of this step (-1: never)
+        soft_fail_process=-1,  # the node whose rows' backward turns NaN (a soft failure; -1: none) ...
+        soft_fail_at_step=-1,  # ... at this step (-1: never)
     ))
     return cfg
 

@@ -271,11 +271,16 @@ def test_nan_halts_before_any_checkpoint_and_skip_continues(data_dir, tmp_path):
     p = train(run, data_dir, 12, "--config.debug.nan_at_step=8", check=False)  # 8: both series would save
     assert p.returncode == 3
     assert "step 8: non-finite loss" in p.stderr
+    # A poisoned loss makes every row's backward non-finite: every shard of the one process is named.
+    assert "batch shards [0, 1, 2, 3, 4, 5, 6, 7] (8 rows), held by devices [0, 1, 2, 3, 4, 5, 6, 7] of process 0" \
+        in p.stderr
     assert steps_saved(run) == [4] and steps_saved(run, "model_checkpoints") == []
     run = tmp_path / "skip"
     p = train(run, data_dir, 12, "--config.debug.nan_at_step=8", "--config.train.nan_policy=skip")
     r = {x["step"]: x for x in rows(run)}
     assert r[7]["skipped_steps"] == 0 and r[8]["skipped_steps"] == 1 and r[12]["skipped_steps"] == 1
+    assert r[8]["nonfinite_processes"] == [0] and "nonfinite_processes" not in r[7]  # whose NaN it was
+    assert "step 8: non-finite loss or gradient norm; non-finite rows in batch shards" in p.stderr
     assert all(x["loss"] == x["loss"] for s, x in r.items() if s != 8)  # finite everywhere else
     assert steps_saved(run) == [8, 12]
 
@@ -383,10 +388,39 @@ def test_launch_replaces_a_dead_node_with_a_spare_and_loses_nothing(data_dir, tm
     events = L.read(str(run))
     assert [e["event"] for e in events] == ["attempt", "failure", "replaced", "attempt", "done"], events
     assert events[0]["nodes"] == [0, 1] and events[3]["nodes"] == [0, 2]
-    assert events[1]["node"] == 1 and events[1]["detail"] == "exit status 13" and events[2]["by"] == 2
+    assert events[1]["nodes"] == [1] and events[1]["processes"] == [1] and events[1]["detail"] == "exit status 13"
+    assert events[2]["node"] == 1 and events[2]["by"] == 2
     got = {x["step"]: x["loss"] for x in rows(run)}
     assert sorted(got) == list(range(1, 9))  # every step once: the resume dropped what the failure left
     assert [got[s] for s in range(1, 9)] == pytest.approx([x["loss"] for x in rows(run24[1])[:8]], rel=1e-5)
+
+
+@pytest.mark.slow  # starts three training attempts
+def test_launch_names_a_soft_failure_by_process_and_replaces_its_node(data_dir, tmp_path, run24):
+    """Node 1's backward turns NaN at step 6 (loss finite, gradients not): the step halts naming process 1
+    and its devices, the supervisor puts the spare in its place, and the run ends with the losses of the run
+    that never failed. The same NaN on every node (a poisoned loss) is not a node's fault: the run stops."""
+    from gshard_jax.training import launch as L
+    run = tmp_path / "run"
+    launch(run, data_dir, 8, "--config.debug.soft_fail_process=1", "--config.debug.soft_fail_at_step=6",
+           "--config.train.decay_steps=24")
+    events = L.read(str(run))
+    assert [e["event"] for e in events] == ["attempt", "failure", "replaced", "attempt", "done"], events
+    failure = events[1]
+    assert failure["kind"] == "soft" and failure["nodes"] == [1] and failure["processes"] == [1], failure
+    # Process 1's 4 devices (JAX numbers a CPU process's devices from 2048 x its index), none of process 0's.
+    assert failure["step"] == 6 and failure["devices"] == [2048, 2049, 2050, 2051], failure
+    log = (run / "launch" / "attempt0.node0.log").read_text()
+    assert "step 6: non-finite loss" in log and "devices [2048, 2049, 2050, 2051] of process 1" in log
+    assert "devices [0" not in log  # process 0's shards stayed finite
+    got = {x["step"]: x["loss"] for x in rows(run)}
+    assert sorted(got) == list(range(1, 9))
+    assert [got[s] for s in range(1, 9)] == pytest.approx([x["loss"] for x in rows(run24[1])[:8]], rel=1e-5)
+    everywhere = tmp_path / "everywhere"
+    p = launch(everywhere, data_dir, 8, "--config.debug.nan_at_step=6", check=False)
+    events = L.read(str(everywhere))
+    assert p.returncode == 3 and [e["event"] for e in events] == ["attempt", "stopped"], events
+    assert "halted on a non-finite step" in events[-1]["reason"]
 
 
 @pytest.mark.slow  # 2 minutes: the hang is waited out
@@ -400,7 +434,7 @@ def test_launch_finds_a_hung_node_and_replaces_it(data_dir, tmp_path):
     launch(run, data_dir, 8, "--config.debug.fail_process=1", "--config.debug.hang_at_step=6")
     events = L.read(str(run))
     assert [e["event"] for e in events] == ["attempt", "failure", "replaced", "attempt", "done"], events
-    assert events[1]["node"] == 1 and events[1]["kind"] == "hang" and "step 5" in events[1]["detail"]
+    assert events[1]["nodes"] == [1] and events[1]["kind"] == "hang" and "step 5" in events[1]["detail"]
     assert events[1]["time"] - events[0]["time"] < 300  # found within the startup allowance plus the timeout
     got = {x["step"]: x["loss"] for x in rows(run)}
     assert [got[s] for s in range(1, 9)] == pytest.approx([x["loss"] for x in rows(whole)], rel=1e-5)

@@ -169,3 +169,48 @@ def test_default_optimizer_decays_every_parameter():
     params = {"norm": {"scale": jnp.ones((4,))}, "dense": {"kernel": jnp.ones((4, 4)), "bias": jnp.ones((4,))}}
     updates, _ = opt.update(jax.tree.map(jnp.zeros_like, params), opt.init(params), params)
     assert all(bool(jnp.all(u < 0)) for u in jax.tree.leaves(updates))  # zero gradient: decay alone shrinks
+
+
+@pytest.mark.parametrize("experiment,microbatches,mesh", [
+    ("tiny_moe_lm.py", 2, {}),  # MoE all-to-all over the batch's own shards, gradient accumulation
+    pytest.param("tiny_moe_lm.py", 4, {"stage": 2, "data": 2, "expert": 2, "schedule": "1f1b"},
+                 marks=pytest.mark.slow),  # the loss inside the pipeline, its backward its own
+])
+def test_nonfinite_rows_are_counted_in_their_batch_shards_before_the_reduction(tmp_path, experiment,
+                                                                             microbatches, mesh):
+    """Two rows' backward turns NaN (debug.soft_fail_process's fault): the loss stays as it was, the gradient
+    norm is NaN, and the step counts the two rows in their own batch shards only, whose devices are named."""
+    from gshard_jax.training import faults
+    from gshard_jax.training.train import Trainer
+    cfg = configs.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                                    experiment))
+    cfg.model.update(dict(vocab_size=512, num_layers=2))
+    cfg.train.update(dict(seq_len=16, batch_size=16, microbatches=microbatches))
+    if "schedule" in mesh:
+        cfg.pipeline.schedule = mesh.pop("schedule")
+    cfg.mesh.update(mesh)
+    trainer = Trainer(cfg, str(tmp_path))
+    state = trainer.fresh_state()
+    windows = np.asarray(jax.random.randint(jax.random.key(1), (16, trainer.length), 1, 512))
+    rows = data.model_batch(cfg.model.kind, windows)
+    fault = np.ones([16, 1], np.float32)
+    fault[[5, 12]] = np.nan
+    out = {}
+    for name, scale in (("clean", np.ones_like(fault)), ("faulty", fault)):
+        batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in dict(rows, soft_fail=scale).items()}
+        out[name] = trainer.step_fn(state, batch)[1]
+    clean, faulty = out["clean"], out["faulty"]
+    assert bool(clean["finite"]) and not np.asarray(clean["nonfinite_rows"]).any()
+    assert float(faulty["loss"]) == float(clean["loss"]) and not bool(faulty["finite"])
+    assert np.isnan(float(faulty["grad_norm"]))
+    per = 16 // trainer.shards
+    want = np.zeros(trainer.shards, int)
+    want[5 // per] += 1
+    want[12 // per] += 1
+    assert np.asarray(faulty["nonfinite_rows"]).tolist() == want.tolist()
+    named = faults.name_shards(np.asarray(faulty["nonfinite_rows"]), trainer.batch_sharding, (16, trainer.length))
+    held = trainer.batch_sharding.devices_indices_map((16, trainer.length))
+    for c in named:
+        assert c["devices"] == sorted(d.id for d, i in held.items() if (i[0].start or 0) == c["shard"] * per)
+        assert c["processes"] == [0] and c["rows"] == 1
+    assert [c["shard"] for c in named] == [5 // per, 12 // per]

@@ -1,24 +1,38 @@
 """What a run does about failures, besides checkpoints: faults injected for tests and drills
-(config.debug), a heartbeat that `gshard-jax launch` watches, and preemption (SIGTERM) turned into a
-checkpoint at the next step boundary and a distinct exit status.
+(config.debug), a heartbeat that `gshard-jax launch` watches, preemption (SIGTERM) turned into a
+checkpoint at the next step boundary and a distinct exit status, and non-finite steps named by the
+devices whose rows went non-finite (soft failures).
+
+Soft failures: the global-view step cannot read one device's gradient before the partitioned reduction, but
+every device's contribution to the weight gradients is computed from its own batch rows' activations and
+cotangents. The train step therefore watches each row where the model embeds it: a zero probe per row is
+added there, and the probe's gradient (the row's cotangent summed) is non-finite exactly when the row's
+backward signal is, after every layer above has contributed, and when its forward was (the loss's backward
+carries a NaN forward value back down the same row). Rows are counted per batch shard before any
+reduction; a shard names the devices that hold it, and they their processes. A non-finite value that first
+arises inside a reduction (an overflow in the sum itself) names no shard, and the message says so.
 
 A process runs on a *node*: under the supervisor, the node number it was given (GSHARD_JAX_NODE), else its
 process index. Faults are injected by node, so the spare that replaces a failed node does not fail again.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 EXIT_PREEMPTED = 75  # saved a checkpoint on SIGTERM and stopped: rerun to resume (EX_TEMPFAIL)
 EXIT_INJECTED = 13  # debug.fail_process died at debug.fail_at_step, as a node would
 NODE_ENV = "GSHARD_JAX_NODE"
 HEARTBEAT_ENV = "GSHARD_JAX_HEARTBEAT"  # a directory: each process writes its last dispatched step there
+SOFT_FAILURE = "soft_failure.{}.json"  # beside the heartbeat: the shards process {} found non-finite, for launch
 
 
 def die_with_parent() -> None:
@@ -83,3 +97,95 @@ class Faults:
             from jax.experimental import multihost_utils
             return multihost_utils.reached_preemption_sync_point(step)
         return self.term
+
+
+# ---------------------------------------------------------------------------------- soft failures, per row
+@jax.custom_vjp
+def _scale_cotangent(x, scale_B):
+    return x
+
+
+def _scale_fwd(x, scale_B):
+    return x, scale_B
+
+
+def _scale_bwd(scale_B, g):
+    return g * _rows(scale_B, g).astype(g.dtype), jnp.zeros_like(scale_B)
+
+
+_scale_cotangent.defvjp(_scale_fwd, _scale_bwd)
+
+
+def _rows(v_B: jax.Array, like: jax.Array) -> jax.Array:
+    return v_B.reshape(v_B.shape + (1,) * (like.ndim - 1))
+
+
+def watch_rows(x_B: jax.Array, probe_B: jax.Array, fault_B: Optional[jax.Array] = None) -> jax.Array:
+    """x unchanged. The gradient of the zero `probe_B` is each row's cotangent at x, summed; `fault_B`
+    (debug.soft_fail_process: 1, or NaN on the failing node's rows) multiplies that cotangent first, as a
+    node whose backward went bad would."""
+    x_B = x_B + _rows(probe_B, x_B).astype(x_B.dtype)
+    return x_B if fault_B is None else _scale_cotangent(x_B, fault_B)
+
+
+def row_watcher(module_type: type, probe_B: jax.Array, fault_B: Optional[jax.Array] = None):
+    """A flax method interceptor that watches the rows of every `module_type.__call__` output (the embedding:
+    below it every row's whole backward has been computed)."""
+    def intercept(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        if isinstance(context.module, module_type) and context.method_name == "__call__":
+            out = watch_rows(out, probe_B, fault_B)
+        return out
+    return intercept
+
+
+def nonfinite_per_shard(probe_grad_B: jax.Array, shards: int) -> jax.Array:
+    """[shards] count of rows whose probe gradient is non-finite; row b is in shard b // (B / shards), the
+    batch's own split, so each device counts only its rows."""
+    bad_B = jnp.logical_not(jnp.isfinite(probe_grad_B)).astype(jnp.int32)
+    return bad_B.reshape(shards, -1).sum(axis=1)
+
+
+def fault_rows(debug: ml_collections.ConfigDict, step: int, rows: int) -> Optional[np.ndarray]:
+    """This process's rows of the injected soft failure (None when none is configured): NaN on the failing
+    node at its step, else 1."""
+    if debug.get("soft_fail_process", -1) < 0:
+        return None
+    bad = node() == debug.soft_fail_process and step == debug.get("soft_fail_at_step", -1)
+    return np.full([rows], np.nan if bad else 1.0, np.float32)
+
+
+def name_shards(bad_S: np.ndarray, sharding: jax.sharding.Sharding, shape: tuple) -> list[dict]:
+    """The shards with non-finite rows, each with its devices and their processes (the batch's sharding
+    places shard s, rows [s B/S, (s+1) B/S), on the devices named)."""
+    per = shape[0] // len(bad_S)
+    held: dict[int, list] = {}
+    for d, index in sharding.devices_indices_map(shape).items():
+        held.setdefault((index[0].start or 0) // per, []).append(d)
+    return [{"shard": s, "rows": int(n), "devices": sorted(d.id for d in held[s]),
+             "processes": sorted({d.process_index for d in held[s]})}
+            for s, n in enumerate(bad_S) if n]
+
+
+def describe(culprits: list[dict]) -> str:
+    if not culprits:
+        return ("no batch shard's rows were non-finite: the value arose after them (in a reduction or the "
+                "optimizer update), which names no device")
+    by: dict[tuple, list[dict]] = {}  # one clause per process group (a shard may span processes)
+    for c in culprits:
+        by.setdefault(tuple(c["processes"]), []).append(c)
+    return "non-finite rows in " + "; ".join(
+        f"batch shards {[c['shard'] for c in cs]} ({sum(c['rows'] for c in cs)} rows), held by devices "
+        f"{sorted(d for c in cs for d in c['devices'])} of process{'es' if len(ps) > 1 else ''} "
+        f"{', '.join(map(str, ps))}" for ps, cs in by.items())
+
+
+def report_soft_failure(step: int, culprits: list[dict]) -> None:
+    """Under `gshard-jax launch`: tell the supervisor which processes went non-finite (it replaces their nodes)."""
+    beat = os.environ.get(HEARTBEAT_ENV, "")
+    if not beat or not culprits:
+        return
+    path = os.path.join(beat, SOFT_FAILURE.format(jax.process_index()))
+    with open(path + ".tmp", "w") as f:
+        json.dump({"step": step, "node": node(), "culprits": culprits}, f)
+    os.replace(path + ".tmp", path)

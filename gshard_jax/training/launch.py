@@ -4,9 +4,12 @@ with K spare nodes, and keep the run alive.
 The supervisor watches every attempt. An attempt ends when:
 - a process exits abnormally;
 - a process stops beating for `hang_timeout` seconds (its peers wait forever in a collective), after a
-  startup allowance for compilation.
+  startup allowance for compilation;
+- a step halts on non-finite rows that `train` names by process (a soft failure: it writes
+  soft_failure.PROCESS.json beside its heartbeat before exiting). Non-finite rows on every process, or
+  the same step failing again on the replacements, are the data or the model, not a node: the run stops.
 
-Every process is then stopped, the failed node is marked bad, and the run is relaunched on the remaining
+Every process is then stopped, the failed nodes are marked bad, and the run is relaunched on the remaining
 good nodes (a spare takes the failed one's place). `train` resumes from the newest checkpoint. Without a
 spare, the run goes on with fewer processes when the config lets the data axis take the rest
 (`mesh.data = -1`); the global batch stays. Otherwise it stops with the reason.
@@ -27,10 +30,11 @@ import sys
 import time
 from typing import Sequence
 
-from .faults import EXIT_PREEMPTED, HEARTBEAT_ENV, NODE_ENV, die_with_parent
+from .faults import EXIT_PREEMPTED, HEARTBEAT_ENV, NODE_ENV, SOFT_FAILURE, die_with_parent
 
 EXIT_GAVE_UP = 4  # the run failed more times than allowed, or too few nodes are left
-TERMINAL = {2: "a usage error", 3: "halted on a non-finite step"}  # cli.EXIT_USAGE, EXIT_HALTED: no retry
+EXIT_HALTED = 3  # cli.EXIT_HALTED: a non-finite step; a soft failure when it names processes, else no retry
+TERMINAL = {2: "a usage error", EXIT_HALTED: "halted on a non-finite step"}  # cli.EXIT_USAGE: no retry
 
 
 @dataclasses.dataclass
@@ -55,6 +59,7 @@ class Supervisor:
         self.opts, self.train_args, self.workdir = opts, list(train_args), workdir
         self.dir = os.path.join(workdir, "launch")
         self.bad: list[int] = []
+        self.soft_steps: dict[int, list[int]] = {}  # step -> the nodes a soft failure at that step named
         self.procs: list[subprocess.Popen] = []
         self.term = False
 
@@ -101,21 +106,32 @@ class Supervisor:
             if failed == "preempted":
                 self.log("preempted", attempt=attempt)
                 return EXIT_PREEMPTED
-            node, kind, detail = failed
+            failed_nodes, kind, detail = failed
             if kind == "terminal":  # the run itself is wrong (a bad config, a NaN under halt): no retry
-                self.log("stopped", attempt=attempt, node=node, reason=f"exit status {detail} "
+                self.log("stopped", attempt=attempt, nodes=failed_nodes, reason=f"exit status {detail} "
                          f"({TERMINAL[detail]}); see {self.dir}")
                 return detail
-            self.bad.append(node)
+            extra = {}
+            if kind == "soft":
+                step, extra = detail["step"], {"step": detail["step"], "devices": detail["devices"]}
+                detail = detail["message"]
+                if step in self.soft_steps:  # a spare went non-finite at the same step: not a node's fault
+                    self.log("stopped", attempt=attempt, nodes=failed_nodes, reason=f"step {step} went non-finite "
+                             f"on nodes {self.soft_steps[step]} and again on {failed_nodes} after they were "
+                             f"replaced: the data or the model, not a node; see {self.dir}")
+                    return EXIT_HALTED
+                self.soft_steps[step] = failed_nodes
+            self.bad.extend(failed_nodes)
+            self.log("failure", attempt=attempt, nodes=failed_nodes,
+                     processes=[chosen.index(x) for x in failed_nodes], kind=kind, detail=detail, **extra)
             spare = [x for x in nodes if x not in self.bad and x not in chosen]
-            self.log("failure", attempt=attempt, node=node, process=chosen.index(node), kind=kind, detail=detail)
-            if spare:
-                self.log("replaced", node=node, by=spare[0])
+            for node, by in zip(failed_nodes, spare):
+                self.log("replaced", node=node, by=by)
         self.log("stopped", reason=f"the run failed {o.max_restarts + 1} times; see {self.dir}")
         return EXIT_GAVE_UP
 
     def _one(self, attempt: int, chosen: list[int]):
-        """Run one attempt: None when every process finished, "preempted", or (node, kind, detail)."""
+        """Run one attempt: None when every process finished, "preempted", or (failed nodes, kind, detail)."""
         o = self.opts
         beats = os.path.join(self.dir, f"heartbeat.{attempt}")
         os.makedirs(beats, exist_ok=True)
@@ -142,11 +158,15 @@ class Supervisor:
                     return None
                 if self.term and all(c is not None for c in codes):
                     return "preempted"
-                for node, c in zip(chosen, codes):
+                for i, (node, c) in enumerate(zip(chosen, codes)):
+                    if c == EXIT_HALTED:
+                        soft = self._soft_failure(beats, i, chosen)
+                        if soft is not None:
+                            return soft
                     if c in TERMINAL:
-                        return node, "terminal", c
+                        return [node], "terminal", c
                     if c not in (None, 0) and not self.term:
-                        return node, "exit", f"exit status {c}"
+                        return [node], "exit", f"exit status {c}"
                 if self.term:
                     continue
                 hung = self._hung(beats, chosen, started)
@@ -154,6 +174,22 @@ class Supervisor:
                     return hung
         finally:
             self._stop()
+
+    def _soft_failure(self, beats: str, process: int, chosen: list[int]):
+        """(nodes, "soft", detail) when process `process` halted on non-finite rows it could name."""
+        path = os.path.join(beats, SOFT_FAILURE.format(process))
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            found = json.load(f)
+        culprits = found["culprits"]
+        processes = sorted({p for c in culprits for p in c["processes"]})
+        devices = sorted({d for c in culprits for d in c["devices"]})
+        if len(processes) == len(chosen):  # every node at once: the data or the model (e.g. a diverged loss)
+            return None
+        return [chosen[p] for p in processes], "soft", {
+            "step": found["step"], "devices": devices,
+            "message": f"non-finite rows at step {found['step']} on devices {devices} of processes {processes}"}
 
     def _hung(self, beats: str, chosen: list[int], started: float):
         """(node, "hang", detail) when the run stopped beating: the node with the oldest step is blamed."""
@@ -169,12 +205,12 @@ class Supervisor:
         if len(seen) < len(chosen):
             if now - started > o.startup_timeout:
                 node = next(x for x in chosen if x not in seen)
-                return node, "hang", f"no heartbeat within --startup-timeout {o.startup_timeout:.0f} s"
+                return [node], "hang", f"no heartbeat within --startup-timeout {o.startup_timeout:.0f} s"
             return None
         if now - max(t for _, t in seen.values()) <= o.hang_timeout:
             return None
         node = min(seen, key=lambda x: (seen[x][0], seen[x][1]))
-        return node, "hang", f"no process advanced for {o.hang_timeout:.0f} s; node {node} is at step {seen[node][0]}"
+        return [node], "hang", f"no process advanced for {o.hang_timeout:.0f} s; node {node} is at step {seen[node][0]}"
 
     def _stop(self) -> None:
         for p in self.procs:

@@ -30,10 +30,11 @@ import gshard_jax as gs
 
 from .. import configs
 from . import data, metrics, optim
+from . import faults
 from .faults import Faults, Preempted
 from . import state as sharded
 from .checkpoints import Checkpoints
-from ..models import pipelined
+from ..models import layers, pipelined
 from ..models.sharding import axes_of, mesh_spec
 from ..models.transformer import loss_fn
 
@@ -43,12 +44,14 @@ METRICS = ("cross_entropy", "aux_loss", "z_loss", "dropped", "router_confidence"
 
 
 class NonFiniteStep(RuntimeError):
-    """A step's loss or gradient norm was NaN or infinite under nan_policy="halt"."""
+    """A step's loss or gradient norm was NaN or infinite under nan_policy="halt"; `culprits` are the batch
+    shards whose rows went non-finite, with their devices and processes (faults.name_shards)."""
 
-    def __init__(self, step: int, loss: float, grad_norm: float):
-        self.step = step
-        super().__init__(f"step {step}: non-finite loss {loss} or gradient norm {grad_norm}; stopped before any "
-                         f"checkpoint at or after step {step} (train.nan_policy='halt'; 'skip' drops such steps)")
+    def __init__(self, step: int, loss: float, grad_norm: float, culprits: list[dict]):
+        self.step, self.culprits = step, culprits
+        super().__init__(f"step {step}: non-finite loss {loss} or gradient norm {grad_norm}; "
+                         f"{faults.describe(culprits)}; stopped before any checkpoint at or after step {step} "
+                         f"(train.nan_policy='halt'; 'skip' drops such steps)")
 
 
 def init_devices(cpu_devices: int = 0, coordinator: str = "", num_processes: int = 1, process_id: int = 0) -> None:
@@ -137,13 +140,14 @@ class Trainer:
             opt_specs = {"master": self.layout.optimizer, "adam": opt_specs}
         self.state_specs = {"params": self.layout.stored, "opt_state": opt_specs, "step": P()}
         self.batch_spec = P(*batch_spec)
+        self.shards = shards  # the batch's shards: soft failures are counted per shard
         self.step_fn = self.partitioned("train")
         self.eval_fn = self.partitioned("eval")
         self.init_fn = self.partitioned("init")
 
     def partitioned(self, which: str, backend: str = "gshard", **kw):
         """The train, optimizer-update, eval or init step partitioned on the mesh with the state's shardings fixed."""
-        fn, ins, outs = {"train": (self.train_step, (self.state_specs, self.batch_spec), (self.state_specs, None)),
+        fn, ins, outs = {"train": (self.train_step, (self.state_specs, self.batch_spec), (self.state_specs, P())),
                          "update": (self.update, (self.state_specs, self.layout.gradients), self.state_specs),
                          "eval": (self.eval_step, (self.layout.stored, self.batch_spec), None),
                          "init": (self.init_state, None, self.state_specs)}[which]
@@ -152,7 +156,7 @@ class Trainer:
     def explain(self, state: dict, batch: dict, compile: bool = True) -> gs.Report:
         """The train step's partition report, with argument memory by kind (params, optimizer state, batch)
         and, when compiled, XLA's memory_analysis()."""
-        ins, outs = (self.state_specs, self.batch_spec), (self.state_specs, None)
+        ins, outs = (self.state_specs, self.batch_spec), (self.state_specs, P())
         report = gs.explain(self.train_step, self.mesh, state, batch, in_shardings=ins, out_shardings=outs)
         report.kind_of = state_kind
         if compile:
@@ -169,21 +173,26 @@ class Trainer:
             params = jax.tree.map(lambda p: p.astype(self.model.cfg.compute_dtype), params)
         return {"params": params, "opt_state": opt_state, "step": jnp.zeros([], jnp.int32)}
 
-    def gradients(self, params: Any, batch: dict, step: jax.Array) -> tuple[jax.Array, dict, Any]:
-        """(loss, metrics, float32 gradients reduced to the layout's gradient spec), summed over
-        train.microbatches in a scan (the accumulator sharded as the optimizer state from zero_stage 2 on)."""
+    def gradients(self, params: Any, batch: dict, step: jax.Array) -> tuple[jax.Array, dict, Any, jax.Array]:
+        """(loss, metrics, float32 gradients reduced to the layout's gradient spec, non-finite rows per batch
+        shard), summed over train.microbatches in a scan (the accumulator sharded as the optimizer state from
+        zero_stage 2 on). The rows are watched where they are embedded (faults.watch_rows)."""
         t, lo = self.cfg.train, self.layout
         poison = jnp.where(step == self.cfg.debug.nan_at_step, jnp.nan, 1.0)
         rng = jax.random.fold_in(jax.random.key(t.seed), step)
 
-        def loss(p, b, key):
-            value, m = loss_fn(self.model, p, b, key)
+        def loss(p, probe_B, b, key):
+            fault_B = b["soft_fail"][:, 0] if "soft_fail" in b else None
+            with nn.intercept_methods(faults.row_watcher(layers.Embed, probe_B, fault_B)):
+                value, m = loss_fn(self.model, p, b, key)
             return value * poison, {k: m[k] for k in METRICS}
 
         def one(b, key, specs):
-            (value, m), g = jax.value_and_grad(loss, has_aux=True)(params, b, key)
+            probe_B = jnp.zeros(b["inputs"].shape[:1], jnp.float32)
+            (value, m), (g, rows_B) = jax.value_and_grad(loss, (0, 1), has_aux=True)(params, probe_B, b, key)
             g = sharded.constrain(g, specs)
-            return value, m, jax.tree.map(lambda x: x.astype(jnp.float32), g)
+            bad_S = faults.nonfinite_per_shard(rows_B, self.shards)
+            return value, m, jax.tree.map(lambda x: x.astype(jnp.float32), g), bad_S
 
         k = 1 if self.pipeline is not None else t.microbatches  # a pipeline runs the microbatches itself
         if k == 1:
@@ -194,14 +203,14 @@ class Trainer:
 
         def body(acc, xs):
             i, b = xs
-            out = one(b, jax.random.fold_in(rng, i), acc_specs)
-            return jax.tree.map(jnp.add, acc, out), None
+            *out, bad_S = one(b, jax.random.fold_in(rng, i), acc_specs)
+            return jax.tree.map(jnp.add, acc, (tuple(out), bad_S)), None
 
         zeros = (jnp.zeros([], jnp.float32), {n: jnp.zeros([], jnp.float32) for n in METRICS},
                  sharded.constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), acc_specs))
-        total, _ = jax.lax.scan(body, zeros, (jnp.arange(k), micro))
-        value, m, g = jax.tree.map(lambda x: x / k, total)
-        return value, m, sharded.constrain(g, lo.gradients)
+        (value, m, g), bad_S = jax.lax.scan(body, (zeros, jnp.zeros([self.shards], jnp.int32)), (jnp.arange(k), micro))[0]
+        value, m, g = jax.tree.map(lambda x: x / k, (value, m, g))
+        return value, m, sharded.constrain(g, lo.gradients), bad_S
 
     def update(self, state: dict, grads: Any) -> dict:
         """The optimizer step: float32 gradients (in the layout's gradient spec) -> the next state. The moments
@@ -223,13 +232,14 @@ class Trainer:
         t, step = self.cfg.train, state["step"] + 1
         if t.goldfish_k > 1:
             batch = dict(batch, weights=optim.goldfish_weights(batch["inputs"], t.goldfish_k, t.goldfish_h))
-        value, m, grads = self.gradients(state["params"], batch, step)
+        value, m, grads, bad_S = self.gradients(state["params"], batch, step)
         grad_norm = optax.tree.norm(grads)
         new = self.update(state, grads)
         ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
         if t.nan_policy == "skip":
             new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, dict(state, step=step))
-        out = {"loss": value, "grad_norm": grad_norm, "learning_rate": self.schedule(step - 1), "finite": ok, **m}
+        out = {"loss": value, "grad_norm": grad_norm, "learning_rate": self.schedule(step - 1), "finite": ok,
+               "nonfinite_rows": bad_S, **m}
         return new, out
 
     def eval_step(self, params: Any, batch: dict) -> jax.Array:
@@ -242,8 +252,12 @@ class Trainer:
         per = t.batch_size // jax.process_count()
         me = jax.process_index()
         local = tokens.windows(split, t.seed, step, t.batch_size, self.length, me * per, (me + 1) * per)
+        rows = data.model_batch(self.cfg.model.kind, local)
+        fault = faults.fault_rows(self.cfg.debug, step, per) if split == "train" else None
+        if fault is not None:
+            rows["soft_fail"] = fault[:, None]
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v, (t.batch_size,) + v.shape[1:])
-                for k, v in data.model_batch(self.cfg.model.kind, local).items()}
+                for k, v in rows.items()}
 
     def from_checkpoint(self, tree: dict, saved: dict) -> dict:
         """A restored state (or {"params": ...}) re-laid from the layer order its checkpoint recorded to this
@@ -402,22 +416,28 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -
     def settle(step: int, m: dict) -> None:
         """One step's metrics on the host: the NaN check, the logged row, the progress bar."""
         nonlocal skipped
-        host = {k: float(v) for k, v in m.items()}
+        bad_S = np.asarray(m["nonfinite_rows"])
+        host = {k: float(v) for k, v in m.items() if k != "nonfinite_rows"}
         finite = bool(host.pop("finite"))
+        row = {}
         if not finite:
+            culprits = faults.name_shards(bad_S, trainer.batch_sharding, (t.batch_size, trainer.length))
+            row["nonfinite_processes"] = sorted({p for c in culprits for p in c["processes"]})
             if t.nan_policy == "halt":
-                writer.write(step, {"loss": host["loss"], "grad_norm": host["grad_norm"], "halted": True})
-                raise NonFiniteStep(step, host["loss"], host["grad_norm"])
+                writer.write(step, {"loss": host["loss"], "grad_norm": host["grad_norm"], "halted": True, **row})
+                faults.report_soft_failure(step, culprits)
+                raise NonFiniteStep(step, host["loss"], host["grad_norm"], culprits)
             skipped += 1
-            log.warning("step %d: non-finite loss or gradient norm; update skipped (%d so far)", step, skipped)
-        row = dict(host, skipped_steps=skipped)
+            log.warning("step %d: non-finite loss or gradient norm; %s; update skipped (%d so far)", step,
+                        faults.describe(culprits), skipped)
+        row.update(host, skipped_steps=skipped)
         clock.step_done(step > start + 1)  # the first step also compiles: throughput is timed from its end
         if step % t.log_every == 0 or step == t.num_steps:
             row.update(clock.window())
         if step % t.eval_every == 0 or step == t.num_steps:
             row["eval_loss"] = trainer.evaluate(tokens, state["params"])
             clock.pause()  # eval time is not training throughput
-        if "tokens_per_s" in row or "eval_loss" in row:
+        if "tokens_per_s" in row or "eval_loss" in row or not finite:  # a skipped step's row says whose NaN
             writer.write(step, row)
             summary.update(step=step, **{k: row[k] for k in ("loss", "eval_loss") if k in row})
         if bar is not None:
@@ -429,10 +449,10 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -
                 post["mfu"] = f"{row['mfu']:.1%}"
             bar.set_postfix(post, refresh=False)
 
-    faults = Faults(cfg.debug)
+    node_faults = Faults(cfg.debug)
     try:
         for step in range(start + 1, t.num_steps + 1):
-            faults.before(step)
+            node_faults.before(step)
             with clock.waiting("data_wait_s"):
                 batch = trainer.batch(tokens, "train", step)
             state, m = trainer.step_fn(state, batch)
@@ -447,7 +467,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -
                 pending = (step, m)
             with clock.waiting("checkpoint_s"):
                 ckpt.save(step, state, force=step == t.num_steps)
-            if step < t.num_steps and faults.preempted(step):
+            if step < t.num_steps and node_faults.preempted(step):
                 if pending is not None:
                     settle(*pending)
                     pending = None
@@ -456,7 +476,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -
         if pending is not None:
             settle(*pending)
     finally:
-        faults.close()
+        node_faults.close()
         ckpt.wait()
         ckpt.close()
         writer.close()
