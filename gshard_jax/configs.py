@@ -50,6 +50,8 @@ def train_defaults() -> ConfigDict:
         seed=0,  # params, data order and routing randomness
         nan_policy="halt",  # non-finite loss or grad norm: "halt" or "skip" the step
         async_checkpoints=True,  # write checkpoints in the background
+        checkpoint_replica_parallel=True,  # replicated arrays written 1/R by each of their R replicas (scattered)
+        checkpoint_single_read=True,  # arrays replicated over host groups read by group 0 and broadcast
         hardware="cpu-simulation",  # planner hardware profile (gshard_jax/planner/hardware.py) whose peak the mfu metric uses
         peak_flops=0.0,  # flop/s of one device for the mfu metric (0: the hardware profile's peak_flops)
         goldfish_k=0,  # goldfish loss: drop ~1/k of target tokens from the loss (0 or 1: off; AxoNN uses 2)

@@ -3,6 +3,7 @@ checkpoints are skipped, NaN steps never reach a checkpoint, bad overrides fail 
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -384,7 +385,7 @@ def test_launch_replaces_a_dead_node_with_a_spare_and_loses_nothing(data_dir, tm
     from gshard_jax.training import launch as L
     run = tmp_path / "run"
     launch(run, data_dir, 8, "--config.debug.fail_process=1", "--config.debug.fail_at_step=6",
-           "--config.train.decay_steps=24")
+           "--config.train.decay_steps=24", "--config.train.async_checkpoints=false")  # step 4 is saved by step 6
     events = L.read(str(run))
     assert [e["event"] for e in events] == ["attempt", "failure", "replaced", "attempt", "done"], events
     assert events[0]["nodes"] == [0, 1] and events[3]["nodes"] == [0, 2]
@@ -393,6 +394,15 @@ def test_launch_replaces_a_dead_node_with_a_spare_and_loses_nothing(data_dir, tm
     got = {x["step"]: x["loss"] for x in rows(run)}
     assert sorted(got) == list(range(1, 9))  # every step once: the resume dropped what the failure left
     assert [got[s] for s in range(1, 9)] == pytest.approx([x["loss"] for x in rows(run24[1])[:8]], rel=1e-5)
+    # Scattered writes: the replicated state of step 8 was written half by each process.
+    written = [sum(f.stat().st_size for f in (run / "checkpoints" / "8" / "default" / f"ocdbt.process_{i}").rglob("*")
+                   if f.is_file()) for i in (0, 1)]
+    assert 0.8 < written[0] / written[1] < 1.25, written
+    # Single reads: on resume, host group 0 (process 0) read the state and broadcast it to process 1.
+    logs = [(run / "launch" / f"attempt1.node{n}.log").read_text() for n in (0, 2)]
+    assert all('"start_step": 4' in text for text in logs)
+    read = [int(re.search(r"resumed from .* at step 4 \(process \d read (\d+) bytes\)", text)[1]) for text in logs]
+    assert read[1] < 0.05 * read[0] and read[0] > sum(written), (read, written)
 
 
 @pytest.mark.slow  # starts three training attempts
@@ -403,7 +413,7 @@ def test_launch_names_a_soft_failure_by_process_and_replaces_its_node(data_dir, 
     from gshard_jax.training import launch as L
     run = tmp_path / "run"
     launch(run, data_dir, 8, "--config.debug.soft_fail_process=1", "--config.debug.soft_fail_at_step=6",
-           "--config.train.decay_steps=24")
+           "--config.train.decay_steps=24", "--config.train.async_checkpoints=false")
     events = L.read(str(run))
     assert [e["event"] for e in events] == ["attempt", "failure", "replaced", "attempt", "done"], events
     failure = events[1]
@@ -413,6 +423,7 @@ def test_launch_names_a_soft_failure_by_process_and_replaces_its_node(data_dir, 
     log = (run / "launch" / "attempt0.node0.log").read_text()
     assert "step 6: non-finite loss" in log and "devices [2048, 2049, 2050, 2051] of process 1" in log
     assert "devices [0" not in log  # process 0's shards stayed finite
+    assert '"start_step": 4' in (run / "launch" / "attempt1.node0.log").read_text()
     got = {x["step"]: x["loss"] for x in rows(run)}
     assert sorted(got) == list(range(1, 9))
     assert [got[s] for s in range(1, 9)] == pytest.approx([x["loss"] for x in rows(run24[1])[:8]], rel=1e-5)

@@ -11,6 +11,15 @@ before, with a warning naming it. Restoring places every array as the
 caller's template says, so a run may resume on a different mesh. Each save
 carries the caller's metadata (the stored order of the layer stack), and a
 restore hands it to the caller's ``adapt`` to re-lay what it read.
+
+With several processes, nothing is read or written more than once:
+- *Scattered writes*: an array replicated over R devices is written by all R, each a 1/R slice (orbax's
+  replica-parallel saving, which orbax turns off by default on GPUs; ``replica_parallel`` sets it on every
+  platform). Without it, replica 0 of every shard writes it all.
+- *Single reads*: when every process's devices lie at one index of the mesh's first axis (a *host group*:
+  the processes of one data-parallel replica), the arrays replicated over that axis are read by host group
+  0 alone and broadcast to the others over the devices' collectives (orbax's single-replica restore).
+  Arrays split over that axis (ZeRO states) are read once anyway, each part by its holder.
 """
 from __future__ import annotations
 
@@ -19,30 +28,80 @@ import os
 from typing import Any, Callable, Optional
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
 log = logging.getLogger("gshard_jax")
 
 
-def _manager(path: str, every: int, keep: Optional[int], async_save: bool, name: str) -> ocp.CheckpointManager:
+def _handler(array_handler: Any) -> ocp.PyTreeCheckpointHandler:
+    """orbax's pytree handler with `array_handler` for jax.Arrays (its other types as orbax's defaults)."""
+    th = ocp.type_handlers
+    registry = th.create_type_handler_registry(
+        *[(t, th.get_type_handler(t)) for t in (int, float, np.number, np.ndarray, str, type(ocp.PLACEHOLDER))],
+        (jax.Array, array_handler))
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
+def _manager(path: str, every: int, keep: Optional[int], async_save: bool, name: str,
+             replica_parallel: bool) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         save_decision_policy=policies.FixedIntervalPolicy(max(1, every)),
         preservation_policy=policies.LatestN(keep) if keep else policies.preservation_policy.PreserveAll(),
         enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True,
         # Two series may save the same step at once: their cross-process barriers need distinct names.
         multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=name))
-    return ocp.CheckpointManager(os.path.abspath(path), options=options)
+    arrays = ocp.type_handlers.ArrayHandler(use_replica_parallel=replica_parallel)
+    return ocp.CheckpointManager(os.path.abspath(path), options=options, item_handlers=_handler(arrays))
+
+
+def host_groups(mesh: jax.sharding.Mesh) -> Optional[int]:
+    """The number of host groups along the mesh's first axis, when every process's devices lie at one index
+    of it and there are several such groups (single reads apply); None otherwise."""
+    if jax.process_count() == 1 or mesh.devices.shape[0] == 1:
+        return None
+    index_of = {}
+    for i, plane in enumerate(mesh.devices):
+        for d in np.ravel(plane):
+            if index_of.setdefault(d.process_index, i) != i:
+                return None
+    return mesh.devices.shape[0]
+
+
+def _single_read_args(abstract: Any) -> Optional[tuple[Any, Any]]:
+    """(restore args, PLACEHOLDER-masked template) of the leaves one host group reads and broadcasts: those
+    replicated over the first axis of a mesh with host groups; None when no leaf is."""
+    leaves = jax.tree.leaves(abstract)
+    mesh = getattr(leaves[0].sharding, "mesh", None) if leaves else None
+    if mesh is None or host_groups(mesh) is None:
+        return None
+    first = mesh.axis_names[0]
+
+    def replicated(x) -> bool:
+        spec = getattr(x.sharding, "spec", None)
+        return spec is not None and x.sharding.mesh == mesh and all(
+            first not in (e if isinstance(e, tuple) else (e,)) for e in spec)
+    if not any(replicated(x) for x in leaves):
+        return None
+    th = ocp.type_handlers
+    args = jax.tree.map(lambda x: th.SingleReplicaArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
+                                                                   dtype=x.dtype)
+                        if replicated(x) else th.ArrayRestoreArgs(sharding=x.sharding), abstract)
+    return args, jax.tree.map(lambda x: x if replicated(x) else ocp.PLACEHOLDER, abstract)
 
 
 class Checkpoints:
     """The run's two checkpoint series."""
 
     def __init__(self, workdir: str, full_every: int, model_every: int, async_save: bool = True,
-                 metadata: Optional[dict] = None):
+                 metadata: Optional[dict] = None, replica_parallel: bool = True, single_read: bool = True):
         self.metadata = dict(metadata or {})  # saved with every checkpoint, handed to adapt() on restore
-        self.full = _manager(os.path.join(workdir, "checkpoints"), full_every, 2, async_save, "full")
-        self.model = _manager(os.path.join(workdir, "model_checkpoints"), model_every, None, async_save, "model")
+        self.single_read = single_read
+        self.full = _manager(os.path.join(workdir, "checkpoints"), full_every, 2, async_save, "full",
+                             replica_parallel)
+        self.model = _manager(os.path.join(workdir, "model_checkpoints"), model_every, None, async_save, "model",
+                              replica_parallel)
 
     def should_save(self, step: int) -> bool:
         """Whether save(step) writes a checkpoint (full or model-only) by the save policies."""
@@ -51,14 +110,14 @@ class Checkpoints:
     def save(self, step: int, state: dict, force: bool = False) -> None:
         """Offer `state` at `step` to both series (each saves when its interval says, or when forced)."""
         meta = self.metadata or None
-        self.full.save(step, args=ocp.args.StandardSave(state), force=force, custom_metadata=meta)
-        self.model.save(step, args=ocp.args.StandardSave({"params": state["params"]}), force=force,
+        self.full.save(step, args=ocp.args.PyTreeSave(state), force=force, custom_metadata=meta)
+        self.model.save(step, args=ocp.args.PyTreeSave({"params": state["params"]}), force=force,
                         custom_metadata=meta)
 
     def save_now(self, step: int, state: dict) -> None:
         """A full checkpoint of `step` now (preemption), unless the interval saved it already; then wait."""
         if step not in self.full.all_steps():
-            self.full.save(step, args=ocp.args.StandardSave(state), force=True,
+            self.full.save(step, args=ocp.args.PyTreeSave(state), force=True,
                            custom_metadata=self.metadata or None)
         self.wait()
 
@@ -67,18 +126,34 @@ class Checkpoints:
         through adapt(state, its saved metadata); None if none."""
         abstract = _abstract(template)
         return _newest_restorable([(s, self.full) for s in self.full.all_steps()],
-                                  lambda mgr, step: mgr.restore(step, args=ocp.args.StandardRestore(abstract)),
-                                  adapt)
+                                  lambda mgr, step: self._restore(mgr, step, abstract), adapt)
 
     def restore_params(self, template: Any, adapt: Optional[Callable] = None) -> Optional[tuple[int, Any]]:
         """(step, params) from the newest full or model-only checkpoint, placed like `template` and passed
         through adapt({"params": params}, its saved metadata)."""
         abstract = {"params": _abstract(template)}
-        args = ocp.args.PyTreeRestore(abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
-                                      partial_restore=True)
         found = _newest_restorable([(s, m) for m in (self.full, self.model) for s in m.all_steps()],
-                                   lambda mgr, step: mgr.restore(step, args=args), adapt)
+                                   lambda mgr, step: self._restore(mgr, step, abstract, partial=True), adapt)
         return None if found is None else (found[0], found[1]["params"])
+
+    def _restore(self, mgr: ocp.CheckpointManager, step: int, abstract: Any, partial: bool = False) -> Any:
+        """`abstract`'s arrays from checkpoint `step`: the ones replicated over host groups read by group 0 and
+        broadcast (single reads), the rest by their holders."""
+        single = _single_read_args(abstract) if self.single_read else None
+        if single is None:
+            return mgr.restore(step, args=ocp.args.PyTreeRestore(
+                abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+                partial_restore=partial))
+        args, replicated = single
+        th = ocp.type_handlers
+        reader = ocp.Checkpointer(_handler(th.SingleReplicaArrayHandler(replica_axis_index=0, primary_replica_id=0)))
+        path = os.path.join(str(mgr.directory), str(step), "default")
+        shared = reader.restore(path, args=ocp.args.PyTreeRestore(replicated, restore_args=args,
+                                                                  partial_restore=partial))
+        rest = jax.tree.map(lambda x, r: ocp.PLACEHOLDER if r is not ocp.PLACEHOLDER else x, abstract, replicated)
+        own = mgr.restore(step, args=ocp.args.PyTreeRestore(
+            rest, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=partial))
+        return jax.tree.map(lambda a, b: b if a is ocp.PLACEHOLDER else a, shared, own)
 
     def wait(self) -> None:
         self.full.wait_until_finished()
@@ -87,6 +162,15 @@ class Checkpoints:
     def close(self) -> None:
         self.full.close()
         self.model.close()
+
+
+def bytes_read() -> int:
+    """Bytes this process's read calls have returned so far (Linux's rchar; 0 elsewhere)."""
+    try:
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("rchar")).split()[1])
+    except (OSError, StopIteration):
+        return 0
 
 
 def _abstract(template: Any) -> Any:

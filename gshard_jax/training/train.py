@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import gshard_jax as gs
 
 from .. import configs
-from . import data, metrics, optim
+from . import checkpoints, data, metrics, optim
 from . import faults
 from .faults import Faults, Preempted
 from . import state as sharded
@@ -396,13 +396,16 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -
             f.write(cfg.to_json(indent=1))
     tokens = prepare_data(cfg, workdir)
     ckpt = Checkpoints(workdir, t.checkpoint_every, t.model_checkpoint_every, async_save=t.async_checkpoints,
+                       replica_parallel=t.checkpoint_replica_parallel, single_read=t.checkpoint_single_read,
                        metadata={"layer_order": trainer.layer_order})
     state = trainer.fresh_state()
+    read = checkpoints.bytes_read()
     restored = ckpt.restore_latest(state, adapt=trainer.from_checkpoint)
     start = 0
     if restored is not None:
         start, state = restored
-        log.info("resumed from %s at step %d", ckpt.full.directory, start)
+        log.info("resumed from %s at step %d (process %d read %d bytes)", ckpt.full.directory, start,
+                 jax.process_index(), checkpoints.bytes_read() - read)
     main = jax.process_index() == 0
     writer = metrics.MetricsWriter(workdir, resume_step=start, enabled=main)
     bar = None
@@ -492,7 +495,8 @@ def evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
     """Held-out loss of the newest checkpoint (full or model-only) in workdir."""
     trainer = Trainer(cfg, workdir)  # checks the config against the devices before anything is written
     tokens = prepare_data(cfg, workdir)
-    ckpt = Checkpoints(workdir, cfg.train.checkpoint_every, cfg.train.model_checkpoint_every, async_save=False)
+    ckpt = Checkpoints(workdir, cfg.train.checkpoint_every, cfg.train.model_checkpoint_every, async_save=False,
+                       single_read=cfg.train.checkpoint_single_read)
     restored = ckpt.restore_params(trainer.fresh_state()["params"], adapt=trainer.from_checkpoint)
     ckpt.close()
     if restored is None:
