@@ -214,3 +214,49 @@ def test_nonfinite_rows_are_counted_in_their_batch_shards_before_the_reduction(t
         assert c["devices"] == sorted(d.id for d, i in held.items() if (i[0].start or 0) == c["shard"] * per)
         assert c["processes"] == [0] and c["rows"] == 1
     assert [c["shard"] for c in named] == [5 // per, 12 // per]
+
+
+def test_the_supervisor_replaces_soft_failing_nodes_once_and_stops_when_the_fault_follows_the_step(tmp_path):
+    """The supervisor's decisions on soft failures, without processes: a report naming some processes marks
+    their nodes bad and relaunches on spares; one naming every process, or the same step failing again on
+    the replacements, is the data or the model and stops the run with the halt status."""
+    import json
+    from gshard_jax.training import launch as L
+    from gshard_jax.training.faults import SOFT_FAILURE
+    beats = tmp_path / "beats"
+    beats.mkdir()
+    culprits = [{"shard": 1, "rows": 2, "devices": [4, 5], "processes": [1]}]
+    (beats / SOFT_FAILURE.format(0)).write_text(json.dumps({"step": 6, "node": 0, "culprits": culprits}))
+    opts = L.Options(processes=2, spares=2, cpu_devices=4, hang_timeout=20, startup_timeout=60, max_restarts=5,
+                     shrink=False)
+    sup = L.Supervisor(opts, [], str(tmp_path))
+    nodes, kind, detail = sup._soft_failure(str(beats), 0, [0, 3])
+    assert (nodes, kind, detail["step"], detail["devices"]) == ([3], "soft", 6, [4, 5])
+    everyone = culprits + [{"shard": 0, "rows": 2, "devices": [0, 1], "processes": [0]}]
+    (beats / SOFT_FAILURE.format(0)).write_text(json.dumps({"step": 6, "node": 0, "culprits": everyone}))
+    assert sup._soft_failure(str(beats), 0, [0, 3]) is None  # every process: a halt, not a node
+    assert sup._soft_failure(str(beats), 1, [0, 3]) is None  # no report from process 1
+
+    attempts = []
+
+    def one(attempt, chosen):  # process 1 goes non-finite at step 6 on whichever node runs it
+        attempts.append(chosen)
+        return [chosen[1]], "soft", {"step": 6, "devices": [4, 5], "message": "non-finite rows at step 6"}
+    sup._one = one
+    (tmp_path / "launch").mkdir()
+    assert sup._attempts() == L.EXIT_HALTED
+    assert attempts == [[0, 1], [0, 2]]
+    events = L.read(str(tmp_path))
+    assert [e["event"] for e in events] == ["attempt", "failure", "replaced", "attempt", "stopped"], events
+    assert events[1]["kind"] == "soft" and events[1]["step"] == 6 and events[1]["nodes"] == [1]
+    assert "again on [2]" in events[-1]["reason"] and "not a node" in events[-1]["reason"]
+
+
+def test_non_finite_values_that_no_row_holds_name_no_device():
+    from gshard_jax.training import faults
+    mesh = jax.make_mesh((8,), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None))
+    assert faults.name_shards(np.zeros(8, int), sharding, (16, 4)) == []
+    assert "names no device" in faults.describe([])
+    named = faults.name_shards(np.array([0, 0, 0, 1, 0, 0, 0, 0]), sharding, (16, 4))
+    assert named == [{"shard": 3, "rows": 1, "devices": [mesh.devices[3].id], "processes": [0]}]

@@ -72,7 +72,7 @@ def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware, trace_pe
     batch = abstract_batch(run)
     report = gs.explain(trainer.train_step, trainer.mesh, state, batch,
                         in_shardings=(trainer.state_specs, trainer.batch_spec),
-                        out_shardings=(trainer.state_specs, None), profile=partitioner_profile(hw),
+                        out_shardings=trainer.step_outs, profile=partitioner_profile(hw),
                         trace_per_device=trace_per_device)
     report.kind_of = state_kind
     return report

@@ -139,6 +139,7 @@ class Trainer:
         if self.mixed:
             opt_specs = {"master": self.layout.optimizer, "adam": opt_specs}
         self.state_specs = {"params": self.layout.stored, "opt_state": opt_specs, "step": P()}
+        self.step_outs = (self.state_specs, P())  # the train step's: the metrics replicated, read by every process
         self.batch_spec = P(*batch_spec)
         self.shards = shards  # the batch's shards: soft failures are counted per shard
         self.step_fn = self.partitioned("train")
@@ -147,7 +148,7 @@ class Trainer:
 
     def partitioned(self, which: str, backend: str = "gshard", **kw):
         """The train, optimizer-update, eval or init step partitioned on the mesh with the state's shardings fixed."""
-        fn, ins, outs = {"train": (self.train_step, (self.state_specs, self.batch_spec), (self.state_specs, P())),
+        fn, ins, outs = {"train": (self.train_step, (self.state_specs, self.batch_spec), self.step_outs),
                          "update": (self.update, (self.state_specs, self.layout.gradients), self.state_specs),
                          "eval": (self.eval_step, (self.layout.stored, self.batch_spec), None),
                          "init": (self.init_state, None, self.state_specs)}[which]
@@ -156,7 +157,7 @@ class Trainer:
     def explain(self, state: dict, batch: dict, compile: bool = True) -> gs.Report:
         """The train step's partition report, with argument memory by kind (params, optimizer state, batch)
         and, when compiled, XLA's memory_analysis()."""
-        ins, outs = (self.state_specs, self.batch_spec), (self.state_specs, P())
+        ins, outs = (self.state_specs, self.batch_spec), self.step_outs
         report = gs.explain(self.train_step, self.mesh, state, batch, in_shardings=ins, out_shardings=outs)
         report.kind_of = state_kind
         if compile:
