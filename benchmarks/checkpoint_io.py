@@ -80,7 +80,11 @@ def run(args, n: int, setting: str) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    workdir = tempfile.mkdtemp(prefix=f"ckpt_io_{n}_{setting}_")
+    with tempfile.TemporaryDirectory(prefix=f"ckpt_io_{n}_{setting}_") as workdir:
+        return _run(args, n, setting, port, workdir)
+
+
+def _run(args, n: int, setting: str, port: int, workdir: str) -> list[dict]:
     procs = [subprocess.Popen([sys.executable, __file__, "--config", args.config, "--set", *args.set,
                                "--child", f"{i},{n},{port},{workdir},{setting}"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
