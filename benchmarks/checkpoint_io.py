@@ -87,15 +87,18 @@ def run(args, n: int, setting: str) -> list[dict]:
 def _run(args, n: int, setting: str, port: int, workdir: str) -> list[dict]:
     procs = [subprocess.Popen([sys.executable, __file__, "--config", args.config, "--set", *args.set,
                                "--child", f"{i},{n},{port},{workdir},{setting}"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-             for i in range(n)]
+                              stdout=open(os.path.join(workdir, f"{i}.out"), "w"), stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True)
+             for i in range(n)]  # output to files: a full pipe would stall a process and its peers with it
     out = []
     try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=600)
+        for i, p in enumerate(procs):
+            p.wait(timeout=600)
+            with open(os.path.join(workdir, f"{i}.out")) as f:
+                text = f.read()
             if p.returncode != 0:
-                raise RuntimeError(f"a process exited {p.returncode}:\n{stderr[-3000:]}")
-            out.append(json.loads(stdout.strip().splitlines()[-1]))
+                raise RuntimeError(f"process {i} exited {p.returncode}:\n{text[-3000:]}")
+            out.append(json.loads(text.strip().splitlines()[-1]))
     finally:
         for p in procs:
             if p.poll() is None:

@@ -558,6 +558,7 @@ UNPIPELINED = ["--config.model.num_layers=4", "--config.model.scan=true", "--con
                "--config.mesh.expert=1", "--config.mesh.y=4", "--config.train.microbatches=4"]
 
 
+@pytest.mark.slow  # 35 s; by default test_pipeline_models checks 1F1B against the unpipelined loss in-process
 def test_a_1f1b_pipelined_run_equals_the_unpipelined_run(data_dir, tmp_path):
     train(tmp_path / "plain", data_dir, 4, *UNPIPELINED)
     train(tmp_path / "piped", data_dir, 4, *PIPELINED, "--config.pipeline.schedule=1f1b")

@@ -260,3 +260,42 @@ def test_non_finite_values_that_no_row_holds_name_no_device():
     assert "names no device" in faults.describe([])
     named = faults.name_shards(np.array([0, 0, 0, 1, 0, 0, 0, 0]), sharding, (16, 4))
     assert named == [{"shard": 3, "rows": 1, "devices": [mesh.devices[3].id], "processes": [0]}]
+
+
+def test_single_reads_restore_what_was_saved_full_and_params_only(tmp_path, monkeypatch, caplog):
+    """Single reads split a restore in two (arrays replicated over the host groups' axis read by group 0 and
+    broadcast, the rest by their holders): a full restore (optax's namedtuples, PLACEHOLDER masks) and a
+    params-only one (partial, leaves left out) both give back what was saved, and neither fell back to
+    the plain read. One process stands in for two host groups along data."""
+    import logging
+    import optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from gshard_jax.training import checkpoints
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "x"))
+    monkeypatch.setattr(checkpoints, "host_groups", lambda m: 2 if m.shape["data"] == 2 else None)
+    single_reads = []
+    real = checkpoints.Checkpoints._single_read
+    monkeypatch.setattr(checkpoints.Checkpoints, "_single_read",
+                        lambda self, *a: single_reads.append(a[-1]) or real(self, *a))
+    put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
+    params = {"dense": {"kernel": put(jnp.arange(64.0).reshape(8, 8), None, "x"), "bias": put(jnp.arange(8.0))},
+              "split": put(jnp.arange(32.0).reshape(8, 4) * 3, "data", None)}
+    opt = optax.adam(1e-3)
+    # optax's state (namedtuples, as in a real run), its moments placed as the params and made nonzero.
+    opt_state = jax.tree.map(lambda x: put(x + 1.5, *x.sharding.spec) if isinstance(x.sharding, NamedSharding)
+                             else put(x), opt.init(params))
+    state = {"params": params, "opt_state": opt_state, "step": put(jnp.int32(7))}
+    ckpt = checkpoints.Checkpoints(str(tmp_path), 1, 1, async_save=False)
+    ckpt.save(7, state, force=True)
+    ckpt.wait()
+    with caplog.at_level(logging.WARNING, logger="gshard_jax"):
+        step, back = ckpt.restore_latest(state)
+        step_p, back_p = ckpt.restore_params(params)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]  # no fallback to the plain read
+    assert single_reads == [False, True]  # full, then partial
+    assert step == step_p == 7
+    for want, got in ((state, back), (params, back_p)):
+        assert jax.tree.structure(want) == jax.tree.structure(got)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+            assert b.sharding.is_equivalent_to(a.sharding, a.ndim) and np.array_equal(a, b)
+    ckpt.close()

@@ -69,9 +69,9 @@ def host_groups(mesh: jax.sharding.Mesh) -> Optional[int]:
     return mesh.devices.shape[0]
 
 
-def _single_read_args(abstract: Any) -> Optional[tuple[Any, Any]]:
-    """(restore args, PLACEHOLDER-masked template) of the leaves one host group reads and broadcasts: those
-    replicated over the first axis of a mesh with host groups; None when no leaf is."""
+def _replicated_leaves(abstract: Any) -> Optional[Callable[[Any], bool]]:
+    """Which leaves one host group reads and broadcasts (those replicated over the first axis of a mesh with
+    host groups), or None when no leaf is."""
     leaves = jax.tree.leaves(abstract)
     mesh = getattr(leaves[0].sharding, "mesh", None) if leaves else None
     if mesh is None or host_groups(mesh) is None:
@@ -82,13 +82,24 @@ def _single_read_args(abstract: Any) -> Optional[tuple[Any, Any]]:
         spec = getattr(x.sharding, "spec", None)
         return spec is not None and x.sharding.mesh == mesh and all(
             first not in (e if isinstance(e, tuple) else (e,)) for e in spec)
-    if not any(replicated(x) for x in leaves):
-        return None
-    th = ocp.type_handlers
-    args = jax.tree.map(lambda x: th.SingleReplicaArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
-                                                                   dtype=x.dtype)
-                        if replicated(x) else th.ArrayRestoreArgs(sharding=x.sharding), abstract)
-    return args, jax.tree.map(lambda x: x if replicated(x) else ocp.PLACEHOLDER, abstract)
+    return replicated if any(replicated(x) for x in leaves) else None
+
+
+def _omit(tree: Any, keep: Callable[[Any], bool]) -> Any:
+    """The nested dicts of `tree` with the leaves `keep` accepts (None when none): a partial restore reads
+    exactly the leaves it is given, and ignores PLACEHOLDER."""
+    if isinstance(tree, dict):
+        kept = {k: _omit(v, keep) for k, v in tree.items()}
+        return {k: v for k, v in kept.items() if v is not None} or None
+    if isinstance(tree, (list, tuple)):
+        raise TypeError(f"a partial single read takes nested dicts, not {type(tree).__name__}")
+    return tree if keep(tree) else None
+
+
+def _merge(a: Any, b: Any) -> Any:
+    if a is None or b is None:
+        return b if a is None else a
+    return {k: _merge(a.get(k), b.get(k)) for k in {**a, **b}}
 
 
 class Checkpoints:
@@ -138,21 +149,44 @@ class Checkpoints:
 
     def _restore(self, mgr: ocp.CheckpointManager, step: int, abstract: Any, partial: bool = False) -> Any:
         """`abstract`'s arrays from checkpoint `step`: the ones replicated over host groups read by group 0 and
-        broadcast (single reads), the rest by their holders."""
-        single = _single_read_args(abstract) if self.single_read else None
-        if single is None:
-            return mgr.restore(step, args=ocp.args.PyTreeRestore(
-                abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
-                partial_restore=partial))
-        args, replicated = single
+        broadcast (single reads), the rest by their holders. A single read that fails is retried the plain
+        way (every process reads what it holds) before the checkpoint counts as damaged."""
+        replicated = _replicated_leaves(abstract) if self.single_read else None
+        if replicated is not None:
+            try:
+                return self._single_read(mgr, step, abstract, replicated, partial)
+            except Exception as e:
+                log.warning("single read of %s failed (%s: %s); every process reads what it holds",
+                            os.path.join(str(mgr.directory), str(step)), type(e).__name__, str(e)[:200])
+        return mgr.restore(step, args=ocp.args.PyTreeRestore(
+            abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=partial))
+
+    def _single_read(self, mgr: ocp.CheckpointManager, step: int, abstract: Any, replicated: Callable,
+                     partial: bool) -> Any:
+        """Two reads: the replicated leaves by host group 0 (broadcast), the rest by their holders. A full
+        restore masks each read's other leaves with PLACEHOLDER; a partial one leaves them out."""
         th = ocp.type_handlers
+        single_args = lambda x: th.SingleReplicaArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
+                                                                 dtype=x.dtype)
+        if partial:
+            shared_item, own_item = _omit(abstract, replicated), _omit(abstract, lambda x: not replicated(x))
+            shared_args = jax.tree.map(single_args, shared_item)
+        else:
+            shared_item = jax.tree.map(lambda x: x if replicated(x) else ocp.PLACEHOLDER, abstract)
+            own_item = jax.tree.map(lambda x: ocp.PLACEHOLDER if replicated(x) else x, abstract)
+            shared_args = jax.tree.map(lambda x: single_args(x) if replicated(x)
+                                       else th.ArrayRestoreArgs(sharding=x.sharding), abstract)
         reader = ocp.Checkpointer(_handler(th.SingleReplicaArrayHandler(replica_axis_index=0, primary_replica_id=0)))
-        path = os.path.join(str(mgr.directory), str(step), "default")
-        shared = reader.restore(path, args=ocp.args.PyTreeRestore(replicated, restore_args=args,
-                                                                  partial_restore=partial))
-        rest = jax.tree.map(lambda x, r: ocp.PLACEHOLDER if r is not ocp.PLACEHOLDER else x, abstract, replicated)
-        own = mgr.restore(step, args=ocp.args.PyTreeRestore(
-            rest, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=partial))
+        shared = reader.restore(os.path.join(str(mgr.directory), str(step), "default"),
+                                args=ocp.args.PyTreeRestore(shared_item, restore_args=shared_args,
+                                                            partial_restore=partial))
+        own = None
+        if own_item is not None:
+            own = mgr.restore(step, args=ocp.args.PyTreeRestore(
+                own_item, restore_args=ocp.checkpoint_utils.construct_restore_args(own_item if partial else abstract),
+                partial_restore=partial))
+        if partial:
+            return _merge(shared, own)
         return jax.tree.map(lambda a, b: b if a is ocp.PLACEHOLDER else a, shared, own)
 
     def wait(self) -> None:

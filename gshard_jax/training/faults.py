@@ -6,11 +6,13 @@ devices whose rows went non-finite (soft failures).
 Soft failures: the global-view step cannot read one device's gradient before the partitioned reduction, but
 every device's contribution to the weight gradients is computed from its own batch rows' activations and
 cotangents. The train step therefore watches each row where the model embeds it: a zero probe per row is
-added there, and the probe's gradient (the row's cotangent summed) is non-finite exactly when the row's
+added there, and the probe's gradient (the row's cotangent summed) is non-finite when the row's
 backward signal is, after every layer above has contributed, and when its forward was (the loss's backward
-carries a NaN forward value back down the same row). Rows are counted per batch shard before any
-reduction; a shard names the devices that hold it, and they their processes. A non-finite value that first
-arises inside a reduction (an overflow in the sum itself) names no shard, and the message says so.
+carries a NaN forward value back down the same row). Rows of one MoE routing group share a NaN (dispatch
+and combine multiply by one-hot masks, and NaN x 0 is NaN), so a group spanning rows is counted whole.
+Rows are counted per batch shard before any reduction; a shard names the devices that hold it, and they
+their processes. A non-finite value that first arises inside a reduction (an overflow in the sum itself)
+names no shard, and the message says so.
 
 A process runs on a *node*: under the supervisor, the node number it was given (GSHARD_JAX_NODE), else its
 process index. Faults are injected by node, so the spare that replaces a failed node does not fail again.

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -134,7 +135,8 @@ class Supervisor:
         """Run one attempt: None when every process finished, "preempted", or (failed nodes, kind, detail)."""
         o = self.opts
         beats = os.path.join(self.dir, f"heartbeat.{attempt}")
-        os.makedirs(beats, exist_ok=True)
+        shutil.rmtree(beats, ignore_errors=True)  # a rerun in the same workdir: no stale beats or reports
+        os.makedirs(beats)
         port = _free_port()
         self.procs = []
         for i, node in enumerate(chosen):
@@ -158,11 +160,11 @@ class Supervisor:
                     return None
                 if self.term and all(c is not None for c in codes):
                     return "preempted"
-                for i, (node, c) in enumerate(zip(chosen, codes)):
-                    if c == EXIT_HALTED:
-                        soft = self._soft_failure(beats, i, chosen)
-                        if soft is not None:
-                            return soft
+                for i, c in enumerate(codes):  # a halt first: its peers may die of its exit in the same poll
+                    soft = self._soft_failure(beats, i, chosen) if c == EXIT_HALTED else None
+                    if soft is not None:
+                        return soft
+                for node, c in zip(chosen, codes):
                     if c in TERMINAL:
                         return [node], "terminal", c
                     if c not in (None, 0) and not self.term:
