@@ -174,7 +174,7 @@ def test_metrics_are_read_one_step_late(data_dir, tmp_path, monkeypatch):
             step = len([e for e in events if e[0] == "dispatch"]) + 1
             events.append(("dispatch", step))
             state, m = run(state, batch)
-            return state, {k: Read(float(jax_value), step) for k, jax_value in m.items()}
+            return state, {k: Read(float(v), step) if v.ndim == 0 else v for k, v in m.items()}  # scalars
         self.step_fn = step_fn
     monkeypatch.setattr(T.Trainer, "__post_init__", instrumented)
     T.train(cfg, str(tmp_path / "run"), progress=False)
