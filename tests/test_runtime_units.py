@@ -262,40 +262,85 @@ def test_non_finite_values_that_no_row_holds_name_no_device():
     assert named == [{"shard": 3, "rows": 1, "devices": [mesh.devices[3].id], "processes": [0]}]
 
 
-def test_single_reads_restore_what_was_saved_full_and_params_only(tmp_path, monkeypatch, caplog):
-    """Single reads split a restore in two (arrays replicated over the host groups' axis read by group 0 and
-    broadcast, the rest by their holders): a full restore (optax's namedtuples, PLACEHOLDER masks) and a
-    params-only one (partial, leaves left out) both give back what was saved, and neither fell back to
-    the plain read. One process stands in for two host groups along data."""
-    import logging
+def _saved_state(tmp_path, monkeypatch):
+    """A train-like state (params on a {data 2, x 4} mesh, one split over data; optax's namedtuple state)
+    saved at step 7, with one process standing in for two host groups along data: (Checkpoints, state)."""
     import optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from gshard_jax.training import checkpoints
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "x"))
     monkeypatch.setattr(checkpoints, "host_groups", lambda m: 2 if m.shape["data"] == 2 else None)
-    single_reads = []
-    real = checkpoints.Checkpoints._single_read
-    monkeypatch.setattr(checkpoints.Checkpoints, "_single_read",
-                        lambda self, *a: single_reads.append(a[-1]) or real(self, *a))
     put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
     params = {"dense": {"kernel": put(jnp.arange(64.0).reshape(8, 8), None, "x"), "bias": put(jnp.arange(8.0))},
               "split": put(jnp.arange(32.0).reshape(8, 4) * 3, "data", None)}
-    opt = optax.adam(1e-3)
     # optax's state (namedtuples, as in a real run), its moments placed as the params and made nonzero.
     opt_state = jax.tree.map(lambda x: put(x + 1.5, *x.sharding.spec) if isinstance(x.sharding, NamedSharding)
-                             else put(x), opt.init(params))
+                             else put(x), optax.adam(1e-3).init(params))
     state = {"params": params, "opt_state": opt_state, "step": put(jnp.int32(7))}
     ckpt = checkpoints.Checkpoints(str(tmp_path), 1, 1, async_save=False)
     ckpt.save(7, state, force=True)
     ckpt.wait()
-    with caplog.at_level(logging.WARNING, logger="gshard_jax"):
-        step, back = ckpt.restore_latest(state)
-        step_p, back_p = ckpt.restore_params(params)
-    assert not caplog.records, [r.getMessage() for r in caplog.records]  # no fallback to the plain read
-    assert single_reads == [False, True]  # full, then partial
+    return ckpt, state
+
+
+def _assert_restored(ckpt, state):
+    step, back = ckpt.restore_latest(state)
+    step_p, back_p = ckpt.restore_params(state["params"])
     assert step == step_p == 7
-    for want, got in ((state, back), (params, back_p)):
+    for want, got in ((state, back), (state["params"], back_p)):
         assert jax.tree.structure(want) == jax.tree.structure(got)
         for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
             assert b.sharding.is_equivalent_to(a.sharding, a.ndim) and np.array_equal(a, b)
+
+
+def test_single_reads_restore_what_was_saved_full_and_params_only(tmp_path, monkeypatch, caplog):
+    """Single reads split a restore in two (arrays replicated over the host groups' axis read by group 0 and
+    broadcast, the rest by their holders): a full restore (optax's namedtuples, PLACEHOLDER masks) and a
+    params-only one (partial, leaves left out) both give back what was saved, and neither fell back to
+    the plain read."""
+    import logging
+    from gshard_jax.training import checkpoints
+    ckpt, state = _saved_state(tmp_path, monkeypatch)
+    single_reads = []
+    real = checkpoints.Checkpoints._single_read
+    monkeypatch.setattr(checkpoints.Checkpoints, "_single_read",
+                        lambda self, *a: single_reads.append(a[-1]) or real(self, *a))
+    with caplog.at_level(logging.WARNING, logger="gshard_jax"):
+        _assert_restored(ckpt, state)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]  # no fallback to the plain read
+    assert single_reads == [False, True]  # full, then partial
     ckpt.close()
+
+
+def test_a_failed_single_read_falls_back_to_every_process_reading(tmp_path, monkeypatch, caplog):
+    """docs/training.md: a single read that fails is retried the plain way, with a warning, and the
+    checkpoint is not counted as damaged."""
+    import logging
+    from gshard_jax.training import checkpoints
+    ckpt, state = _saved_state(tmp_path, monkeypatch)
+
+    def broken(self, *args):
+        raise RuntimeError("broadcast out of memory")
+    monkeypatch.setattr(checkpoints.Checkpoints, "_single_read", broken)
+    with caplog.at_level(logging.WARNING, logger="gshard_jax"):
+        _assert_restored(ckpt, state)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and all("single read of" in m and "broadcast out of memory" in m for m in messages)
+    assert not any("damaged" in m for m in messages)
+    ckpt.close()
+
+
+def test_checkpoint_writes_are_replica_parallel_where_orbax_defaults_them_off(tmp_path, monkeypatch):
+    """orbax turns replica-parallel saving off by default on GPUs; the runtime's managers ask for it."""
+    import orbax.checkpoint as ocp
+    from gshard_jax.training import checkpoints
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    assert ocp.type_handlers.ArrayHandler()._use_replica_parallel is False  # orbax's default there
+    made = []
+    real = ocp.type_handlers.ArrayHandler
+    monkeypatch.setattr(ocp.type_handlers, "ArrayHandler", lambda **kw: made.append(real(**kw)) or made[-1])
+    checkpoints.Checkpoints(str(tmp_path), 1, 1, async_save=False).close()
+    assert len(made) == 2 and all(h._use_replica_parallel for h in made)  # full and model-only series
+    made.clear()
+    checkpoints.Checkpoints(str(tmp_path), 1, 1, async_save=False, replica_parallel=False).close()
+    assert len(made) == 2 and not any(h._use_replica_parallel for h in made)

@@ -12,7 +12,7 @@ caller's template says, so a run may resume on a different mesh. Each save
 carries the caller's metadata (the stored order of the layer stack), and a
 restore hands it to the caller's ``adapt`` to re-lay what it read.
 
-With several processes, nothing is read or written more than once:
+With several processes, writes are spread over the replicas and reads are left to one host group:
 - *Scattered writes*: an array replicated over R devices is written by all R, each a 1/R slice (orbax's
   replica-parallel saving, which orbax turns off by default on GPUs; ``replica_parallel`` sets it on every
   platform). Without it, replica 0 of every shard writes it all.
@@ -31,6 +31,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
+
+from ..models.sharding import axes_of
 
 log = logging.getLogger("gshard_jax")
 
@@ -80,8 +82,7 @@ def _replicated_leaves(abstract: Any) -> Optional[Callable[[Any], bool]]:
 
     def replicated(x) -> bool:
         spec = getattr(x.sharding, "spec", None)
-        return spec is not None and x.sharding.mesh == mesh and all(
-            first not in (e if isinstance(e, tuple) else (e,)) for e in spec)
+        return spec is not None and x.sharding.mesh == mesh and all(first not in axes_of(e) for e in spec)
     return replicated if any(replicated(x) for x in leaves) else None
 
 
