@@ -126,7 +126,7 @@ def test_training_lowers_the_loss_and_writes_its_records(data_dir, run24):
     assert {"loss", "grad_norm", "learning_rate", "tokens_per_s", "eval_loss", "mfu"} <= tensorboard_tags(run)
     # Utilisation: mfu = model flops per token x tokens/s / (devices x peak), the peak from train.hardware.
     from gshard_jax import configs
-    from gshard_jax.training import overrides, train as T
+    from gshard_jax.training import overrides, timing as T
     from gshard_jax.planner import hardware
     cfg = overrides.apply(configs.load(CONFIG), overrides.split_args(SMALL)[1])
     per_token, peak = T.model_flops_per_token(cfg), hardware.get(cfg.train.hardware).peak_flops

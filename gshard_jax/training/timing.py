@@ -1,12 +1,15 @@
-"""Median step times of several compiled functions, timed alternately so that each sees the same machine
-load (these hosts are noisy: compare medians from one run, never single timings)."""
+"""Time and utilisation: median step times of several compiled functions, timed alternately so that each
+sees the same machine load (these hosts are noisy: compare medians from one run, never single timings), and
+a training run's throughput, mfu and waits per logged row."""
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import Callable, Mapping
 
 import jax
+import ml_collections
 
 
 def median_times(fns: Mapping[str, Callable[[], object]], steps: int, warmup: int = 0) -> dict[str, float]:
@@ -20,3 +23,58 @@ def median_times(fns: Mapping[str, Callable[[], object]], steps: int, warmup: in
             if i >= warmup:
                 times[name].append(time.perf_counter() - t)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def peak_flops(cfg: ml_collections.ConfigDict) -> float:
+    """Flop/s of one device for the mfu metric: train.peak_flops, else the hardware profile's."""
+    if cfg.train.peak_flops:
+        return float(cfg.train.peak_flops)
+    from ..planner import hardware
+    return hardware.get(cfg.train.hardware).peak_flops
+
+
+def model_flops_per_token(cfg: ml_collections.ConfigDict) -> float:
+    """The model's flops per trained token (the planner's formula: 6 per active parameter plus attention)."""
+    from ..planner import estimate, space
+    return estimate.model_flops_per_token(space.model_shape(cfg))
+
+
+class Clock:
+    """Step time, throughput and utilisation over the steps since the last logged row, and the time spent
+    waiting on data and checkpoints (each step is timed when its metrics reach the host, one step late)."""
+
+    def __init__(self, t, devices: int, peak: float, flops_per_token: float):
+        self.tokens_per_step = t.batch_size * t.seq_len
+        self.devices, self.peak, self.flops_per_token = devices, peak, flops_per_token
+        self.first = self.prev = time.perf_counter()
+        self.steps, self.seconds = 0, 0.0
+        self.waits = {"data_wait_s": 0.0, "checkpoint_s": 0.0}
+
+    def step_done(self, timed: bool) -> None:
+        now = time.perf_counter()
+        if timed:
+            self.steps, self.seconds = self.steps + 1, self.seconds + now - self.prev
+        self.prev = now
+
+    def pause(self) -> None:
+        self.prev = time.perf_counter()
+
+    @contextlib.contextmanager
+    def waiting(self, what: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.waits[what] += time.perf_counter() - start
+
+    def window(self) -> dict:
+        """The logged row's timing figures; the window starts again."""
+        seconds = self.seconds if self.steps else time.perf_counter() - self.first
+        steps = self.steps or 1
+        tokens_per_s = steps * self.tokens_per_step / seconds
+        row = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.devices,
+               "mfu": self.flops_per_token * tokens_per_s / (self.devices * self.peak),
+               "step_time_s": seconds / steps, **self.waits}
+        self.steps, self.seconds = 0, 0.0
+        self.waits = dict.fromkeys(self.waits, 0.0)
+        return row

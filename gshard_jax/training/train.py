@@ -10,12 +10,10 @@ updates, and ``debug.nan_at_step = N`` poisons the N-th update.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
 import os
-import time
 from typing import Any
 
 import flax.linen as nn
@@ -29,8 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import gshard_jax as gs
 
 from .. import configs
-from . import checkpoints, data, metrics, optim
-from . import faults
+from . import checkpoints, data, faults, metrics, optim, timing
 from .faults import Faults, Preempted
 from . import state as sharded
 from .checkpoints import Checkpoints
@@ -332,61 +329,6 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def peak_flops(cfg: ml_collections.ConfigDict) -> float:
-    """Flop/s of one device for the mfu metric: train.peak_flops, else the hardware profile's."""
-    if cfg.train.peak_flops:
-        return float(cfg.train.peak_flops)
-    from ..planner import hardware
-    return hardware.get(cfg.train.hardware).peak_flops
-
-
-def model_flops_per_token(cfg: ml_collections.ConfigDict) -> float:
-    """The model's flops per trained token (the planner's formula: 6 per active parameter plus attention)."""
-    from ..planner import estimate, space
-    return estimate.model_flops_per_token(space.model_shape(cfg))
-
-
-class _Clock:
-    """Step time, throughput and utilisation over the steps since the last logged row, and the time spent
-    waiting on data and checkpoints (each step is timed when its metrics reach the host, one step late)."""
-
-    def __init__(self, t, devices: int, peak: float, flops_per_token: float):
-        self.tokens_per_step = t.batch_size * t.seq_len
-        self.devices, self.peak, self.flops_per_token = devices, peak, flops_per_token
-        self.first = self.prev = time.perf_counter()
-        self.steps, self.seconds = 0, 0.0
-        self.waits = {"data_wait_s": 0.0, "checkpoint_s": 0.0}
-
-    def step_done(self, timed: bool) -> None:
-        now = time.perf_counter()
-        if timed:
-            self.steps, self.seconds = self.steps + 1, self.seconds + now - self.prev
-        self.prev = now
-
-    def pause(self) -> None:
-        self.prev = time.perf_counter()
-
-    @contextlib.contextmanager
-    def waiting(self, what: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.waits[what] += time.perf_counter() - start
-
-    def window(self) -> dict:
-        """The logged row's timing figures; the window starts again."""
-        seconds = self.seconds if self.steps else time.perf_counter() - self.first
-        steps = self.steps or 1
-        tokens_per_s = steps * self.tokens_per_step / seconds
-        row = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.devices,
-               "mfu": self.flops_per_token * tokens_per_s / (self.devices * self.peak),
-               "step_time_s": seconds / steps, **self.waits}
-        self.steps, self.seconds = 0, 0.0
-        self.waits = dict.fromkeys(self.waits, 0.0)
-        return row
-
-
 def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -> dict:
     """Train from the newest valid checkpoint in workdir (or from scratch) to train.num_steps."""
     t = cfg.train
@@ -414,7 +356,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -
         from tqdm import tqdm
         bar = tqdm(total=t.num_steps, initial=start, unit="step", dynamic_ncols=True)
     skipped, summary = 0, {"start_step": start}
-    clock = _Clock(t, jax.device_count(), peak_flops(cfg), model_flops_per_token(cfg))
+    clock = timing.Clock(t, jax.device_count(), timing.peak_flops(cfg), timing.model_flops_per_token(cfg))
     pending = None  # (step, metrics still on the device): read after the next step is dispatched
 
     def settle(step: int, m: dict) -> None:
