@@ -239,6 +239,8 @@ def merge_common(program: Program) -> Program:
         for e in p.eqns:
             e.invars = [rename.get(x, x) if isinstance(x, Value) else x for x in e.invars]
             for sub in e.subs.values():  # a checkpointed region keeps its recomputation: nothing merged in it
+                if e.name == "remat2":  # its inputs are the caller's values (program.py): renamed with them
+                    sub.invars[:] = [rename.get(x, x) if isinstance(x, Value) else x for x in sub.invars]
                 visit(sub, rename, merge and e.name != "remat2")
             if merge and _constant(e) and len(e.outvars) == 1:
                 try:

@@ -134,3 +134,19 @@ def test_an_identity_slice_of_another_global_shape_is_resharded_on_its_own():
     for g, w in zip(got, want):
         assert g.shape == w.shape
         np.testing.assert_array_equal(g, w)
+
+
+def test_a_value_merged_with_one_a_checkpointed_region_reads():
+    """Random program: an expression computed twice, once returned and once passed into jax.checkpoint, is
+    merged into one value; the region reads the caller's values (its sub-program aliases them), so it reads
+    the merged one, whichever of the two came first and however often the region and its caller use it."""
+    v = np.random.default_rng(4).standard_normal(80).astype(np.float32)
+    r = lambda v: lax.rsqrt(v * v + 1.0)  # noqa: E731
+    region = jax.checkpoint(lambda a: gs.split(jnp.sin(a), 0, 2) + 1.0)
+    same(lambda v: (r(v), region(r(v))), M24, v)  # as found: the returned copy first
+    same(lambda v: (region(r(v)), r(v)), M24, v)  # the region's copy first
+    same(lambda v: jax.checkpoint(lambda x, y: gs.split(x * jnp.sin(y), 0, 2))(r(v), r(v)), M24, v)
+    same(lambda v: (r(v), jax.checkpoint(lambda x, v: gs.split(x * jnp.sin(r(v)), 0, 2))(r(v), v)), M24, v)
+    nested = jax.checkpoint(lambda x: jax.checkpoint(lambda y: gs.split(jnp.sin(y), 0, 2))(x) + r(x))
+    same(lambda v: (r(v), nested(r(v))), M24, v)
+    same(jax.value_and_grad(lambda v: jnp.sum(r(v) * region(r(v)))), M24, v)  # remat in the backward pass
