@@ -90,9 +90,20 @@ def _annotate(x, resolve, what: str, grad: bool = True):
     mesh, backend = ctx
     sharding = resolve(mesh)
     if backend == "xla":
+        if _explicit(sharding):  # under Explicit axes a constraint only asserts the type: reshard to it
+            return jax.sharding.reshard(x, sharding.spec())
         named = NamedSharding(mesh, sharding.spec())
         return jax.lax.with_sharding_constraint(x, named) if grad else _forward_only(x, named)
     return sharding_annotation_p.bind(x, sharding=sharding, what=what, grad=grad)
+
+
+def _explicit(sharding: Sharding) -> bool:
+    """Whether the context mesh (jax.set_mesh) types any axis the sharding names as Explicit."""
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty:
+        return False
+    types = dict(zip(context.axis_names, context.axis_types))
+    return any(types.get(a) == jax.sharding.AxisType.Explicit for a in sharding.axes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

@@ -11,6 +11,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from . import annotations as A
 from . import passes as P
+from . import sources as SRC
 from . import specs as S
 from .partitioner.collective_matmul import check_mode
 from .partitioner.cost import HardwareProfile, default_profile, platform_of
@@ -70,21 +71,23 @@ def _validate(specs, mesh: Mesh, what: str) -> None:
 
 
 def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: HardwareProfile,
-           report: Optional[Report], placements: tuple, collective_matmul: str = "auto") -> Callable:
+           report: Optional[Report], placements: tuple, collective_matmul: str = "auto", given=None) -> Callable:
     """The global function: trace fn, plan, and call the per-device program under shard_map (passes.py).
 
     `placements` holds, per flat argument leaf, the spec it is committed to on the mesh (None: not committed).
+    `given`: the mesh as the user gave it (its axis types), which fn is traced under.
     """
     def global_fn(*args, **kwargs):
         with _gc_paused():
-            t = P.trace(fn, mesh, in_shardings, out_shardings, placements, args, kwargs)
+            t = P.trace(fn, mesh, in_shardings, out_shardings, placements, args, kwargs, given)
             plan = propagate(t.program, dict(mesh.shape), t.seeds)
             lowering = P.lower(t, plan, mesh, profile, report, collective_matmul)
             in_specs, out_specs = P.entry_specs(lowering)
             per_device = jax.shard_map(lambda *xs: tuple(lowering.run(*xs)), mesh=mesh, in_specs=in_specs,
                                        out_specs=out_specs, check_vma=False)
             flat_args = jax.tree_util.tree_leaves((args, kwargs))
-            outs = per_device(*flat_args, *[c for _, c in t.program.consts])
+            with SRC.partition_context(mesh):  # the per-device program runs on the Auto-typed mesh
+                outs = per_device(*flat_args, *[c for _, c in t.program.consts])
             return jax.tree_util.tree_unflatten(t.out_tree, list(outs))
 
     return global_fn
@@ -108,8 +111,8 @@ class Partitioned:
     """
 
     def __init__(self, fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: HardwareProfile,
-                 collective_matmul: str = "auto"):
-        self._fn, self._mesh = fn, mesh
+                 collective_matmul: str = "auto", given=None):
+        self._fn, self._mesh, self._given = fn, mesh, given
         self._in, self._out, self._profile = in_shardings, out_shardings, profile
         self._collective_matmul = collective_matmul
         self._jits: dict = {}
@@ -119,7 +122,7 @@ class Partitioned:
         key = _placements(self._fn, self._mesh, args, kwargs)
         if key not in self._jits:
             self._jits[key] = jax.jit(_build(self._fn, self._mesh, self._in, self._out, self._profile, None, key,
-                                             self._collective_matmul))
+                                             self._collective_matmul, self._given))
         return self._jits[key]
 
     def __call__(self, *args, **kwargs):
@@ -135,6 +138,36 @@ class Partitioned:
 
     def eval_shape(self, *args, **kwargs):
         return self._jit(args, kwargs).eval_shape(*args, **kwargs)
+
+
+class _InMesh:
+    """A jax.jit function called (lowered, traced) under jax.set_mesh(mesh) unless the caller set a mesh: XLA's
+    partitioner needs a concrete mesh in context to place a reshard on Explicit axes."""
+
+    def __init__(self, jitted, mesh):
+        self._jitted, self._mesh = jitted, mesh
+        functools.update_wrapper(self, jitted)
+
+    def _context(self):
+        if isinstance(self._mesh, Mesh) and jax.sharding.get_abstract_mesh().empty:
+            return jax.set_mesh(self._mesh)
+        return contextlib.nullcontext()
+
+    def __call__(self, *args, **kwargs):
+        with self._context():
+            return self._jitted(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        with self._context():
+            return self._jitted.lower(*args, **kwargs)
+
+    def trace(self, *args, **kwargs):
+        with self._context():
+            return self._jitted.trace(*args, **kwargs)
+
+    def eval_shape(self, *args, **kwargs):
+        with self._context():
+            return self._jitted.eval_shape(*args, **kwargs)
 
 
 def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings: Any = None,
@@ -157,18 +190,19 @@ def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings:
     matmul where the cost model, crediting overlap only where the profile has it, says it is faster), "off",
     or "unidirectional" / "bidirectional" (the ring wherever the plan has such a collective).
     """
-    mesh = _check(mesh, backend)
+    given, mesh = mesh, _check(mesh, backend)
     check_mode(collective_matmul)
     _validate(in_shardings, mesh, "in_shardings")
     _validate(out_shardings, mesh, "out_shardings")
     if backend == "xla":
         def xla_fn(*args, **kwargs):
-            with A.active(mesh, "xla"):
+            with A.active(mesh, "xla"), SRC.tracing_context(given):
                 return fn(*args, **kwargs)
         kw = {name: S.named(specs, mesh, name) for name, specs in
               (("in_shardings", in_shardings), ("out_shardings", out_shardings)) if specs is not None}
-        return jax.jit(xla_fn, **kw)
-    return Partitioned(fn, mesh, in_shardings, out_shardings, profile or _default_profile(mesh), collective_matmul)
+        return _InMesh(jax.jit(xla_fn, **kw), given)
+    return Partitioned(fn, mesh, in_shardings, out_shardings, profile or _default_profile(mesh), collective_matmul,
+                       given)
 
 
 def explain(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, out_shardings: Any = None,
@@ -180,7 +214,7 @@ def explain(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, out_shard
     (Lowering.cost: the choices, reshards and hooks' collectives only), several times faster on a large
     train step; gs.plan costs its candidates this way.
     """
-    mesh = _check(mesh, "gshard")
+    given, mesh = mesh, _check(mesh, "gshard")
     check_mode(collective_matmul)
     _validate(in_shardings, mesh, "in_shardings")
     _validate(out_shardings, mesh, "out_shardings")
@@ -189,10 +223,10 @@ def explain(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, out_shard
     placements = _placements(fn, mesh, args, kwargs)
     if trace_per_device:
         jax.make_jaxpr(_build(fn, mesh, in_shardings, out_shardings, profile, report, placements,
-                              collective_matmul))(*args, **kwargs)
+                              collective_matmul, given))(*args, **kwargs)
         return report
     with _gc_paused():
-        t = P.trace(fn, mesh, in_shardings, out_shardings, placements, args, kwargs)
+        t = P.trace(fn, mesh, in_shardings, out_shardings, placements, args, kwargs, given)
         plan = propagate(t.program, dict(mesh.shape), t.seeds)
         P.lower(t, plan, mesh, profile, report, collective_matmul).cost()
     return report

@@ -18,6 +18,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from . import annotations as A
 from . import pipelining as PL
+from . import sources as SRC
 from . import specs as S
 from .partitioner import lower as L
 from .partitioner.cost import HardwareProfile
@@ -44,10 +45,13 @@ class Traced:
     pipelines: list  # the schedules of the pipelines traced in fn
 
 
-def trace(fn: Callable, mesh, in_shardings, out_shardings, placements: tuple, args: tuple, kwargs: dict) -> Traced:
+def trace(fn: Callable, mesh, in_shardings, out_shardings, placements: tuple, args: tuple, kwargs: dict,
+          context=None) -> Traced:
     """fn traced to a program (values nothing uses dropped, folds applied) with its seeds.
 
     `placements` holds, per flat argument leaf, the spec it is committed to on the mesh (None: not committed).
+    `context`: the mesh fn is traced under when the caller set none (the mesh as the user gave it, Explicit
+    axes included, so a bare PartitionSpec in reshard resolves as under jax.set_mesh); default `mesh`.
     """
     mesh_shape = dict(mesh.shape)
     flat_args, in_tree = jax.tree_util.tree_flatten((args, kwargs))
@@ -64,7 +68,7 @@ def trace(fn: Callable, mesh, in_shardings, out_shardings, placements: tuple, ar
     traced_pipelines: list = []
     token = PL.TRACED.set(traced_pipelines)
     try:
-        with A.active(mesh, "gshard"):
+        with A.active(mesh, "gshard"), SRC.tracing_context(mesh if context is None else context):
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
     finally:
         PL.TRACED.reset(token)
@@ -82,8 +86,10 @@ def trace(fn: Callable, mesh, in_shardings, out_shardings, placements: tuple, ar
     single = out_shardings if wrapped else (out_shardings,)
     out_specs = S.flat_specs(out_shardings if multiple or out_shardings is None else single,
                              outputs, mesh, "out_shardings", top, out_names)
-    program = fold_pads(fold_rolls(merge_common(fold_constant_reductions(static_slices(from_jaxpr(closed))))))
+    program = SRC.annotations(from_jaxpr(closed), mesh)  # with_sharding_constraint & co: our annotations
+    program = fold_pads(fold_rolls(merge_common(fold_constant_reductions(static_slices(program)))))
     seeds, notes = {}, []
+    placements = [p if p is not None else SRC.typed(v.aval, mesh) for v, p in zip(program.invars, placements)]
     placed = [S.to_sharding(p, v.shape, f"placement of {n}") for v, p, n in zip(program.invars, placements, names)]
     for v, name, spec, at in zip(program.invars, names, in_specs, placed):
         sh = S.to_sharding(spec, v.shape, f"in_shardings for {name}")

@@ -131,6 +131,7 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
         shardings[v], origins[v] = s.canonical(v.shape, mesh_shape), why
     fixed = set(seeds)
     annotated: set[Value] = set()  # values fixed because an annotation applies to them
+    closed: dict[Value, frozenset[int]] = {}  # dims an annotation with P.UNCONSTRAINED dims fixes (the rest open)
     # Equal rules (the same op on the same shapes, e.g. in every layer) are one object, sharing its memo.
     interned: dict[tuple, F.Rule] = {}
     rules = {}
@@ -139,7 +140,19 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
         rules[e] = r if r is None else interned.setdefault(r.key, r)
     cons = constraints(program, rules)
     for e in program.all_eqns():
-        if e.name == "sharding_annotation":
+        if e.name == "sharding_annotation" and e.params.get("open"):
+            # P.UNCONSTRAINED dims: the others are the user's, these are propagation's to split
+            shut = frozenset(range(len(e.outvars[0].shape))) - e.params["open"]
+            for x in [x for x in (e.outvars[0], e.invars[0]) if shut and isinstance(x, Value) and x not in fixed]:
+                start = shardings.get(x) or Sharding.replicated(len(x.shape))
+                closed[x] = closed.get(x, frozenset()) | shut
+                dims = tuple(e.params["sharding"].dims[d] if d in shut else ax for d, ax in enumerate(start.dims))
+                used = {a for d in shut for a in dims[d]}
+                dims = tuple(ax if d in shut else tuple(a for a in ax if a not in used) for d, ax in enumerate(dims))
+                shardings[x] = Sharding(dims).canonical(x.shape, mesh_shape)
+                origins[x] = (f"user annotation {e.params['what']} at {e.source}"
+                              + ("" if x is e.outvars[0] else " (the value it annotates)"))
+        elif e.name == "sharding_annotation":
             v = e.outvars[0]
             shardings[v] = e.params["sharding"].canonical(v.shape, mesh_shape)
             origins[v] = f"user annotation {e.params['what']} at {e.source}"
@@ -258,6 +271,9 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                                f"the split over {names} ({tiles} tiles) does not fall on its major dim"))
                 proposal = Sharding(tuple(ax or () for ax in dims))
             cur = shardings.get(v) or Sharding.replicated(len(tf))
+            shut = closed.get(v)
+            if shut:
+                proposal = Sharding(tuple(cur.dims[d] if d in shut else ax for d, ax in enumerate(proposal.dims)))
             if proposal.dims == cur.dims:
                 continue
             new = _merge(cur, proposal, v.shape, mesh_shape, blocked.setdefault(v, {}),

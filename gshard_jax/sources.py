@@ -1,0 +1,173 @@
+"""Every way JAX code states a sharding, read as our annotation.
+
+JAX programs say how a value is laid out in several spellings:
+``jax.lax.with_sharding_constraint`` (primitive ``sharding_constraint``; Flax's logical constraints and
+logically partitioned params lower to it), ``jax.sharding.reshard`` (``reshard``), ``jax.device_put`` inside
+a function (``device_put``), and, on meshes with Explicit axes, an op's ``out_sharding`` (``jnp.einsum(...,
+out_sharding=P(...))``, ``jnp.zeros(..., out_sharding=...)``). Each becomes a ``sharding_annotation`` equation
+with ``gs.shard``'s meaning and priority, at the user's source line, before anything is planned: one entry
+point, many spellings. ``P.UNCONSTRAINED`` dims stay open: propagation may split them (``open`` dims).
+
+A sharding on another mesh, or on the same axes over another device order, is a ValueError naming both.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import jax
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+from .annotations import sharding_annotation_p
+from .partitioner.program import Eqn, Program, Value
+from .partitioner.sharding import Sharding
+
+# primitive -> the param holding the sharding it imposes on its result(s)
+IMPOSED = {"sharding_constraint": "sharding", "reshard": "dst_sharding", "device_put": "devices"}
+# params through which an op states its result's sharding (Explicit axes: sharding in types)
+STATED = ("out_sharding", "sharding")
+_CALLS = {"sharding_constraint": "with_sharding_constraint", "reshard": "reshard", "device_put": "device_put"}
+
+
+def describe(mesh) -> str:
+    """A mesh as an error names it: axes and sizes, and the device order where it has devices."""
+    shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    if isinstance(mesh, AbstractMesh):
+        return f"AbstractMesh({shape})"
+    return f"Mesh({shape}, devices {[int(d.id) for d in mesh.devices.flat]})"
+
+
+def check_mesh(other, mesh, what: str) -> None:
+    """`other` (a sharding's mesh) is the partition mesh: same axes, sizes and, where both have devices, order."""
+    same_axes = (tuple(other.axis_names) == tuple(mesh.axis_names) and
+                 tuple(other.axis_sizes) == tuple(mesh.axis_sizes))
+    same_devices = (not same_axes or isinstance(other, AbstractMesh) or isinstance(mesh, AbstractMesh) or
+                    [d.id for d in other.devices.flat] == [d.id for d in mesh.devices.flat])
+    if same_axes and same_devices:
+        return
+    why = "the same axes over another device order" if same_axes else "other axes"
+    raise ValueError(f"{what} is on {describe(other)}, but the function is partitioned over {describe(mesh)} "
+                     f"({why}). Annotate with the partition mesh (NamedSharding(mesh, spec), or a bare "
+                     f"PartitionSpec under jax.set_mesh(mesh)), or partition over the annotation's mesh")
+
+
+@contextlib.contextmanager
+def tracing_context(mesh):
+    """The mesh context the user's function is traced in: theirs if they set one (it must be the partition
+    mesh's axes), else `mesh` (the partition mesh as the user gave it), so bare PartitionSpecs and Flax's
+    logical constraints (inactive without a mesh) resolve against it, as under jax.set_mesh."""
+    current = jax.sharding.get_abstract_mesh()
+    if not current.empty:
+        check_mesh(current, mesh, "the context mesh (jax.set_mesh / jax.sharding.use_mesh)")
+        yield
+        return
+    abstract = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
+    with jax.sharding.use_abstract_mesh(abstract):
+        yield
+
+
+def _sharding(named, rank: int, mesh, what: str) -> tuple[Sharding, frozenset]:
+    """Our sharding of a NamedSharding (or a bare spec resolved in context) and its unconstrained dims."""
+    if isinstance(named, NamedSharding):
+        check_mesh(named.mesh, mesh, what)
+        spec = named.spec
+    elif isinstance(named, PartitionSpec):
+        spec = named
+    else:
+        raise ValueError(f"{what}: a {type(named).__name__} cannot be read as a sharding over mesh axes; use a "
+                         f"NamedSharding on the partition mesh {describe(mesh)} or a PartitionSpec")
+    if getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
+        raise ValueError(f"{what}: {spec} declares unreduced/reduced axes, which annotations do not take; "
+                         f"annotate the reduced value instead")
+    entries = tuple(spec) + (None,) * (rank - len(spec))
+    if len(entries) > rank:
+        raise ValueError(f"{what}: {spec} has {len(entries)} entries for a value of rank {rank}")
+    open_ = frozenset(d for d, e in enumerate(entries) if e is PartitionSpec.UNCONSTRAINED)
+    dims = tuple(None if d in open_ else e for d, e in enumerate(entries))
+    for a in (a for e in dims if e is not None for a in ((e,) if isinstance(e, str) else e)):
+        if a not in mesh.axis_names:
+            raise ValueError(f"{what}: unknown mesh axis {a!r} in {spec}; the mesh has axes {tuple(mesh.axis_names)}")
+    return Sharding.from_spec(dims, rank), open_
+
+
+def _spec_text(named) -> str:
+    spec = named.spec if isinstance(named, NamedSharding) else named
+    return repr(spec).replace("UNCONSTRAINED", "P.UNCONSTRAINED")
+
+
+def _annotation(eqn: Eqn, x, out: Value, named, what: str, mesh) -> Eqn:
+    """A sharding_annotation equation out = x at eqn's source, imposing `named`."""
+    sharding, open_ = _sharding(named, len(out.shape), mesh, f"{what} at {eqn.source}")
+    params = {"sharding": sharding, "what": what, "grad": True}
+    if open_:
+        params["open"] = open_
+    return Eqn(sharding_annotation_p, [x], [out], params, eqn.where, eqn.index)
+
+
+def _imposed(eqn: Eqn, mesh) -> list[Eqn]:
+    """The annotations a sharding_constraint, reshard or device_put equation stands for (one per operand);
+    device_put to a device or a memory kind states no layout: every dim open."""
+    param = eqn.params[IMPOSED[eqn.name]]
+    targets = list(param) if eqn.name == "device_put" else [param]
+    extra = eqn.params.get("unconstrained_dims") or ()
+    out = []
+    for x, v, named in zip(eqn.invars, eqn.outvars, targets):
+        if not isinstance(named, (NamedSharding, PartitionSpec)):
+            named = PartitionSpec(*(PartitionSpec.UNCONSTRAINED,) * len(v.shape))
+        if extra and isinstance(named, NamedSharding):  # dims given as P.UNCONSTRAINED, as JAX records them
+            spec = tuple(named.spec) + (None,) * (len(v.shape) - len(named.spec))
+            named = NamedSharding(named.mesh, PartitionSpec(
+                *(PartitionSpec.UNCONSTRAINED if d in extra else e for d, e in enumerate(spec))))
+        out.append(_annotation(eqn, x, v, named, f"{_CALLS[eqn.name]}({_spec_text(named)})", mesh))
+    return out
+
+
+def _stated(eqn: Eqn, mesh) -> Optional[NamedSharding]:
+    """The result sharding an op states through its out_sharding/sharding param (a split, not a replication:
+    under Explicit axes JAX writes replicated types on many ops the user never annotated)."""
+    if len(eqn.outvars) != 1:
+        return None
+    for key in STATED:
+        s = eqn.params.get(key)
+        if isinstance(s, NamedSharding) and not s.mesh.empty and any(e is not None for e in s.spec):
+            return s
+    return None
+
+
+def annotations(program: Program, mesh) -> Program:
+    """The program with every JAX sharding statement as a sharding_annotation equation (in place)."""
+    def visit(p: Program) -> None:
+        eqns = []
+        for e in p.eqns:
+            for sub in e.subs.values():
+                visit(sub)
+            if e.name in IMPOSED:
+                eqns += _imposed(e, mesh)
+                continue
+            eqns.append(e)
+            named = _stated(e, mesh)
+            if named is not None:  # op -> v becomes op -> v' ; v = annotation(v')
+                v = e.outvars[0]
+                inner = Value(v.aval, v.name + "'")
+                e.outvars = [inner]
+                eqns.append(_annotation(e, inner, v, named, f"{e.name}(out_sharding={_spec_text(named)})", mesh))
+        p.eqns[:] = eqns
+
+    visit(program)
+    return program
+
+
+def typed(aval, mesh) -> Optional[tuple]:
+    """The spec an argument's type states (Explicit axes: sharding in types), None where it states no split."""
+    s = getattr(aval, "sharding", None)
+    if not isinstance(s, NamedSharding) or s.mesh.empty or all(e is None for e in s.spec):
+        return None
+    check_mesh(s.mesh, mesh, f"an argument typed {aval.str_short()}")
+    return tuple(s.spec) + (None,) * (len(aval.shape) - len(s.spec))
+
+
+
+def partition_context(mesh):
+    """The context the per-device program is traced in: the partition mesh's Auto-typed abstract mesh (shard_map
+    requires the context mesh to be its own, and a user's Explicit context would make it differ)."""
+    return jax.sharding.use_abstract_mesh(mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh)
