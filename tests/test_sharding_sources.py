@@ -316,3 +316,29 @@ def test_flax_optax_train_step_under_set_mesh_on_an_explicit_mesh():
     assert_report_matches_hlo(report, stats)
     assert sum(s["moved_bytes"] for s in stats.values()) <= sum(s["moved_bytes"] for s in xla.values())
     assert any("reshard(P('data', None)) at " + HERE + "" in v.origin for v in report.inputs)
+
+
+def test_readme_bring_your_own_model(capsys):
+    """README's section is examples/flax_model.py: its code lines are the example's, its printed lines what
+    the example prints, and the example moves no more than XLA's partitioner."""
+    import importlib.util
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md")).read()
+    section = readme[readme.index("## Bring your own model"):readme.index("## Reading the report")]
+    code, printed = re.findall(r"```(?:python)?\n(.*?)```", section, re.S)
+    path = os.path.join(root, "examples", "flax_model.py")
+    source = open(path).read()
+    for line in code.splitlines():
+        assert line.strip() == "..." or line in source, line
+    spec = importlib.util.spec_from_file_location("flax_model_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    report, (ours, xla) = example.main()
+    out = capsys.readouterr().out
+    for line in printed.splitlines():
+        assert line.strip() == "..." or line in out.splitlines(), line
+    assert_report_matches_hlo(report, ours)
+    assert sum(s["moved_bytes"] for s in ours.values()) <= sum(s["moved_bytes"] for s in xla.values())
