@@ -118,7 +118,7 @@ def cumulative_collectives(ctx: OpContext) -> list[Collective]:
 
 
 def identity_hook(ctx: OpContext, ins, params, bind):
-    """An annotation or jax.sharding.reshard: a global-view identity, resolved by the plan."""
+    """An annotation (gs.shard, or a JAX spelling of one): a global-view identity, resolved by the plan."""
     return [ins[0]]
 
 

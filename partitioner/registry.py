@@ -89,14 +89,15 @@ OPS: dict[str, Op] = {
     "reduce_window_min": _POOL,
     "reduce_window_sum": _POOL,
     "reshape": Op(R.reshape),
-    "reshard": Op(R.elementwise, H.identity_hook),  # jax.sharding.reshard: a global-view identity
     "rev": Op(RO.rev_rule, RO.rev_hook, RO.rev_collectives),
     "roll": Op(RL.roll_rule, RL.roll_hook, RL.roll_collectives),
     "scatter": _SCATTER,
     "scatter-add": _SCATTER,
     "select_and_gather_add": Op(W.gather_rule, W.gather_hook, W.collectives, W.received_keys),
     "select_and_scatter_add": Op(W.scatter_rule, W.scatter_hook, W.collectives, W.received_keys),
-    "sharding_annotation": Op(R.elementwise, H.identity_hook),  # our annotations: resolved by the plan
+    # our annotations, and every JAX spelling of one (gshard_jax/sources.py rewrites with_sharding_constraint,
+    # reshard, device_put and Explicit out_shardings to it before planning): resolved by the plan
+    "sharding_annotation": Op(R.elementwise, H.identity_hook),
     "slice": Op(W.pool_rule, W.slice_hook, W.collectives, W.received_keys),
     "sort": Op(R.along_axis),
     "split": Op(RO.split_rule, RO.split_hook, RO.split_collectives),

@@ -81,6 +81,9 @@ def test_bare_partition_spec_under_set_mesh_and_under_partition_alone():
 
     same_as_gs(form, context=jax.set_mesh(MESH))
     same_as_gs(form)  # gs.partition traces under its mesh when none is set, as jax.set_mesh would
+    with jax.sharding.use_abstract_mesh(MESH.abstract_mesh):  # JAX 0.10's other context (it has no use_mesh)
+        assert_close(gs.partition(form, MESH)(X, W), reference(X, W))
+    assert not hasattr(jax.sharding, "use_mesh")  # docs/partitioner.md says so of the installed JAX
 
 
 def test_unconstrained_dims_are_left_to_propagation():
