@@ -345,3 +345,38 @@ def test_readme_bring_your_own_model(capsys):
         assert line.strip() == "..." or line in out.splitlines(), line
     assert_report_matches_hlo(report, ours)
     assert sum(s["moved_bytes"] for s in ours.values()) <= sum(s["moved_bytes"] for s in xla.values())
+
+
+@pytest.mark.slow  # two partitions and compiles of a 4-layer LM (~30 s on 2 cores)
+def test_our_own_model_spelled_the_flax_way_partitions_the_same(monkeypatch):
+    """models/ annotates with gs.shard through models.sharding.constrain; spelled instead with Flax's
+    nn.with_logical_constraint under nn.logical_axis_rules of the same table, the LM's train step (params in
+    and gradients out in the table's layout, as the trainer gives them) has the same collectives and values."""
+    import os
+
+    from gshard_jax import configs
+    from gshard_jax.models import layers, moe, transformer
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = configs.load(os.path.join(root, "experiments", "tiny_dense_lm.py"))
+    model = configs.build_model(cfg.model)
+    tokens = jax.random.randint(jax.random.key(0), (8, 17), 1, cfg.model.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    boxed = model.init(jax.random.key(2), batch["inputs"])
+    params = nn.unbox(boxed)
+    specs = nn.logical_to_mesh(nn.get_partition_spec(boxed), for_mesh(DEFAULT_RULES, MESH.axis_names))
+    step = jax.value_and_grad(lambda p, b: transformer.loss_fn(model, p, b)[0])
+    ours = gs.partition(step, MESH, in_shardings=(specs, None), out_shardings=(P(), specs))
+    want, stats = ours(params, batch), hlo_stats(ours, params, batch)
+
+    def flax_constrain(x, names, rules, grad=True):
+        with nn.logical_axis_rules(for_mesh(rules, MESH.axis_names)):
+            return nn.with_logical_constraint(x, tuple(names))
+
+    for module in (layers, moe, transformer):
+        monkeypatch.setattr(module, "constrain", flax_constrain)
+    flax_spelled = gs.partition(step, MESH, in_shardings=(specs, None), out_shardings=(P(), specs))
+    assert_close(flax_spelled(params, batch), want, rtol=1e-5, atol=1e-6)
+    assert hlo_stats(flax_spelled, params, batch) == stats
+    report = gs.explain(step, MESH, params, batch, in_shardings=(specs, None), out_shardings=(P(), specs))
+    assert "with_sharding_constraint(" in report.table() and not report.fallbacks
