@@ -16,7 +16,7 @@ import contextlib
 from typing import Optional
 
 import jax
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
 from .annotations import sharding_annotation_p
 from .partitioner.program import Eqn, Program, Value
@@ -112,7 +112,9 @@ def _imposed(eqn: Eqn, mesh) -> list[Eqn]:
     extra = eqn.params.get("unconstrained_dims") or ()
     out = []
     for x, v, named in zip(eqn.invars, eqn.outvars, targets):
-        if not isinstance(named, (NamedSharding, PartitionSpec)):
+        if not isinstance(named, (NamedSharding, PartitionSpec)) or (eqn.name == "reshard" and _auto(named)):
+            # a device_put to a device or memory kind states no layout; nor does a reshard on Auto axes, which
+            # JAX emits itself under a mesh context (a user's reshard must name Explicit axes)
             named = PartitionSpec(*(PartitionSpec.UNCONSTRAINED,) * len(v.shape))
         if extra and isinstance(named, NamedSharding):  # dims given as P.UNCONSTRAINED, as JAX records them
             spec = tuple(named.spec) + (None,) * (len(v.shape) - len(named.spec))
@@ -120,6 +122,12 @@ def _imposed(eqn: Eqn, mesh) -> list[Eqn]:
                 *(PartitionSpec.UNCONSTRAINED if d in extra else e for d, e in enumerate(spec))))
         out.append(_annotation(eqn, x, v, named, f"{_CALLS[eqn.name]}({_spec_text(named)})", mesh))
     return out
+
+
+def _auto(named) -> bool:
+    """Whether a sharding's mesh types none of its axes Explicit."""
+    types = getattr(named.mesh, "axis_types", ()) if isinstance(named, NamedSharding) else ()
+    return all(t != AxisType.Explicit for t in types)
 
 
 def _stated(eqn: Eqn, mesh) -> Optional[NamedSharding]:
