@@ -68,8 +68,9 @@ def trace(fn: Callable, mesh, in_shardings, out_shardings, placements: tuple, ar
     traced_pipelines: list = []
     token = PL.TRACED.set(traced_pipelines)
     try:
-        with A.active(mesh, "gshard"), SRC.tracing_context(mesh if context is None else context):
-            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
+        with A.active(mesh, "gshard"):
+            closed, out_shape = SRC.trace_in_context(jax.make_jaxpr(flat_fn, return_shape=True), flat_args,
+                                                     mesh if context is None else context)
     finally:
         PL.TRACED.reset(token)
     # Plan the program XLA will run: values nothing uses (e.g. the forward loss inside jax.grad) are

@@ -13,7 +13,7 @@ A sharding on another mesh, or on the same axes over another device order, is a 
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import jax
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
@@ -64,6 +64,20 @@ def tracing_context(mesh):
     abstract = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
     with jax.sharding.use_abstract_mesh(abstract):
         yield
+
+
+def trace_in_context(make: Callable, args: Sequence, mesh):
+    """make(*args) under tracing_context(mesh). A jax.shard_map in fn over another mesh fails JAX's own check
+    against a context mesh we set; it is traced again without one, so the manual region's check names both
+    meshes (partitioner/manual.py). A context the user set stays: JAX's error is theirs under jax.jit too."""
+    ours = jax.sharding.get_abstract_mesh().empty
+    try:
+        with tracing_context(mesh):
+            return make(*args)
+    except ValueError as e:
+        if not (ours and "should match the mesh passed to shard_map" in str(e)):
+            raise
+    return make(*args)
 
 
 def _sharding(named, rank: int, mesh, what: str) -> tuple[Sharding, frozenset]:
