@@ -223,15 +223,24 @@ def fold_constant_reductions(program: Program) -> Program:
     return program
 
 
-def _constant(e: Eqn) -> bool:
-    """A broadcast literal or an iota: free to make in whatever layout each use wants, so never merged (one
-    merged constant would take one use's split and be re-laid for the others: optax's lamb and adafactor
-    broadcast the same ones for every parameter of a shape, row- and column-split alike)."""
-    return e.name in ("broadcast_in_dim", "iota") and not any(isinstance(x, Value) for x in e.invars)
+def _constant(e: Eqn, same: dict, pointwise: frozenset) -> bool:
+    """A constant: a broadcast literal, an iota, or a pointwise op or broadcast of constants only (optax's
+    norms square a broadcast zero, each leaf's imaginary part, for every parameter). Free to make in whatever
+    layout each use wants, so never merged: one merged constant would take one use's split and be re-laid for
+    the others (optax's lamb and adafactor broadcast the same ones for every parameter of a shape, row- and
+    column-split alike), or, read by differently split values, carry one's split to the other (a tied
+    embedding's gradient split as the MLP kernel of its shape is, through their shared squared zero)."""
+    if e.name in ("broadcast_in_dim", "iota") and not any(isinstance(x, Value) for x in e.invars):
+        return True
+    ops = [x for x in e.invars if isinstance(x, Value)]
+    return (len(e.outvars) == 1 and bool(ops) and all(x in same for x in ops)
+            and (e.name in pointwise or e.name == "broadcast_in_dim"))
 
 
 def merge_common(program: Program) -> Program:
     """The program with repeated computations merged (in place; each sub-program on its own)."""
+    from .registry import POINTWISE  # (not at the top: the registry's ops import this module)
+
     def visit(p: Program, rename: dict, merge: bool) -> None:
         seen: dict = {}
         kept = []
@@ -242,15 +251,17 @@ def merge_common(program: Program) -> Program:
                 if e.name == "remat2":  # its inputs are the caller's values (program.py): renamed with them
                     sub.invars[:] = [rename.get(x, x) if isinstance(x, Value) else x for x in sub.invars]
                 visit(sub, rename, merge and e.name != "remat2")
-            if merge and _constant(e) and len(e.outvars) == 1:
+            constant = merge and _constant(e, same, POINTWISE) and len(e.outvars) == 1
+            if constant:
                 try:
-                    k = ("constant", e.prim, tuple(e.params.items()), tuple(_operand_key(x) for x in e.invars),
+                    k = ("constant", e.prim, tuple(e.params.items()),
+                         tuple(same[x] if isinstance(x, Value) else _operand_key(x) for x in e.invars),
                          e.outvars[0].aval)
                     hash(k)
                     same[e.outvars[0]] = k
                 except TypeError:
                     pass
-            if not merge or e.subs or any(word in e.name for word in _NEVER_MERGED) or _constant(e):
+            if not merge or e.subs or any(word in e.name for word in _NEVER_MERGED) or constant:
                 kept.append(e)
                 continue
             try:

@@ -119,6 +119,17 @@ def _argument(name: str) -> str:
     return name.split("[")[0].split(".")[0]
 
 
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype by name; a typed PRNG key's ("key<fry>") are its key data's."""
+    if dtype.startswith("key<"):
+        import jax
+        for impl in ("threefry2x32", "rbg", "unsafe_rbg"):
+            key = jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype  # noqa: B023
+            if str(key) == dtype:
+                return key.itemsize
+    return np.dtype(dtype).itemsize
+
+
 @dataclasses.dataclass
 class Report:
     mesh: dict
@@ -138,7 +149,7 @@ class Report:
         for v in self.inputs:
             local = [-(-n // math.prod(self.mesh.get(a, 1) for a in axes))
                      for n, axes in zip(v.shape, v.boundary.dims + ((),) * (len(v.shape) - len(v.boundary.dims)))]
-            out[self.kind_of(v.name)] += math.prod(local) * np.dtype(v.dtype).itemsize
+            out[self.kind_of(v.name)] += math.prod(local) * _itemsize(v.dtype)
         return dict(out, total=sum(out.values()))
 
     def attach_compiled(self, compiled: Any) -> "Report":
