@@ -168,6 +168,9 @@ def annotations(program: Program, mesh) -> Program:
                 continue
             eqns.append(e)
             named = _stated(e, mesh)
+            # the op's own sharding param is the annotation's now (or states no split): dropped, so equal ops
+            # traced with and without a mesh context merge alike (lowering binds with None anyway)
+            e.params = {k: None if k in STATED and isinstance(p, NamedSharding) else p for k, p in e.params.items()}
             if named is not None:  # op -> v becomes op -> v' ; v = annotation(v')
                 v = e.outvars[0]
                 inner = Value(v.aval, v.name + "'")
