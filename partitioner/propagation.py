@@ -5,7 +5,9 @@ fixed point is reached in a few passes. User shardings (annotations,
 in/out shardings) are fixed. Values proposed by several neighbours take the
 first proposal, in order: fixed values, then operands on forward passes and
 results on backward passes. Backward propagation out of a broadcast is held
-back until the other sources are exhausted. Every value records where its
+back until the other sources are exhausted, and so is forward propagation
+into a repeat (a broadcast whose new dim reshapes merge into a neighbour, as
+jnp.repeat does to k/v heads). Every value records where its
 sharding came from, for explain().
 
 Control flow is propagated through *links*: identity constraints tie a loop's
@@ -122,6 +124,20 @@ def _merge(cur: Sharding, new: Sharding, shape, mesh_shape, blocked: Optional[di
     return Sharding(tuple(dims)).canonical(shape, mesh_shape)
 
 
+def _repeats(c: Constraint, readers: dict) -> bool:
+    """Whether c is a broadcast whose new dim every reader merges into a neighbour by a reshape (jnp.repeat of
+    k/v heads in grouped-query attention). Its operand's splits then reach the repeated value only once its
+    readers have proposed theirs (the attention's head split), so the repeat is not laid out before them."""
+    if c.rule.kind != "broadcast" or not c.outs or not isinstance(c.outs[0], Value):
+        return False
+    operand_factors = {f for d in c.rule.operands[0] for f in d}
+    new = [d for d, fd in enumerate(c.rule.results[0])
+           if not operand_factors.intersection(fd) and c.rule.sizes[fd[0]] > 1]
+    users = readers.get(c.outs[0], [])
+    return bool(new and users) and all(
+        r.rule.kind == "reshape" and len(r.rule.results[0]) < len(r.rule.operands[0]) for r in users)
+
+
 def propagate(program: Program, mesh_shape: Mapping[str, int],
               seeds: Mapping[Value, tuple[Sharding, str]], max_passes: int = 50) -> Plan:
     """Propagate from the seeds (value -> (sharding, origin)) to every value of the program."""
@@ -211,6 +227,11 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                 pinned.update((a, b))
                 grew = True
 
+    readers: dict[Value, list[Constraint]] = {}  # value -> the constraints that read it
+    for c in cons:
+        for v in c.ins:
+            if isinstance(v, Value):
+                readers.setdefault(v, []).append(c)
     # Per constraint, indexed by direction (0 backward, 1 forward): the tensors it reads, pinned values first,
     # and the tensors it may change (values that are not fixed; `fixed` does not change while propagating).
     for c in cons:
@@ -221,6 +242,7 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                         for ts in (outs + ins, ins + outs))
         c.writes = tuple([t for t in ts if t[0] not in fixed] for ts in (ins, outs))
         c.late = c.rule.late_backward
+        c.late_forward = _repeats(c, readers)
         c.rule._memo(mesh_shape)  # the rules' memos are for this mesh from here on
 
     def visit(c: Constraint, forward: bool, late: bool) -> list[Value]:
@@ -249,7 +271,7 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
                     used.update(ax)
         if whole:
             note_whole(c, c.tensors, len(c.ins), forward, whole)
-        if not fs or (not forward and c.late and not late):
+        if not fs or (not forward and c.late and not late) or (forward and c.late_forward and not late):
             return []
         if ties:
             fs = rule.tie(fs)
@@ -295,12 +317,13 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
     touched = [0] * len(cons)
     clock = [0]
     # seen[direction][i]: the clock at constraint i's last visit in that direction (-1: never). Only a
-    # backward visit of a late constraint differs between the phases (seen[2]); the others are shared,
-    # so the late phase revisits them only if their values changed since.
-    seen = [[-1] * len(cons) for _ in range(3)]
+    # backward visit of a late constraint (seen[2]) and a forward visit of a repeat's broadcast (seen[3]) differ
+    # between the phases; the others are shared, so the late phase revisits them only if their values changed.
+    seen = [[-1] * len(cons) for _ in range(4)]
 
     def run(i: int, c: Constraint, forward: bool, late: bool) -> bool:
-        last_seen = seen[2 if late and not forward and c.late else int(forward)]
+        last_seen = seen[2 if late and not forward and c.late else
+                         3 if late and forward and c.late_forward else int(forward)]
         last = last_seen[i]
         if last >= 0 and touched[i] <= last:
             return False
@@ -316,7 +339,7 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
 
     # Phases (Shardy's op priorities): first the user's shardings spread through elementwise ops in both
     # directions, so a value next to an annotation takes it before a dot or reshape proposes another split;
-    # then every op; then broadcasts backward too.
+    # then every op; then broadcasts backward too (and a repeat's broadcast forward).
     everything = range(len(cons))
     elementwise = [i for i in everything if cons[i].rule.pointwise]
     for late, among in ((False, elementwise), (False, everything), (True, everything)):
