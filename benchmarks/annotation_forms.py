@@ -14,7 +14,6 @@ jax.config.update("jax_num_cpu_devices", 8)
 import contextlib  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402

@@ -67,7 +67,8 @@ def main():
     want = jax.jit(train_step)(params, opt_state, x)
     for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(want[0])):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
-    print(f"loss {float(value):.6f}, equal to jax.jit's; wi kernel stored {new_params['params']['wi']['kernel'].sharding.spec}")
+    stored = new_params["params"]["wi"]["kernel"].sharding.spec
+    print(f"loss {float(value):.6f}, equal to jax.jit's; wi kernel stored {stored}")
     xla = gs.partition(train_step, mesh, in_shardings=(specs, None, None), backend="xla")
     stats = [gs.collective_stats(f.lower(params, opt_state, x).compile()) for f in (step, xla)]
     moved = [sum(s["moved_bytes"] for s in st.values()) for st in stats]

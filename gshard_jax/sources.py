@@ -58,7 +58,7 @@ def tracing_context(mesh):
     logical constraints (inactive without a mesh) resolve against it, as under jax.set_mesh."""
     current = jax.sharding.get_abstract_mesh()
     if not current.empty:
-        check_mesh(current, mesh, "the context mesh (jax.set_mesh / jax.sharding.use_mesh)")
+        check_mesh(current, mesh, "the context mesh (jax.set_mesh / jax.sharding.use_abstract_mesh)")
         yield
         return
     abstract = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh

@@ -10,10 +10,10 @@ from collections.abc import Mapping
 from typing import Any, Callable, Optional, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import annotations as A
+from .sources import describe
 from .partitioner.sharding import Sharding
 
 
@@ -140,11 +140,6 @@ def named(specs, mesh: Mesh, what: str):
 
 
 # --------------------------------------------------------------------------- meshes and placements
-
-def describe(mesh) -> str:
-    ids = np.vectorize(lambda d: d.id)(mesh.devices).ravel().tolist()
-    return f"Mesh({dict(mesh.shape)}, devices {ids})"
-
 
 def same_mesh(a, b) -> bool:
     """The same axes, sizes and devices in the same order (axis types aside)."""
