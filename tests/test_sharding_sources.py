@@ -86,6 +86,17 @@ def test_bare_partition_spec_under_set_mesh_and_under_partition_alone():
     assert not hasattr(jax.sharding, "use_mesh")  # docs/partitioner.md says so of the installed JAX
 
 
+def test_in_and_out_shardings_in_any_mix():
+    """NamedSharding, PartitionSpec and None side by side, as jax.jit takes them."""
+    plain = lambda x, w: jnp.tanh(x @ w).sum(1)
+    ins = (NamedSharding(MESH, P("data")), P(None, "model"))
+    for outs in (None, P("data"), NamedSharding(MESH, P("data"))):
+        f = gs.partition(plain, MESH, in_shardings=ins, out_shardings=outs)
+        assert_close(f(X, W), reference(X, W))
+        assert hlo_stats(f, X, W) == hlo_stats(gs.partition(reference, MESH), X, W)
+    assert _layout(gs.explain(plain, MESH, X, W, in_shardings=ins)) == _layout(gs.explain(reference, MESH, X, W))
+
+
 def test_unconstrained_dims_are_left_to_propagation():
     def form(x, w):  # dim 1 of x open: the contraction keeps it whole, as the gs.shard program does
         x = jax.lax.with_sharding_constraint(x, P("data", P.UNCONSTRAINED))
