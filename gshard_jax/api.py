@@ -126,9 +126,11 @@ class Partitioned:
         return self._jits[key]
 
     def __call__(self, *args, **kwargs):
+        SRC.check_context(self._mesh)
         return self._jit(args, kwargs)(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
+        SRC.check_context(self._mesh)
         with _gc_paused():  # also while JAX lowers the per-device program to StableHLO
             return self._jit(args, kwargs).lower(*args, **kwargs)
 
@@ -141,33 +143,34 @@ class Partitioned:
 
 
 class _InMesh:
-    """A jax.jit function called (lowered, traced) under jax.set_mesh(mesh) unless the caller set a mesh: XLA's
-    partitioner needs a concrete mesh in context to place a reshard on Explicit axes."""
+    """A jax.jit function called (lowered, traced) under jax.set_mesh(mesh) unless a mesh is set or a trace is
+    active (jax.grad or jax.jit of it): XLA's partitioner needs a concrete mesh in context to place a reshard
+    on Explicit axes."""
 
     def __init__(self, jitted, mesh):
         self._jitted, self._mesh = jitted, mesh
         functools.update_wrapper(self, jitted)
 
-    def _context(self):
-        if isinstance(self._mesh, Mesh) and jax.sharding.get_abstract_mesh().empty:
-            return jax.set_mesh(self._mesh)
-        return contextlib.nullcontext()
+    def _run(self, method, args, kwargs):
+        with contextlib.ExitStack() as stack:
+            if jax.sharding.get_abstract_mesh().empty:
+                try:
+                    stack.enter_context(jax.set_mesh(self._mesh))
+                except ValueError:  # inside a trace: the caller's context (or none) stays
+                    pass
+            return method(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        with self._context():
-            return self._jitted(*args, **kwargs)
+        return self._run(self._jitted, args, kwargs)
 
     def lower(self, *args, **kwargs):
-        with self._context():
-            return self._jitted.lower(*args, **kwargs)
+        return self._run(self._jitted.lower, args, kwargs)
 
     def trace(self, *args, **kwargs):
-        with self._context():
-            return self._jitted.trace(*args, **kwargs)
+        return self._run(self._jitted.trace, args, kwargs)
 
     def eval_shape(self, *args, **kwargs):
-        with self._context():
-            return self._jitted.eval_shape(*args, **kwargs)
+        return self._run(self._jitted.eval_shape, args, kwargs)
 
 
 def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings: Any = None,
@@ -200,7 +203,9 @@ def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings:
                 return fn(*args, **kwargs)
         kw = {name: S.named(specs, mesh, name) for name, specs in
               (("in_shardings", in_shardings), ("out_shardings", out_shardings)) if specs is not None}
-        return _InMesh(jax.jit(xla_fn, **kw), given)
+        jitted = jax.jit(xla_fn, **kw)
+        explicit = isinstance(given, Mesh) and AxisType.Explicit in given.axis_types
+        return _InMesh(jitted, given) if explicit else jitted
     return Partitioned(fn, mesh, in_shardings, out_shardings, profile or _default_profile(mesh), collective_matmul,
                        given)
 

@@ -68,9 +68,12 @@ def trace(fn: Callable, mesh, in_shardings, out_shardings, placements: tuple, ar
     traced_pipelines: list = []
     token = PL.TRACED.set(traced_pipelines)
     try:
+        def make(*flat):  # an attempt traced again (sources.trace_in_context) starts with no pipelines
+            traced_pipelines.clear()
+            return jax.make_jaxpr(flat_fn, return_shape=True)(*flat)
+
         with A.active(mesh, "gshard"):
-            closed, out_shape = SRC.trace_in_context(jax.make_jaxpr(flat_fn, return_shape=True), flat_args,
-                                                     mesh if context is None else context)
+            closed, out_shape = SRC.trace_in_context(make, flat_args, mesh if context is None else context)
     finally:
         PL.TRACED.reset(token)
     # Plan the program XLA will run: values nothing uses (e.g. the forward loss inside jax.grad) are

@@ -66,6 +66,17 @@ def tracing_context(mesh):
         yield
 
 
+def check_context(mesh) -> None:
+    """A concrete mesh the caller set (jax.set_mesh) is the partition mesh, device order included (checked
+    outside jit, where the concrete mesh is known; inside, JAX's own error would name a shard_map)."""
+    try:
+        current = jax.sharding.get_mesh()
+    except ValueError:  # inside a trace (jax.grad or jax.jit of the partitioned function): tracing checks it
+        return
+    if not current.empty:
+        check_mesh(current, mesh, "the context mesh (jax.set_mesh)")
+
+
 def trace_in_context(make: Callable, args: Sequence, mesh):
     """make(*args) under tracing_context(mesh). A jax.shard_map in fn over another mesh fails JAX's own check
     against a context mesh we set; it is traced again without one, so the manual region's check names both
@@ -144,16 +155,23 @@ def _auto(named) -> bool:
     return all(t != AxisType.Explicit for t in types)
 
 
-def _stated(eqn: Eqn, mesh) -> Optional[NamedSharding]:
-    """The result sharding an op states through its out_sharding/sharding param (a split, not a replication:
-    under Explicit axes JAX writes replicated types on many ops the user never annotated)."""
+def _stated(eqn: Eqn) -> Optional[tuple[NamedSharding, str]]:
+    """The result sharding an op states, and how: `out_sharding` is what the user passed (jnp.einsum(...,
+    out_sharding=...); on Explicit axes a replication counts too); a `sharding` param is the result's type, which
+    JAX also fills in itself (jnp.zeros_like of a typed value), so only a split counts and it is named a type."""
     if len(eqn.outvars) != 1:
         return None
-    for key in STATED:
-        s = eqn.params.get(key)
-        if isinstance(s, NamedSharding) and not s.mesh.empty and any(e is not None for e in s.spec):
-            return s
+    s = eqn.params.get("out_sharding")
+    if isinstance(s, NamedSharding) and not s.mesh.empty and (_splits(s) or not _auto(s)):
+        return s, f"{eqn.name}(out_sharding={_spec_text(s)})"
+    s = eqn.params.get("sharding")
+    if isinstance(s, NamedSharding) and not s.mesh.empty and _splits(s):
+        return s, f"{eqn.name} typed {_spec_text(s)}"
     return None
+
+
+def _splits(named: NamedSharding) -> bool:
+    return any(e is not None and e is not PartitionSpec.UNCONSTRAINED for e in named.spec)
 
 
 def annotations(program: Program, mesh) -> Program:
@@ -167,15 +185,15 @@ def annotations(program: Program, mesh) -> Program:
                 eqns += _imposed(e, mesh)
                 continue
             eqns.append(e)
-            named = _stated(e, mesh)
+            stated = _stated(e)
             # the op's own sharding param is the annotation's now (or states no split): dropped, so equal ops
             # traced with and without a mesh context merge alike (lowering binds with None anyway)
             e.params = {k: None if k in STATED and isinstance(p, NamedSharding) else p for k, p in e.params.items()}
-            if named is not None:  # op -> v becomes op -> v' ; v = annotation(v')
+            if stated is not None:  # op -> v becomes op -> v' ; v = annotation(v')
                 v = e.outvars[0]
                 inner = Value(v.aval, v.name + "'")
                 e.outvars = [inner]
-                eqns.append(_annotation(e, inner, v, named, f"{e.name}(out_sharding={_spec_text(named)})", mesh))
+                eqns.append(_annotation(e, inner, v, *stated, mesh))
         p.eqns[:] = eqns
 
     visit(program)

@@ -121,9 +121,15 @@ def test_device_put_inside_the_function_is_an_annotation():
         return jnp.tanh(x @ jax.device_put(w, NamedSharding(MESH, P(None, "model")))).sum(1)
 
     same_as_gs(form)
-    # to no sharding (a plain copy) it states nothing
-    report = gs.explain(lambda x: jax.device_put(x) * 2, MESH, X)
-    assert not any(t["count"] for t in report.totals().values()) and "FALLBACK" not in report.table()
+
+    def both(x, w):  # one device_put of two operands: an annotation each
+        x, w = jax.device_put((x, w), (NamedSharding(MESH, P("data")), NamedSharding(MESH, P(None, "model"))))
+        return jnp.tanh(x @ w).sum(1)
+
+    same_as_gs(both)
+    # to no sharding (a plain copy) it states nothing: the split beyond it reaches its operand
+    report = gs.explain(lambda x: gs.shard(jax.device_put(x * 2) + 1, (None, "model")), MESH, X)
+    assert str(report.inputs[0].planned) == "[-, model]" and "FALLBACK" not in report.table()
 
 
 def test_reshard_on_an_explicit_mesh_inside_and_outside_set_mesh():
@@ -162,6 +168,22 @@ def test_explicit_out_sharding_of_an_op_is_an_annotation():
         assert_close(f(X, W), jax.jit(form)(X, W))
         assert_report_matches_hlo(report, hlo_stats(f, X, W))
 
+    def replicated(x, w):  # a stated replication holds on Explicit axes, as under jax.jit
+        x, w = jax.sharding.reshard(x, P("data")), jax.sharding.reshard(w, P(None, "model"))
+        return jnp.einsum("bd,df->bf", x, w, out_sharding=P())
+
+    with jax.set_mesh(mesh):
+        got, want = gs.partition(replicated, mesh)(X, W), jax.jit(replicated)(X, W)
+        assert got.sharding.is_fully_replicated and want.sharding.is_fully_replicated
+        assert_close(got, want)
+
+    def typed(x):  # a sharding JAX fills in from a type is named as one, not as the user's out_sharding
+        return jnp.zeros_like(jax.sharding.reshard(x, P("data"))) + 1
+
+    origins = [o.origin for r in gs.explain(typed, mesh, X).rows for o in r.outputs]
+    assert any("broadcast_in_dim typed P('data', None)" in o for o in origins), origins
+    assert not any("(out_sharding=" in o for o in origins), origins
+
 
 def test_an_annotation_on_another_mesh_names_both_meshes():
     other = gs.make_mesh({"x": 8})
@@ -176,8 +198,56 @@ def test_an_annotation_on_another_mesh_names_both_meshes():
                                          r"over Mesh\(\{'data': 2, 'model': 4\}, devices \[0, 1, 2, 3, 4, 5, 6, "
                                          r"7\]\) \(the same axes over another device order\)"):
         g(X)
-    with jax.set_mesh(other), pytest.raises(ValueError, match=r"the context mesh .* is on AbstractMesh\(\{'x': 8\}\)"):
+    with jax.set_mesh(other), pytest.raises(ValueError, match=r"the context mesh \(jax.set_mesh\) is on "
+                                                          r"Mesh\(\{'x': 8\}.*\(other axes\)"):
         gs.partition(lambda x: x * 2, MESH)(X)
+    with jax.set_mesh(flipped), pytest.raises(ValueError, match=r"the context mesh \(jax.set_mesh\) is on "
+                                                            r"Mesh.*devices \[7, 6, .*another device order"):
+        gs.partition(lambda x: x * 2, MESH)(X)
+    with jax.sharding.use_abstract_mesh(other.abstract_mesh), pytest.raises(
+            ValueError, match=r"the context mesh .* is on AbstractMesh\(\{'x': 8\}\)"):
+        gs.partition(lambda x: x * 2, MESH)(X)
+
+
+def test_annotations_inside_loops_branches_and_checkpoints():
+    def form(ws, x):
+        def body(h, w):
+            h = jax.lax.with_sharding_constraint(h, P("data", None))
+            h = jax.checkpoint(lambda h, w: jnp.tanh(jax.lax.with_sharding_constraint(h @ w, P("data", "model"))))(
+                h, w)
+            h = jax.lax.cond(h.sum() > 0, lambda h: jax.lax.with_sharding_constraint(h, P("data", "model")) * 2,
+                             lambda h: h, h)
+            return h @ w.T, None
+        return jnp.sum(jax.lax.scan(body, x, ws)[0] ** 2)
+
+    def want(ws, x):
+        def body(h, w):
+            h = gs.shard(h, ("data", None))
+            h = jax.checkpoint(lambda h, w: jnp.tanh(gs.shard(h @ w, ("data", "model"))))(h, w)
+            h = jax.lax.cond(h.sum() > 0, lambda h: gs.shard(h, ("data", "model")) * 2, lambda h: h, h)
+            return h @ w.T, None
+        return jnp.sum(jax.lax.scan(body, x, ws)[0] ** 2)
+
+    ws = np.linspace(-0.2, 0.2, 3 * 32 * 64, dtype=np.float32).reshape(3, 32, 64)
+    x = np.linspace(-1, 1, 16 * 32, dtype=np.float32).reshape(16, 32)
+    same_as_gs(jax.grad(form), jax.grad(want), (ws, x), context=jax.set_mesh(MESH),
+               in_shardings=(P(None, None, "model"), None))
+
+
+def test_the_xla_backend_composes_with_grad_and_jit():
+    """backend="xla" is a jax.jit function: on an Auto mesh it differentiates and nests as one; on an Explicit
+    mesh it enters jax.set_mesh when called, and under jax.grad or jax.jit (a trace) it keeps the caller's
+    context, which Explicit axes need as jax.jit does."""
+    loss = lambda x: jnp.tanh(gs.shard(x, ("data", None))).sum()
+    xla = gs.partition(loss, MESH, backend="xla")
+    assert_close(jax.grad(xla)(X), jax.grad(loss)(X))
+    assert_close(jax.jit(xla)(X), loss(X))
+    explicit = jax.make_mesh((2, 4), ("data", "model"))
+    xla = gs.partition(loss, explicit, backend="xla")
+    assert_close(xla(X), loss(X))
+    with jax.set_mesh(explicit):
+        assert_close(jax.grad(xla)(X), jax.grad(loss)(X))
+        assert_close(jax.jit(xla)(X), loss(X))
 
 
 # --------------------------------------------------------------------------- Flax
