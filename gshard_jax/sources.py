@@ -157,12 +157,14 @@ def _auto(named) -> bool:
 
 def _stated(eqn: Eqn) -> Optional[tuple[NamedSharding, str]]:
     """The result sharding an op states, and how: `out_sharding` is what the user passed (jnp.einsum(...,
-    out_sharding=...); on Explicit axes a replication counts too); a `sharding` param is the result's type, which
-    JAX also fills in itself (jnp.zeros_like of a typed value), so only a split counts and it is named a type."""
+    out_sharding=...)); a `sharding` param is the result's type, which JAX also fills in itself (jnp.zeros_like of
+    a typed value), so it is named a type. Only splits count: JAX's autodiff writes the types of the arguments as
+    traced (replicated where no array was committed, whatever in_shardings say) as replicated out_shardings of
+    the transposes, which would gather what the plan splits."""
     if len(eqn.outvars) != 1:
         return None
     s = eqn.params.get("out_sharding")
-    if isinstance(s, NamedSharding) and not s.mesh.empty and (_splits(s) or not _auto(s)):
+    if isinstance(s, NamedSharding) and not s.mesh.empty and _splits(s):
         return s, f"{eqn.name}(out_sharding={_spec_text(s)})"
     s = eqn.params.get("sharding")
     if isinstance(s, NamedSharding) and not s.mesh.empty and _splits(s):

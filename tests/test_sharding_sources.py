@@ -168,15 +168,6 @@ def test_explicit_out_sharding_of_an_op_is_an_annotation():
         assert_close(f(X, W), jax.jit(form)(X, W))
         assert_report_matches_hlo(report, hlo_stats(f, X, W))
 
-    def replicated(x, w):  # a stated replication holds on Explicit axes, as under jax.jit
-        x, w = jax.sharding.reshard(x, P("data")), jax.sharding.reshard(w, P(None, "model"))
-        return jnp.einsum("bd,df->bf", x, w, out_sharding=P())
-
-    with jax.set_mesh(mesh):
-        got, want = gs.partition(replicated, mesh)(X, W), jax.jit(replicated)(X, W)
-        assert got.sharding.is_fully_replicated and want.sharding.is_fully_replicated
-        assert_close(got, want)
-
     def typed(x):  # a sharding JAX fills in from a type is named as one, not as the user's out_sharding
         return jnp.zeros_like(jax.sharding.reshard(x, P("data"))) + 1
 
