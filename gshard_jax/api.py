@@ -119,6 +119,7 @@ class Partitioned:
         functools.update_wrapper(self, fn)
 
     def _jit(self, args, kwargs):
+        SRC.check_context(self._mesh)
         key = _placements(self._fn, self._mesh, args, kwargs)
         if key not in self._jits:
             self._jits[key] = jax.jit(_build(self._fn, self._mesh, self._in, self._out, self._profile, None, key,
@@ -126,11 +127,9 @@ class Partitioned:
         return self._jits[key]
 
     def __call__(self, *args, **kwargs):
-        SRC.check_context(self._mesh)
         return self._jit(args, kwargs)(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
-        SRC.check_context(self._mesh)
         with _gc_paused():  # also while JAX lowers the per-device program to StableHLO
             return self._jit(args, kwargs).lower(*args, **kwargs)
 

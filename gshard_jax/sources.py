@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence
 import jax
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
-from .annotations import sharding_annotation_p
+from .annotations import check_spec, sharding_annotation_p
 from .partitioner.program import Eqn, Program, Value
 from .partitioner.sharding import Sharding
 
@@ -108,10 +108,7 @@ def _sharding(named, rank: int, mesh, what: str) -> tuple[Sharding, frozenset]:
     if len(entries) > rank:
         raise ValueError(f"{what}: {spec} has {len(entries)} entries for a value of rank {rank}")
     open_ = frozenset(d for d, e in enumerate(entries) if e is PartitionSpec.UNCONSTRAINED)
-    dims = tuple(None if d in open_ else e for d, e in enumerate(entries))
-    for a in (a for e in dims if e is not None for a in ((e,) if isinstance(e, str) else e)):
-        if a not in mesh.axis_names:
-            raise ValueError(f"{what}: unknown mesh axis {a!r} in {spec}; the mesh has axes {tuple(mesh.axis_names)}")
+    dims = check_spec(tuple(None if d in open_ else e for d, e in enumerate(entries)), mesh, what)
     return Sharding.from_spec(dims, rank), open_
 
 
@@ -163,17 +160,17 @@ def _stated(eqn: Eqn) -> Optional[tuple[NamedSharding, str]]:
     the transposes, which would gather what the plan splits."""
     if len(eqn.outvars) != 1:
         return None
-    s = eqn.params.get("out_sharding")
-    if isinstance(s, NamedSharding) and not s.mesh.empty and _splits(s):
-        return s, f"{eqn.name}(out_sharding={_spec_text(s)})"
-    s = eqn.params.get("sharding")
-    if isinstance(s, NamedSharding) and not s.mesh.empty and _splits(s):
-        return s, f"{eqn.name} typed {_spec_text(s)}"
+    for key, form in zip(STATED, ("{}(out_sharding={})", "{} typed {}")):
+        s = eqn.params.get(key)
+        if _splits(s):
+            return s, form.format(eqn.name, _spec_text(s))
     return None
 
 
-def _splits(named: NamedSharding) -> bool:
-    return any(e is not None and e is not PartitionSpec.UNCONSTRAINED for e in named.spec)
+def _splits(s) -> bool:
+    """Whether s is a NamedSharding on a mesh that splits some dim."""
+    return (isinstance(s, NamedSharding) and not s.mesh.empty and
+            any(e is not None and e is not PartitionSpec.UNCONSTRAINED for e in s.spec))
 
 
 def annotations(program: Program, mesh) -> Program:
@@ -205,11 +202,10 @@ def annotations(program: Program, mesh) -> Program:
 def typed(aval, mesh) -> Optional[tuple]:
     """The spec an argument's type states (Explicit axes: sharding in types), None where it states no split."""
     s = getattr(aval, "sharding", None)
-    if not isinstance(s, NamedSharding) or s.mesh.empty or all(e is None for e in s.spec):
+    if not _splits(s):
         return None
     check_mesh(s.mesh, mesh, f"an argument typed {aval.str_short()}")
     return tuple(s.spec) + (None,) * (len(aval.shape) - len(s.spec))
-
 
 
 def partition_context(mesh):
