@@ -15,7 +15,7 @@ from . import sources as SRC
 from . import specs as S
 from .partitioner.collective_matmul import check_mode
 from .partitioner.cost import HardwareProfile, default_profile, platform_of
-from .partitioner.propagation import propagate
+from .partitioner import subaxes as SUB
 from .partitioner.report import Report
 
 BACKENDS = ("gshard", "xla")
@@ -80,17 +80,30 @@ def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardw
     def global_fn(*args, **kwargs):
         with _gc_paused():
             t = P.trace(fn, mesh, in_shardings, out_shardings, placements, args, kwargs, given)
-            plan = propagate(t.program, dict(mesh.shape), t.seeds)
-            lowering = P.lower(t, plan, mesh, profile, report, collective_matmul)
+            lowering, runs_on = P.plan_and_lower(t, mesh, profile, report, collective_matmul)
             in_specs, out_specs = P.entry_specs(lowering)
-            per_device = jax.shard_map(lambda *xs: tuple(lowering.run(*xs)), mesh=mesh, in_specs=in_specs,
+            per_device = jax.shard_map(lambda *xs: tuple(lowering.run(*xs)), mesh=runs_on, in_specs=in_specs,
                                        out_specs=out_specs, check_vma=False)
-            flat_args = jax.tree_util.tree_leaves((args, kwargs))
-            with SRC.partition_context(mesh):  # the per-device program runs on the Auto-typed mesh
-                outs = per_device(*flat_args, *[c for _, c in t.program.consts])
-            return jax.tree_util.tree_unflatten(t.out_tree, list(outs))
+            xs = jax.tree_util.tree_leaves((args, kwargs)) + [c for _, c in t.program.consts]
+            if runs_on is not mesh:  # planned with sub-axes: in and out on the user's mesh (jax.jit names its
+                xs = _on(mesh, xs, lowering.entry)  # outputs' mesh after the first sharding it meets)
+            with SRC.partition_context(runs_on):  # the per-device program runs on the Auto-typed mesh
+                outs = list(per_device(*xs))
+            if runs_on is not mesh:
+                outs = _on(mesh, outs, lowering.exit)
+            if report is not None:
+                SUB.name_whole_axes(report)
+            return jax.tree_util.tree_unflatten(t.out_tree, outs)
 
     return global_fn
+
+
+def _on(mesh, xs: list, shardings) -> list:
+    """xs, laid out as `shardings` over a refined mesh (subaxes.py), as the same layout on `mesh` (no data
+    moves: an identity shard_map)."""
+    specs = tuple(SUB.whole(s, dict(mesh.shape)).spec() for s in shardings)
+    with SRC.partition_context(mesh):
+        return list(jax.shard_map(lambda *a: a, mesh=mesh, in_specs=specs, out_specs=specs, check_vma=False)(*xs))
 
 
 def _default_profile(mesh) -> HardwareProfile:
@@ -231,6 +244,6 @@ def explain(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, out_shard
         return report
     with _gc_paused():
         t = P.trace(fn, mesh, in_shardings, out_shardings, placements, args, kwargs, given)
-        plan = propagate(t.program, dict(mesh.shape), t.seeds)
-        P.lower(t, plan, mesh, profile, report, collective_matmul).cost()
+        P.plan_and_lower(t, mesh, profile, report, collective_matmul)[0].cost()
+        SUB.name_whole_axes(report)
     return report

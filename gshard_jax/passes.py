@@ -4,6 +4,8 @@
     propagate(...)  -> Plan: a sharding for every value (partitioner/propagation.py)
     lower(...)      -> Lowering: the per-device program; .run() on local shards inside shard_map, or .cost()
                        to decide and report it without arrays
+    plan_and_lower  -> the two above, on the mesh or on one with sub-axes (partitioner/subaxes.py), whichever
+                       the cost model prefers
 
 A planner adds shardings (seeds) and reads the costs; it never rewrites the program (Shardy's contract for
 an auto-partitioner).
@@ -24,7 +26,8 @@ from .partitioner import lower as L
 from .partitioner.cost import HardwareProfile
 from .partitioner.fold import fold_constant_reductions, fold_pads, merge_common, static_slices
 from .partitioner.program import Program, Value, from_jaxpr
-from .partitioner.propagation import Plan
+from .partitioner import subaxes as SUB
+from .partitioner.propagation import Plan, propagate
 from .partitioner.report import Report, ValueInfo
 from .partitioner.roll import fold_rolls
 from .partitioner.sharding import Sharding
@@ -43,6 +46,7 @@ class Traced:
     placed: list[Optional[Sharding]]  # per input leaf: the sharding it arrives in (None: not committed)
     leaving: dict[int, Sharding]  # outputs resharded on exit (an input, another output or a constant)
     pipelines: list  # the schedules of the pipelines traced in fn
+    factoring: dict = dataclasses.field(default_factory=dict)  # axes planned as parts (subaxes.py): axis -> sizes
 
 
 def trace(fn: Callable, mesh, in_shardings, out_shardings, placements: tuple, args: tuple, kwargs: dict,
@@ -123,12 +127,13 @@ def _without_uneven(s: Sharding, shape, mesh_shape) -> Sharding:
 
 
 def boundary(t: Traced, plan: Plan, mesh_shape: dict) -> tuple[list[Sharding], list[Sharding]]:
-    """How each input (then constant) enters and each output leaves the per-device program."""
+    """How each input (then constant) enters and each output leaves the per-device program: evenly, over whole
+    mesh axes."""
     values = list(t.program.invars) + [v for v, _ in t.program.consts]
-    entry = [p if p is not None else _without_uneven(plan.sharding(v), v.shape, mesh_shape)
+    cross = lambda s, v: SUB.coarse(_without_uneven(s, v.shape, mesh_shape), t.factoring)
+    entry = [p if p is not None else cross(plan.sharding(v), v)
              for v, p in zip(values, t.placed + [None] * len(t.program.consts))]
-    exit_ = [_without_uneven(t.leaving.get(k) or plan.sharding(v), v.shape, mesh_shape)
-             for k, v in enumerate(t.program.outvars)]
+    exit_ = [cross(t.leaving.get(k) or plan.sharding(v), v) for k, v in enumerate(t.program.outvars)]
     return entry, exit_
 
 
@@ -149,6 +154,39 @@ def lower(t: Traced, plan: Plan, mesh, profile: HardwareProfile, report: Optiona
                                     plan.origins.get(v, "") if isinstance(v, Value) else "constant")
                           for n, v, x in zip(t.out_names, t.program.outvars, exit_)]
     return lowering
+
+
+def refined(t: Traced, factoring: SUB.Factoring) -> Traced:
+    """t over a mesh whose factored axes are split into parts: its seeds and annotations renamed."""
+    ref = lambda s: SUB.refine(s, factoring)
+    return dataclasses.replace(
+        t, program=SUB.refine_program(t.program, factoring), seeds={v: (ref(s), w) for v, (s, w) in t.seeds.items()},
+        placed=[ref(s) for s in t.placed], leaving={k: ref(s) for k, s in t.leaving.items()}, factoring=dict(factoring))
+
+
+def plan_and_lower(t: Traced, mesh, profile: HardwareProfile, report: Optional[Report],
+                   collective_matmul: str = "auto") -> tuple[L.Lowering, Any]:
+    """Propagate and lower t; returns the lowering and the mesh its per-device program runs on.
+
+    Where a reshape could split a dim over part of an axis (subaxes.factorings), the program is also planned
+    on the mesh with that axis in parts, and the plan that moves fewer bytes per step is kept (then the one the
+    cost model says is faster; then whole axes). Bytes first: sub-axes re-lay what whole axes gather, which
+    at a model's sizes is what the time is made of, and XLA's partitioner, the reference, moves no more.
+    """
+    factoring = {} if t.pipelines else SUB.factorings(t.program, dict(mesh.shape))
+    options = [(t, mesh)] + ([(refined(t, factoring), SUB.refine_mesh(mesh, factoring))] if factoring else [])
+    plans = [propagate(o.program, dict(m.shape), o.seeds) for o, m in options]
+    best = 0
+    if len(options) > 1:
+        scores = []
+        for (o, m), plan in zip(options, plans):
+            trial = Report(dict(mesh.shape), profile)
+            lower(o, plan, m, profile, trial, collective_matmul).cost()
+            moved = sum(t["moved_bytes"] for t in trial.totals(dynamic=True).values())
+            scores.append((moved, trial.comm_time + trial.compute_time))
+        best = min(range(len(scores)), key=lambda i: (scores[i], i))
+    o, m = options[best]
+    return lower(o, plans[best], m, profile, report, collective_matmul), m
 
 
 def entry_specs(lowering: L.Lowering) -> tuple[Sequence, Sequence]:

@@ -53,7 +53,9 @@ class HardwareProfile:
     platform: str = ""
 
     def bandwidth_of(self, axes) -> float:
-        return min((self.axis_bandwidth.get(a, self.bandwidth) for a in axes), default=self.bandwidth)
+        """The slowest link among `axes` (a sub-axis "model:(1)2" has its axis's)."""
+        named = lambda a: self.axis_bandwidth.get(a.split(":(")[0], self.bandwidth)
+        return min((self.axis_bandwidth.get(a, named(a)) for a in axes), default=self.bandwidth)
 
 
 DEFAULT_PROFILE = HardwareProfile()
