@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from . import deferral as DF
 from .sharding import Sharding
 
 Link = tuple  # (a, b, tag, stacked, stacked_b)
@@ -35,6 +36,8 @@ class Form:
     bodies: Callable[[dict], dict]  # params -> {sub-program name: jaxpr}
     links: Callable[[Any], tuple[list[Link], list[Link]]]  # eqn -> (into the bodies, out of them)
     lower: Callable[[Any, Any, Any, list], tuple[list, str]]  # (lowering, eqn, env, log) -> (results, strategy)
+    # eqn -> (body, its carries in, its carries out, trips or None): where an accumulator may defer its reduction
+    carries: Callable[[Any], tuple] = lambda e: (None, (), (), None)
 
 
 # ---------------------------------------------------------------------------------------------------- scan
@@ -55,10 +58,12 @@ def _scan_lower(lo, eqn, env, log):
     plan = lo.plan.sharding
     body = eqn.subs["body"]
     nc, nk, length = eqn.params["num_consts"], eqn.params["num_carry"], eqn.params["length"]
-    ins = [(lo._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[: nc + nk], body.invars)]
+    deferred = lo.deferrals(eqn)
+    carry_sh = [deferred.get(k) or plan(b) for k, b in enumerate(body.invars[nc: nc + nk])]
+    ins = [(lo._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[:nc], body.invars)]
+    ins += [(lo._read_sum(env, x, s, log), s) for x, s in zip(eqn.invars[nc: nc + nk], carry_sh)]
     x_sh = [plan(b) for b in body.invars[nc + nk:]]
     xs = [lo._read(env, x, stacked(s), log) for x, s in zip(eqn.invars[nc + nk:], x_sh)]
-    carry_sh = [plan(b) for b in body.invars[nc: nc + nk]]
     y_sh = [plan(b) for b in body.outvars[nk:]]
 
     def step(carry, x):
@@ -69,7 +74,16 @@ def _scan_lower(lo, eqn, env, log):
     carry, ys = lo.scan(step, tuple(a for a, _ in ins[nc:]), tuple(xs), length, eqn.params["reverse"],
                         eqn.params["unroll"])
     results = list(zip(carry, carry_sh)) + [(y, stacked(s)) for y, s in zip(ys, y_sh)]
-    return results, f"scan x{length}: carry {' '.join(map(str, carry_sh)) or '-'}"
+    return results, f"scan x{length}: carry {' '.join(map(str, carry_sh)) or '-'}" + _deferred(deferred, length)
+
+
+def _scan_carries(e):
+    nc, nk, body = e.params["num_consts"], e.params["num_carry"], e.subs["body"]
+    return body, body.invars[nc: nc + nk], body.outvars[:nk], e.params["length"]
+
+
+def _deferred(deferred: dict, trips) -> str:
+    return f"; {DF.summary(len(deferred), trips)}" if deferred else ""
 
 
 # --------------------------------------------------------------------------------------------------- while
@@ -92,8 +106,9 @@ def _while_lower(lo, eqn, env, log):
     cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
     cconsts = [(lo._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[:cn], cond.invars)]
     bconsts = [(lo._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[cn:cn + bn], body.invars)]
-    carry_sh = [plan(b) for b in body.invars[bn:]]
-    init = [lo._read(env, x, s, log) for x, s in zip(eqn.invars[cn + bn:], carry_sh)]
+    deferred = lo.deferrals(eqn)
+    carry_sh = [deferred.get(k) or plan(b) for k, b in enumerate(body.invars[bn:])]
+    init = [lo._read_sum(env, x, s, log) for x, s in zip(eqn.invars[cn + bn:], carry_sh)]
 
     def cond_fn(carry):
         (pred,) = lo._body(cond, env, cconsts + list(zip(carry, carry_sh)), [Sharding(())], log, "while.cond", 1)
@@ -103,7 +118,13 @@ def _while_lower(lo, eqn, env, log):
         return tuple(lo._body(body, env, bconsts + list(zip(carry, carry_sh)), carry_sh, log, "while.body", 1))
 
     carry = lo.while_loop(cond_fn, body_fn, tuple(init))
-    return list(zip(carry, carry_sh)), f"while: carry {' '.join(map(str, carry_sh)) or '-'} (predicate replicated)"
+    return list(zip(carry, carry_sh)), (f"while: carry {' '.join(map(str, carry_sh)) or '-'} (predicate replicated)"
+                                        + _deferred(deferred, None))
+
+
+def _while_carries(e):
+    bn, body = e.params["body_nconsts"], e.subs["body"]
+    return body, body.invars[bn:], body.outvars, None
 
 
 # ---------------------------------------------------------------------------------------------------- cond
@@ -132,7 +153,8 @@ def _cond_lower(lo, eqn, env, log):
 
 
 FORMS: dict[str, Form] = {
-    "scan": Form(lambda p: {"body": p["jaxpr"]}, _scan_links, _scan_lower),
-    "while": Form(lambda p: {"cond": p["cond_jaxpr"], "body": p["body_jaxpr"]}, _while_links, _while_lower),
+    "scan": Form(lambda p: {"body": p["jaxpr"]}, _scan_links, _scan_lower, _scan_carries),
+    "while": Form(lambda p: {"cond": p["cond_jaxpr"], "body": p["body_jaxpr"]}, _while_links, _while_lower,
+                  _while_carries),
     "cond": Form(lambda p: {f"branch{i}": b for i, b in enumerate(p["branches"])}, _cond_links, _cond_lower),
 }

@@ -23,6 +23,7 @@ reused the same way.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from typing import Any, Optional, Sequence
 
@@ -33,6 +34,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from . import collective_matmul as CM
 from . import control_flow as CF
+from . import deferral as DF
 from . import hooks as H
 from . import registry as REG
 from . import manual as M
@@ -89,6 +91,9 @@ class Lowering(Strategy):
         self.platform: str = platform_of(mesh, profile)
         self.report = report
         self.dry = False  # walking without arrays (cost())
+        self._lazy: dict[Value, Sharding] = {}  # accumulator chains kept partial in a loop (deferral.py)
+        self._sums: set[int] = set()  # id() of the adds that accumulate them
+        self._deferred: dict[int, dict[int, Sharding]] = {}  # id(loop eqn) -> carry index -> sharding in the loop
 
     # ------------------------------------------------------------------ execution
     def run(self, *local_args):
@@ -178,8 +183,11 @@ class Lowering(Strategy):
         return self._reshard(env, v, dst, log)[0]
 
     def _store(self, env, v: Value, x, have: Sharding, log: list) -> None:
-        """Bind v to a local value sharded as `have`, resharded to v's planned sharding."""
+        """Bind v to a local value sharded as `have`, resharded to v's planned sharding (an accumulator's summand
+        that arrives as the partial sum its loop carries stays one)."""
         env[v] = (x, have)
+        if self._lazy.get(v) == have:
+            return
         planned = self.plan.sharding(v)
         env[v] = (self._reshard(env, v, planned, log)[0], planned)
 
@@ -213,6 +221,82 @@ class Lowering(Strategy):
                 self._cache[("array", id(x), src, dst, tuple(v.shape))] = (x, y)
             self._resharded.setdefault(v, set()).add(dst)
         return self._cache[key], dst
+
+    # ------------------------------------------------------------------ reductions deferred past loops
+    def deferrals(self, eqn: Eqn) -> dict[int, Sharding]:
+        """A loop's accumulating carries that stay partial sums in it: carry index -> its sharding in the loop.
+
+        Predicted from the plan (what each summand's op makes from planned operands), once per loop; the loop's
+        chains are then kept partial where they arrive so (deferral.py)."""
+        out = self._deferred.get(id(eqn))
+        if out is not None:
+            return out
+        out = self._deferred[id(eqn)] = {}
+        body, carry_in, carry_out, _ = CF.FORMS[eqn.name].carries(eqn)
+        if body is None:
+            return out
+        for acc in DF.accumulators(body, carry_in, carry_out):
+            planned = self.plan.sharding(carry_in[acc.k])
+            if planned.partial or planned.padded:
+                continue
+            made = [self._predict(v, e) for v, e in zip(acc.leaves, acc.producers)]
+            partial = frozenset().union(*(m.partial for m in made))
+            if not partial:
+                continue
+            inside = out[acc.k] = DF.deferred_sharding(planned, partial)
+            self._lazy[carry_in[acc.k]] = self._lazy[acc.add.outvars[0]] = inside
+            for v, dims in acc.chain:
+                self._lazy[v] = DF.in_loop(inside, dims)
+            self._sums.add(id(acc.add))
+        return out
+
+    def _predict(self, v: Value, eqn: Eqn) -> Sharding:
+        """The sharding eqn makes v in, from its operands as planned (an inner loop's deferred accumulator: as
+        the loop carries it)."""
+        if eqn.name in CF.FORMS:
+            return self.deferrals(eqn).get(eqn.outvars.index(v)) or self.plan.sharding(v)
+        rule = self.plan.rules.get(eqn)
+        if rule is None or eqn.subs or M.is_region(eqn):
+            return self.plan.sharding(v)
+        have = [self.plan.sharding(x) if isinstance(x, Value) else Sharding.replicated(len(x.shape))
+                for x in eqn.invars]
+        return self.choose(eqn, rule, have).made[eqn.outvars.index(v)]
+
+    def _read_sum(self, env, x, dst: Sharding, log: list):
+        """x's local value as a partial sum sharded as dst: resharded to dst's dims, and kept on one device of
+        each partial axis (zero on the others), so the sum over them is x. No communication."""
+        if not dst.partial:
+            return self._read(env, x, dst, log)
+        local = self._read(env, x, dst.without_partial(), log)
+        if self.dry:
+            return local
+        first = functools.reduce(jnp.logical_and, [jax.lax.axis_index(a) == 0 for a in sorted(dst.partial)])
+        return jnp.where(first, local, jnp.zeros_like(local))
+
+    def _partial_sum(self, eqn: Eqn, env, inside: Sharding) -> bool:
+        """An accumulator chain's op on partial sums, on local shards; False where an operand arrived otherwise
+        (then the op runs as planned: its operand is reduced, as without deferral)."""
+        accumulates = id(eqn) in self._sums
+        log: list[Collective] = []
+        have = [env[x][1] if isinstance(x, Value) else Sharding.replicated(len(x.shape)) for x in eqn.invars]
+        want = [self._lazy.get(x, inside) if isinstance(x, Value) else inside for x in eqn.invars]
+        if not accumulates and any(h != w for h, w in zip(have, want)):
+            return False
+        local = [env[x][0] if h == w else self._read_sum(env, x, w, log)
+                 for x, h, w in zip(eqn.invars, have, want)]
+        v = eqn.outvars[0]
+        if self.dry or eqn.name == "sharding_annotation":
+            out = Token() if self.dry else local[0]
+        else:
+            params = {k: None if k in ("sharding", "out_sharding") else p for k, p in eqn.params.items()}
+            if "new_sizes" in params:  # a reshape of 1-dims: local sizes
+                params["new_sizes"] = tuple(inside.local_shape(v.shape, self.mesh_shape))
+            out = eqn.prim.bind(*local, **params)
+        env[v] = (out, inside)
+        self._record(eqn, [(x, h, w) for x, h, w in zip(eqn.invars, have, want) if isinstance(x, Value)], [inside],
+                     f"partial sum over {','.join(sorted(inside.partial))} kept: "
+                     f"{'accumulated' if accumulates else 'summand'} reduced once after the loop", log)
+        return True
 
     # ------------------------------------------------------------------ control flow
     def _body(self, program: Program, env, inputs: Sequence[tuple[Any, Sharding]], targets: Sequence[Sharding],
@@ -287,6 +371,9 @@ class Lowering(Strategy):
                      + (f"; whole along its automatic axes {', '.join(auto)}" if auto else ""), log)
 
     def _eqn(self, eqn: Eqn, env) -> None:
+        inside = self._lazy.get(eqn.outvars[0]) if len(eqn.outvars) == 1 else None
+        if inside is not None and eqn.name in DF.CHAIN_OPS and self._partial_sum(eqn, env, inside):
+            return
         rule = self.plan.rules.get(eqn)
         have = [env[x][1] if isinstance(x, Value) else Sharding.replicated(len(x.shape)) for x in eqn.invars]
         log: list[Collective] = []

@@ -1,0 +1,131 @@
+"""Reductions deferred past loops: an accumulator carried unreduced, reduced once after the loop.
+
+A loop that sums per-iteration partial results into its carry (gradient accumulation over microbatches, a
+pipeline's weight gradients over ticks, a scanned layer stack's weight gradients) would otherwise reduce the
+summand on every trip: a weight gradient of a data-split batch arrives as a partial sum over ``data``, and
+resharding it to the carry's planned sharding is an all-reduce (or reduce-scatter) per trip. A sum is linear,
+so the carry may hold the partial sums instead: each device adds its own summand, and the reduction runs
+once, where the loop's result is resharded to its plan. This is XLA's while-loop all-reduce code motion, made
+where the partitioner decides its collectives.
+
+This module finds the pattern in a loop body, as data: carry k is an *accumulator* when the body reads it
+once, in an ``add`` whose result is the body's k-th carry out, and whose other operand reaches it through a
+*chain* of single-use values made by ops that preserve a partial sum (a dtype convert, an annotation, a
+negation, a transpose, a reshape that drops or adds dims of size 1, sums of such). The chain's *leaves* are whatever makes the summand (a dot_general's
+transpose, a scatter-add, an inner loop's accumulator). The lowering (lower.py, control_flow.py) predicts the
+leaves' partial sums, carries the accumulator partial over them, keeps the chain partial on local shards,
+and lets the loop's result reduce on its way to the plan. A leaf that arrives otherwise is reduced as before
+and enters the sum on one device of the group (masked), so the program is right whatever arrives.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from .sharding import Sharding
+
+if TYPE_CHECKING:  # program.py imports control_flow.py, which imports this module
+    from .program import Eqn, Program, Value
+
+
+def _is_value(x) -> bool:
+    """A program Value (not a Const, which holds `val`)."""
+    return not hasattr(x, "val")
+
+SUMS = ("add", "add_any", "sub")  # an accumulating add, or a chain node that sums partial summands
+# Ops whose result is a partial sum, with the same dims, when their operand is one.
+LINEAR = ("convert_element_type", "sharding_annotation", "neg", "copy", "copy_p", "reduce_precision")
+CHAIN_OPS = SUMS + LINEAR + ("transpose", "reshape")  # a transpose too (dims permuted), a reshape of 1-dims
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulator:
+    """Carry k of a loop body: the add that accumulates it, the summand's chain values and its leaves."""
+    k: int
+    add: "Eqn"
+    # single-use values between the leaves and the add (leaves included), each with the accumulator's dim
+    # that each of its dims is (a transpose permutes them)
+    chain: tuple[tuple["Value", tuple[int, ...]], ...]
+    leaves: tuple["Value", ...]  # the values whose producers make the summand (partial sums, as predicted)
+    producers: tuple["Eqn", ...]  # each leaf's equation
+
+
+def accumulators(body: "Program", carry_in: Sequence["Value"], carry_out: Sequence) -> list[Accumulator]:
+    """The accumulating carries of a loop body (carry_in[k] -> carry_out[k] through one add)."""
+    uses: Counter = Counter()
+    producer: dict = {}
+    for e in body.eqns:
+        for x in e.invars:
+            if _is_value(x):
+                uses[x] += 1
+        for v in e.outvars:
+            producer[v] = e
+    for v in body.outvars:
+        if _is_value(v):
+            uses[v] += 1
+    out = []
+    for k, (cin, cout) in enumerate(zip(carry_in, carry_out)):
+        add = producer.get(cout) if _is_value(cout) else None
+        if add is None or add.name not in ("add", "add_any") or uses[cin] != 1 or uses[cout] != 1:
+            continue
+        others = [x for x in add.invars if x is not cin]
+        if len(others) != 1 or cin not in add.invars or not _is_value(others[0]):
+            continue
+        chain: list = []
+        leaves: list = []
+        _walk(others[0], tuple(range(len(cout.shape))), uses, producer, chain, leaves)
+        if leaves:
+            out.append(Accumulator(k, add, tuple(chain), tuple(leaves), tuple(producer[v] for v in leaves)))
+    return out
+
+
+def _walk(v: "Value", dims: tuple[int, ...], uses: Counter, producer: dict, chain: list, leaves: list) -> None:
+    """Collect v's chain back to its leaves; a value used more than once (or made outside) ends nothing.
+    dims[j]: the accumulator's dim that v's dim j is."""
+    if uses[v] != 1:
+        return
+    e = producer.get(v)
+    if e is None:  # a body input (an xs slice, a constant): not a partial sum
+        return
+    chain.append((v, dims))
+    operands = [x for x in e.invars if _is_value(x)]
+    if e.name == "transpose" and len(operands) == 1:
+        inner = [0] * len(dims)
+        for i, p in enumerate(e.params["permutation"]):
+            inner[p] = dims[i]
+        _walk(operands[0], tuple(inner), uses, producer, chain, leaves)
+    elif e.name == "reshape" and len(operands) == 1 and _squeezes(operands[0].shape, v.shape):
+        kept = iter(d for d, n in zip(dims, v.shape) if n != 1)
+        _walk(operands[0], tuple(next(kept) if n != 1 else None for n in operands[0].shape), uses, producer,
+              chain, leaves)
+    elif (e.name in LINEAR and len(operands) == 1) or (e.name in SUMS and len(operands) == len(e.invars) == 2
+                                                         and operands[0] is not operands[1]):
+        for x in operands:
+            _walk(x, dims, uses, producer, chain, leaves)
+    else:
+        leaves.append(v)
+
+
+def _squeezes(a: tuple, b: tuple) -> bool:
+    """Whether a reshape from a to b only drops or inserts dims of size 1."""
+    return [n for n in a if n != 1] == [n for n in b if n != 1]
+
+
+def in_loop(inside: Sharding, dims: tuple) -> Sharding:
+    """A chain value's sharding when the accumulator's is `inside` (dims: the accumulator's dim per dim, None
+    for a dim of size 1 a reshape inserted)."""
+    return Sharding(tuple(inside.dims[d] if d is not None else () for d in dims), inside.partial)
+
+
+def deferred_sharding(planned: Sharding, partial: frozenset) -> Sharding:
+    """The accumulator's sharding in the loop: the planned dims without the axes it is partial over."""
+    dims = tuple(tuple(a for a in d if a not in partial) for d in planned.dims)
+    return Sharding(dims, partial)
+
+
+def summary(count: int, trips: Optional[int]) -> str:
+    """The report's words for a loop's deferred reductions."""
+    what = "an accumulator" if count == 1 else f"{count} accumulators"
+    saved = f": {trips - 1} reductions of each saved" if trips and trips > 1 else ": one per trip saved"
+    return f"reduction of {what} deferred past the loop{saved}"
