@@ -108,6 +108,10 @@ def _while_lower(lo, eqn, env, log):
     bconsts = [(lo._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[cn:cn + bn], body.invars)]
     deferred = lo.deferrals(eqn)
     carry_sh = [deferred.get(k) or plan(b) for k, b in enumerate(body.invars[bn:])]
+    read = {x for e in cond.all_eqns() for x in e.invars} | set(cond.outvars)
+    for k, s in deferred.items():  # the predicate does not read the sum: it stays partial there too
+        if cond.invars[cn + k] not in read:
+            lo._lazy[cond.invars[cn + k]] = s
     init = [lo._read_sum(env, x, s, log) for x, s in zip(eqn.invars[cn + bn:], carry_sh)]
 
     def cond_fn(carry):

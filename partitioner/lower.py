@@ -263,14 +263,30 @@ class Lowering(Strategy):
         return self.choose(eqn, rule, have).made[eqn.outvars.index(v)]
 
     def _read_sum(self, env, x, dst: Sharding, log: list):
-        """x's local value as a partial sum sharded as dst: resharded to dst's dims, and kept on one device of
-        each partial axis (zero on the others), so the sum over them is x. No communication."""
+        """x's local value as a partial sum sharded as dst, with no communication: where x is split over an axis
+        dst sums over (minor to dst's axes of that dim), each device's block sits in zeros at its offset; over
+        the other summed axes it is kept on one device (zero on the others). The sum over them is x."""
         if not dst.partial:
             return self._read(env, x, dst, log)
-        local = self._read(env, x, dst.without_partial(), log)
+        have = env[x][1] if isinstance(x, Value) else Sharding.replicated(len(x.shape))
+        extra = [h[len(d):] for h, d in zip(have.dims, dst.dims)]
+        local_fits = (not have.partial and not have.padded and not dst.padded and
+                      all(h[:len(d)] == d and set(e) <= dst.partial for h, d, e in zip(have.dims, dst.dims, extra)))
+        if not local_fits:
+            have = dst.without_partial()
+            extra = [()] * len(dst.dims)
+        local = self._read(env, x, have, log)
         if self.dry:
             return local
-        first = functools.reduce(jnp.logical_and, [jax.lax.axis_index(a) == 0 for a in sorted(dst.partial)])
+        if any(extra):
+            block = have.local_shape(x.shape, self.mesh_shape)
+            offsets = [RS.linear_axis_index(e, self.mesh_shape) * n if e else 0 for e, n in zip(extra, block)]
+            zeros = jnp.zeros(dst.without_partial().local_shape(x.shape, self.mesh_shape), local.dtype)
+            local = jax.lax.dynamic_update_slice(zeros, local, offsets)
+        rest = sorted(dst.partial - {a for e in extra for a in e})
+        if not rest:
+            return local
+        first = functools.reduce(jnp.logical_and, [jax.lax.axis_index(a) == 0 for a in rest])
         return jnp.where(first, local, jnp.zeros_like(local))
 
     def _partial_sum(self, eqn: Eqn, env, inside: Sharding) -> bool:
