@@ -38,6 +38,8 @@ class Form:
     lower: Callable[[Any, Any, Any, list], tuple[list, str]]  # (lowering, eqn, env, log) -> (results, strategy)
     # eqn -> (body, its carries in, its carries out, trips or None): where an accumulator may defer its reduction
     carries: Callable[[Any], tuple] = lambda e: (None, (), (), None)
+    # eqn -> (body, the body's per-trip results, the eqn's stacked outputs): a summand an outer loop may defer
+    stacked: Callable[[Any], tuple] = lambda e: (None, (), ())
 
 
 # ---------------------------------------------------------------------------------------------------- scan
@@ -64,7 +66,7 @@ def _scan_lower(lo, eqn, env, log):
     ins += [(lo._read_sum(env, x, s, log), s) for x, s in zip(eqn.invars[nc: nc + nk], carry_sh)]
     x_sh = [plan(b) for b in body.invars[nc + nk:]]
     xs = [lo._read(env, x, stacked(s), log) for x, s in zip(eqn.invars[nc + nk:], x_sh)]
-    y_sh = [plan(b) for b in body.outvars[nk:]]
+    y_sh = [lo.deferred_ys.get((id(eqn), j)) or plan(b) for j, b in enumerate(body.outvars[nk:])]
 
     def step(carry, x):
         outs = lo._body(body, env, ins[:nc] + list(zip(carry, carry_sh)) + list(zip(x, x_sh)),
@@ -80,6 +82,11 @@ def _scan_lower(lo, eqn, env, log):
 def _scan_carries(e):
     nc, nk, body = e.params["num_consts"], e.params["num_carry"], e.subs["body"]
     return body, body.invars[nc: nc + nk], body.outvars[:nk], e.params["length"]
+
+
+def _scan_stacked(e):
+    nk, body = e.params["num_carry"], e.subs["body"]
+    return body, body.outvars[nk:], e.outvars[nk:]
 
 
 def _deferred(deferred: dict, trips) -> str:
@@ -157,7 +164,7 @@ def _cond_lower(lo, eqn, env, log):
 
 
 FORMS: dict[str, Form] = {
-    "scan": Form(lambda p: {"body": p["jaxpr"]}, _scan_links, _scan_lower, _scan_carries),
+    "scan": Form(lambda p: {"body": p["jaxpr"]}, _scan_links, _scan_lower, _scan_carries, _scan_stacked),
     "while": Form(lambda p: {"cond": p["cond_jaxpr"], "body": p["body_jaxpr"]}, _while_links, _while_lower,
                   _while_carries),
     "cond": Form(lambda p: {f"branch{i}": b for i, b in enumerate(p["branches"])}, _cond_links, _cond_lower),

@@ -11,11 +11,13 @@ where the partitioner decides its collectives.
 This module finds the pattern in a loop body, as data: carry k is an *accumulator* when the body reads it
 once, in an ``add`` whose result is the body's k-th carry out, and whose other operand reaches it through a
 *chain* of single-use values made by ops that preserve a partial sum (a dtype convert, an annotation, a
-negation, a transpose, a reshape that drops or adds dims of size 1, sums of such). The chain's *leaves* are whatever makes the summand (a dot_general's
-transpose, a scatter-add, an inner loop's accumulator). The lowering (lower.py, control_flow.py) predicts the
-leaves' partial sums, carries the accumulator partial over them, keeps the chain partial on local shards,
-and lets the loop's result reduce on its way to the plan. A leaf that arrives otherwise is reduced as before
-and enters the sum on one device of the group (masked), so the program is right whatever arrives.
+negation, a transpose, a reshape or broadcast that drops or adds dims of size 1, a mask (``where(p, g, 0)``),
+sums of such). The chain's
+*leaves* are whatever makes the summand (a dot_general's transpose, a scatter-add, an inner loop's
+accumulator or stacked per-trip partial sums). The lowering (lower.py, control_flow.py) predicts the leaves'
+partial sums, carries the accumulator partial over them, keeps the chain partial on local shards, and lets
+the loop's result reduce on its way to the plan. A leaf that arrives otherwise is reduced as before and
+enters the sum on one device of the group (masked), so the program is right whatever arrives.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ def _is_value(x) -> bool:
 SUMS = ("add", "add_any", "sub")  # an accumulating add, or a chain node that sums partial summands
 # Ops whose result is a partial sum, with the same dims, when their operand is one.
 LINEAR = ("convert_element_type", "sharding_annotation", "neg", "copy", "copy_p", "reduce_precision")
-CHAIN_OPS = SUMS + LINEAR + ("transpose", "reshape")  # a transpose too (dims permuted), a reshape of 1-dims
+# a transpose too (dims permuted), and a reshape or broadcast that drops or inserts dims of size 1
+CHAIN_OPS = SUMS + LINEAR + ("transpose", "reshape", "broadcast_in_dim", "select_n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +54,8 @@ class Accumulator:
     producers: tuple["Eqn", ...]  # each leaf's equation
 
 
-def accumulators(body: "Program", carry_in: Sequence["Value"], carry_out: Sequence) -> list[Accumulator]:
-    """The accumulating carries of a loop body (carry_in[k] -> carry_out[k] through one add)."""
+def _uses(body: "Program") -> tuple[Counter, dict]:
+    """How many times each value is read in the body (its results count once), and the equation making it."""
     uses: Counter = Counter()
     producer: dict = {}
     for e in body.eqns:
@@ -64,6 +67,12 @@ def accumulators(body: "Program", carry_in: Sequence["Value"], carry_out: Sequen
     for v in body.outvars:
         if _is_value(v):
             uses[v] += 1
+    return uses, producer
+
+
+def accumulators(body: "Program", carry_in: Sequence["Value"], carry_out: Sequence) -> list[Accumulator]:
+    """The accumulating carries of a loop body (carry_in[k] -> carry_out[k] through one add)."""
+    uses, producer = _uses(body)
     out = []
     for k, (cin, cout) in enumerate(zip(carry_in, carry_out)):
         add = producer.get(cout) if _is_value(cout) else None
@@ -78,6 +87,17 @@ def accumulators(body: "Program", carry_in: Sequence["Value"], carry_out: Sequen
         if leaves:
             out.append(Accumulator(k, add, tuple(chain), tuple(leaves), tuple(producer[v] for v in leaves)))
     return out
+
+
+def summand(body: "Program", y: "Value") -> Optional[Accumulator]:
+    """A loop's per-trip result y (a scan's stacked output) as a chain of partial sums, when it is one: an outer
+    loop that accumulates the stacked result may then carry it unreduced (k and add unset)."""
+    uses, producer = _uses(body)
+    chain: list = []
+    leaves: list = []
+    if _is_value(y):
+        _walk(y, tuple(range(len(y.shape))), uses, producer, chain, leaves)
+    return Accumulator(-1, None, tuple(chain), tuple(leaves), tuple(producer[v] for v in leaves)) if leaves else None
 
 
 def _walk(v: "Value", dims: tuple[int, ...], uses: Counter, producer: dict, chain: list, leaves: list) -> None:
@@ -95,6 +115,11 @@ def _walk(v: "Value", dims: tuple[int, ...], uses: Counter, producer: dict, chai
         for i, p in enumerate(e.params["permutation"]):
             inner[p] = dims[i]
         _walk(operands[0], tuple(inner), uses, producer, chain, leaves)
+    elif e.name == "broadcast_in_dim" and len(operands) == 1 and _expands(e, operands[0].shape, v.shape):
+        _walk(operands[0], tuple(dims[d] for d in e.params["broadcast_dimensions"]), uses, producer, chain, leaves)
+    elif e.name == "select_n" and _masks(e, producer):  # where(p, g, 0): a sum of masked summands is masked
+        (x,) = [c for c in e.invars[1:] if not _zero(c, producer)]
+        _walk(x, dims, uses, producer, chain, leaves)
     elif e.name == "reshape" and len(operands) == 1 and _squeezes(operands[0].shape, v.shape):
         kept = iter(d for d, n in zip(dims, v.shape) if n != 1)
         _walk(operands[0], tuple(next(kept) if n != 1 else None for n in operands[0].shape), uses, producer,
@@ -110,6 +135,30 @@ def _walk(v: "Value", dims: tuple[int, ...], uses: Counter, producer: dict, chai
 def _squeezes(a: tuple, b: tuple) -> bool:
     """Whether a reshape from a to b only drops or inserts dims of size 1."""
     return [n for n in a if n != 1] == [n for n in b if n != 1]
+
+
+_KEEPS_ZERO = ("broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "transpose")
+
+
+def _zero(x, producer: dict) -> bool:
+    """Whether x is all zeros: a zero literal, or a broadcast (reshape, convert) of zeros."""
+    if not _is_value(x):
+        return not (x.val != 0).any() if hasattr(x.val, "any") else x.val == 0
+    e = producer.get(x)
+    return e is not None and e.name in _KEEPS_ZERO and _zero(e.invars[0], producer)
+
+
+def _masks(e: "Eqn", producer: dict) -> bool:
+    """Whether a select_n picks between one value and zeros (a mask: linear in the value)."""
+    pred, *cases = e.invars
+    rest = [c for c in cases if not _zero(c, producer)]
+    return len(rest) == 1 and _is_value(rest[0]) and rest[0] is not pred and len(cases) > 1
+
+
+def _expands(e: "Eqn", a: tuple, b: tuple) -> bool:
+    """Whether a broadcast_in_dim from a to b only inserts dims of size 1 (an expand_dims)."""
+    kept = e.params["broadcast_dimensions"]
+    return all(b[d] == n for d, n in zip(kept, a)) and all(n == 1 for i, n in enumerate(b) if i not in kept)
 
 
 def in_loop(inside: Sharding, dims: tuple) -> Sharding:

@@ -94,6 +94,8 @@ class Lowering(Strategy):
         self._lazy: dict[Value, Sharding] = {}  # accumulator chains kept partial in a loop (deferral.py)
         self._sums: set[int] = set()  # id() of the adds that accumulate them
         self._deferred: dict[int, dict[int, Sharding]] = {}  # id(loop eqn) -> carry index -> sharding in the loop
+        # (id(scan eqn), index among its stacked results) -> a per-trip result kept a partial sum for an outer loop
+        self.deferred_ys: dict[tuple[int, int], Sharding] = {}
 
     # ------------------------------------------------------------------ execution
     def run(self, *local_args):
@@ -254,13 +256,34 @@ class Lowering(Strategy):
         """The sharding eqn makes v in, from its operands as planned (an inner loop's deferred accumulator: as
         the loop carries it)."""
         if eqn.name in CF.FORMS:
-            return self.deferrals(eqn).get(eqn.outvars.index(v)) or self.plan.sharding(v)
+            k = eqn.outvars.index(v)
+            return self.deferrals(eqn).get(k) or self._stacked_sum(eqn, v) or self.plan.sharding(v)
         rule = self.plan.rules.get(eqn)
         if rule is None or eqn.subs or M.is_region(eqn):
             return self.plan.sharding(v)
         have = [self.plan.sharding(x) if isinstance(x, Value) else Sharding.replicated(len(x.shape))
                 for x in eqn.invars]
         return self.choose(eqn, rule, have).made[eqn.outvars.index(v)]
+
+    def _stacked_sum(self, eqn: Eqn, v: Value) -> Optional[Sharding]:
+        """A scan's stacked output v that an outer accumulator sums, when its per-trip result is a partial sum:
+        the scan then stacks the partial sums (its sharding), so the outer loop reduces them once."""
+        body, ys, outs = CF.FORMS[eqn.name].stacked(eqn)
+        if v not in outs:
+            return None
+        j = outs.index(v)
+        acc = DF.summand(body, ys[j])
+        if acc is None:
+            return None
+        planned = self.plan.sharding(ys[j])
+        made = [self._predict(x, e) for x, e in zip(acc.leaves, acc.producers)]
+        partial = frozenset().union(*(m.partial for m in made))
+        if not partial or planned.partial or planned.padded:
+            return None
+        inside = self.deferred_ys[(id(eqn), j)] = DF.deferred_sharding(planned, partial)
+        for x, dims in acc.chain:
+            self._lazy[x] = DF.in_loop(inside, dims)
+        return CF.stacked(inside)
 
     def _read_sum(self, env, x, dst: Sharding, log: list):
         """x's local value as a partial sum sharded as dst, with no communication: where x is split over an axis
@@ -295,18 +318,22 @@ class Lowering(Strategy):
         accumulates = id(eqn) in self._sums
         log: list[Collective] = []
         have = [env[x][1] if isinstance(x, Value) else Sharding.replicated(len(x.shape)) for x in eqn.invars]
-        want = [self._lazy.get(x, inside) if isinstance(x, Value) else inside for x in eqn.invars]
-        if not accumulates and any(h != w for h, w in zip(have, want)):
+        chain = [isinstance(x, Value) and x in self._lazy for x in eqn.invars]
+        whole = Sharding(inside.dims)  # a mask's predicate and zeros: as the sum's dims, not summed
+        want = [self._lazy[x] if c else inside if accumulates else whole if len(x.shape) else Sharding(())
+                for x, c in zip(eqn.invars, chain)]
+        if any(c and h != w for c, h, w in zip(chain, have, want)) and not accumulates:
             return False
-        local = [env[x][0] if h == w else self._read_sum(env, x, w, log)
+        local = [env[x][0] if h == w else self._read_sum(env, x, w, log) if accumulates else self._read(env, x, w, log)
                  for x, h, w in zip(eqn.invars, have, want)]
         v = eqn.outvars[0]
         if self.dry or eqn.name == "sharding_annotation":
             out = Token() if self.dry else local[0]
         else:
             params = {k: None if k in ("sharding", "out_sharding") else p for k, p in eqn.params.items()}
-            if "new_sizes" in params:  # a reshape of 1-dims: local sizes
-                params["new_sizes"] = tuple(inside.local_shape(v.shape, self.mesh_shape))
+            for key in ("new_sizes", "shape"):  # a reshape or broadcast of 1-dims: local sizes
+                if key in params:
+                    params[key] = tuple(inside.local_shape(v.shape, self.mesh_shape))
             out = eqn.prim.bind(*local, **params)
         env[v] = (out, inside)
         self._record(eqn, [(x, h, w) for x, h, w in zip(eqn.invars, have, want) if isinstance(x, Value)], [inside],

@@ -80,7 +80,7 @@ def test_a_squeeze_keeps_the_chain_and_maps_dims():
             return acc + jnp.sum(x, (0,), keepdims=True).reshape(D), None
         return jax.lax.scan(body, jnp.zeros_like(v), xs)[0]
     (acc,) = _accumulators(fn, jnp.zeros(D), XS)
-    assert [d for _, d in acc.chain] == [(0,), (None, 0)]
+    assert [d for _, d in acc.chain] == [(0,), (None, 0), (0,)]  # reshape, keepdims broadcast, reduce_sum
 
 
 def _measure(fn, args, ins, outs=None):
