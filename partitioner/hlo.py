@@ -7,6 +7,10 @@ of a reduce-scatter. Async ``-start`` forms are included and ``-done`` halves no
 several all-reduces (all-gathers, reduce-scatters) into one tuple-shaped
 instruction, which counts as its elements; a tuple-shaped all-to-all is one
 all-to-all in chunks and counts once.
+
+Static counts list each instruction once, as the HLO text does. ``per_step=True`` counts what one call
+executes: an instruction in a while loop's body (or condition) times the loop's known trip count
+(``known_trip_count``, nested loops multiplied); a loop whose trip count XLA does not know counts once.
 """
 from __future__ import annotations
 
@@ -62,12 +66,59 @@ def _group_size(rest: str) -> int:
     return 1
 
 
-def collectives(compiled: Any) -> list[dict]:
-    """Every collective instruction of a compiled function (or its HLO text): kind, payload bytes per device
-    (a reduce-scatter's input, an all-gather's output), group size, and arrays (a combined one holds several)."""
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
-    out = []
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+\(.*->.*\{\s*$")
+_CALLED = re.compile(r"(?P<key>body|condition|calls|to_apply|true_computation|false_computation)=%?(?P<name>[\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def trips(text: str) -> dict[str, int]:
+    """Times one call runs each computation's instructions: a while body and condition run the loop's known
+    trip count times its caller's (1 where unknown); the entry computation once."""
+    calls: dict[str, list[tuple[str, int]]] = {}
+    current, entry = None, None
     for line in text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group("name")
+            calls.setdefault(current, [])
+            if line.lstrip().startswith("ENTRY"):
+                entry = current
+            continue
+        if current is None or "=" not in line:
+            continue
+        n = _TRIPS.search(line)
+        times = int(n.group(1)) if n and " while(" in line else 1
+        for c in _CALLED.finditer(line):
+            calls[current].append((c.group("name"), times if c.group("key") in ("body", "condition") else 1))
+        b = _BRANCHES.search(line)
+        if b:
+            calls[current] += [(x.strip().lstrip("%"), 1) for x in b.group("names").split(",") if x.strip()]
+    out: dict[str, int] = {}
+
+    def visit(name: str, times: int) -> None:
+        out[name] = out.get(name, 0) + times
+        for callee, k in calls.get(name, ()):
+            visit(callee, times * k)
+
+    if entry is not None:
+        visit(entry, 1)
+    return out
+
+
+def collectives(compiled: Any, per_step: bool = False) -> list[dict]:
+    """Every collective instruction of a compiled function (or its HLO text): kind, payload bytes per device
+    (a reduce-scatter's input, an all-gather's output), group size, arrays (a combined one holds several), and
+    `times` it runs per call (1 unless per_step: see the module docstring)."""
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    runs = trips(text) if per_step else {}
+    out = []
+    current = None
+    for line in text.splitlines():
+        c = _COMPUTATION.match(line)
+        if c:
+            current = c.group("name")
+            continue
         m = _INSTR.match(line)
         if not m:
             continue
@@ -82,21 +133,23 @@ def collectives(compiled: Any) -> list[dict]:
         if kind == "collective-permute":
             group = max(group, 2)
         out.append({"kind": kind, "payload_bytes": sum(sizes) * (group if kind == "reduce-scatter" else 1),
-                    "group": group, "arrays": 1 if kind == "all-to-all" else len(sizes)})
+                    "group": group, "arrays": 1 if kind == "all-to-all" else len(sizes),
+                    "times": runs.get(current, 1) if per_step else 1})
     return out
 
 
-def collective_stats(compiled: Any) -> dict:
-    """Per collective kind: count, payload_bytes, moved_bytes (per device) in a compiled function or HLO text.
+def collective_stats(compiled: Any, per_step: bool = False) -> dict:
+    """Per collective kind: count, payload_bytes, moved_bytes (per device) in a compiled function or HLO text;
+    per_step=True: what one call executes (loops times their trip counts), else each instruction once.
 
     `compiled` may be the result of ``jax.jit(f).lower(...).compile()``, or its ``as_text()``.
     """
     out = {k: {"count": 0, "payload_bytes": 0, "moved_bytes": 0.0} for k in KINDS}
-    for c in collectives(compiled):
-        t = out[c["kind"]]
-        t["count"] += c["arrays"]
-        t["payload_bytes"] += c["payload_bytes"]
-        t["moved_bytes"] += moved_bytes(c["kind"], c["payload_bytes"], c["group"])
+    for c in collectives(compiled, per_step):
+        t, n = out[c["kind"]], c["times"]
+        t["count"] += c["arrays"] * n
+        t["payload_bytes"] += c["payload_bytes"] * n
+        t["moved_bytes"] += moved_bytes(c["kind"], c["payload_bytes"], c["group"]) * n
     return out
 
 

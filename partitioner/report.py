@@ -209,7 +209,7 @@ class Report:
             "inputs": [v.to_dict() for v in self.inputs], "outputs": [v.to_dict() for v in self.outputs],
             "notes": self.notes, "rows": [r.to_dict() for r in self.rows], "totals": self.totals(),
             "memory": self.memory, "pipelines": self.pipelines,
-            "totals_per_call": self.totals(dynamic=True),
+            "totals_per_call": self.totals(dynamic=True),  # per step: a loop's collectives times its trips
             "predicted_comm_time_s": self.comm_time, "predicted_compute_time_s": self.compute_time,
             "fallbacks": [r.index for r in self.fallbacks]}, default=str, **kw)
 
@@ -227,7 +227,7 @@ class Report:
                         f"<td>{esc(' '.join(map(str, r.operands)))}</td><td>{esc(' '.join(map(str, r.outputs)))}</td>"
                         f"<td>{strategy}</td><td>{coll}</td><td>{esc('; '.join(r.origins))}</td></tr>")
         totals = "".join(f"<tr><td>{k}</td><td>{t['count']}</td><td>{t['payload_bytes']}</td><td>{t['moved_bytes']:.0f}</td></tr>"
-                         for k, t in self.totals().items() if t["count"])
+                         for k, t in self.totals(dynamic=True).items() if t["count"])
         io = "".join(f"<li>input {esc(str(x))}</li>" for x in self.inputs) + \
             "".join(f"<li>output {esc(str(x))}</li>" for x in self.outputs) + \
             "".join(f"<li>note: {esc(n)}</li>" for n in self.notes)
@@ -236,9 +236,9 @@ class Report:
                 f"font:12px monospace;vertical-align:top}}.fallback{{background:#fdd}}</style></head><body>"
                 f"<h1>Partition report</h1><p>mesh {esc(str(self.mesh))}, profile {esc(self.profile.name)}</p>"
                 f"<ul>{io}</ul><table><tr>{''.join(f'<th>{c}</th>' for c in cells)}</tr>{''.join(rows)}</table>"
-                f"<h2>Totals per device</h2><table><tr><th>kind</th><th>count</th><th>payload bytes</th>"
+                f"<h2>Totals per device per step</h2><table><tr><th>kind</th><th>count</th><th>payload bytes</th>"
                 f"<th>moved bytes</th></tr>{totals}</table><p>predicted communication {self.comm_time * 1e6:.3g}us"
-                f" per call; fallbacks: {len(self.fallbacks)}</p></body></html>")
+                f" per step; fallbacks: {len(self.fallbacks)}</p></body></html>")
 
     # ------------------------------------------------------------------ text
     def _row_lines(self, r: Row) -> list[str]:
@@ -253,17 +253,22 @@ class Report:
         return [_fit(head, 0)] + [_fit(b, 7) for b in body]
 
     def _totals_lines(self) -> list[str]:
-        lines = ["totals per device:"]
-        counts = collections.Counter()
-        for kind, t in self.totals().items():
+        """Per step first (a loop's collectives times its trips, as one call executes them); then, where loops
+        make them differ, each collective once, as the HLO lists it."""
+        lines = ["totals per device per step:"]
+        per_step, static = self.totals(dynamic=True), self.totals()
+        for kind, t in per_step.items():
             if t["count"]:
-                counts[kind] = t["count"]
                 lines.append(f"  {kind:<20} x{t['count']:<4} payload {_fmt_bytes(t['payload_bytes']):>10}  "
                              f"moved {_fmt_bytes(t['moved_bytes']):>10}")
-        if not counts:
+        if not any(t["count"] for t in per_step.values()):
             lines.append("  no communication")
+        if static != per_step:
+            listed = ", ".join(f"{k} x{t['count']} {_fmt_bytes(t['payload_bytes'])}" for k, t in static.items()
+                               if t["count"])
+            lines.append(_fit(f"  as the HLO lists them (a loop body once): {listed}", 4))
         lines.append(f"  predicted communication {self.comm_time * 1e6:.3g}us, compute "
-                     f"{self.compute_time * 1e6:.3g}us per call; fallbacks: {len(self.fallbacks)}")
+                     f"{self.compute_time * 1e6:.3g}us per step; fallbacks: {len(self.fallbacks)}")
         if self.inputs:
             lines.append(_fit(self._memory_line(), 2))
         return lines

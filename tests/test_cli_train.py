@@ -500,8 +500,8 @@ def test_explain_compare_and_plot_subcommands(data_dir, tmp_path):
     rows_ = json.loads(cli("compare", *common, "--steps", "2", "--json").stdout.strip().splitlines()[-1])
     ours, xla = rows_
     assert (ours["backend"], xla["backend"]) == ("gshard", "xla")
-    assert ours["collectives"]["all-to-all"] > 0
-    assert ours["bytes_per_device"] <= xla["bytes_per_device"]
+    assert ours["collectives_per_step"]["all-to-all"] > 0
+    assert ours["bytes_per_step"] <= xla["bytes_per_step"] and ours["bytes_static"] <= ours["bytes_per_step"]
     assert ours["loss_diff"] < 1e-4 and xla["loss_diff"] < 1e-4
     a, b = tmp_path / "a", tmp_path / "b"
     for d, steps in ((a, 3), (b, 4)):
@@ -619,5 +619,7 @@ def test_pipelined_runs_match_resume_after_kill_and_across_stage_counts(data_dir
     p = cli("compare", "--config", CONFIG, "--cpu-devices", "8", "--workdir", str(run),
             f"--config.data.dir={data_dir}", *SMALL, *PIPELINED, "--steps", "2", "--json")
     ours, xla = json.loads(p.stdout)
-    assert ours["loss_diff"] < 1e-4 and ours["bytes_per_device"] <= xla["bytes_per_device"]
-    assert ours["collectives"]["collective-permute"] == 2  # GPipe: the forward loop and its transpose
+    assert ours["loss_diff"] < 1e-4 and ours["bytes_per_step"] <= xla["bytes_per_step"]
+    assert ours["collectives_static"]["collective-permute"] == 2  # GPipe: the forward loop and its transpose
+    ticks = 4 + 4 - 1  # stages + microbatches - 1: the trips of each loop
+    assert ours["collectives_per_step"]["collective-permute"] == 2 * ticks
