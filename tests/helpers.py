@@ -50,6 +50,15 @@ def assert_report_matches_hlo(report, stats) -> None:
             (stats[kind]["count"], stats[kind]["payload_bytes"]), (kind, predicted, stats)
 
 
+def assert_per_step_matches_hlo(report, compiled) -> None:
+    """explain()'s totals per step (loops times their trips) equal the compiled program's, per kind."""
+    predicted = report.totals(dynamic=True)
+    stats = collective_stats(compiled, per_step=True)
+    for kind in predicted:
+        assert (predicted[kind]["count"], predicted[kind]["payload_bytes"]) == \
+            (stats[kind]["count"], stats[kind]["payload_bytes"]), (kind, predicted, stats)
+
+
 def assert_close(a, b, rtol=1e-5, atol=1e-5):
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)

@@ -12,7 +12,7 @@ import gshard_jax as gs
 from gshard_jax.partitioner import control_flow as CF
 from gshard_jax.partitioner import deferral as DF
 from gshard_jax.partitioner.program import from_jaxpr
-from helpers import assert_report_matches_hlo
+from helpers import assert_per_step_matches_hlo, assert_report_matches_hlo
 
 K, B, D = 4, 32, 16  # trips, batch, width
 
@@ -90,6 +90,7 @@ def _measure(fn, args, ins, outs=None):
     compiled = f.lower(*args).compile()
     np.testing.assert_allclose(np.asarray(compiled(*args)), np.asarray(jax.jit(fn)(*args)), rtol=1e-5, atol=1e-5)
     assert_report_matches_hlo(report, gs.collective_stats(compiled))
+    assert_per_step_matches_hlo(report, compiled)
     return report
 
 
