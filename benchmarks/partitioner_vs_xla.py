@@ -46,7 +46,8 @@ from gshard_jax import configs  # noqa: E402
 from gshard_jax.training import data  # noqa: E402
 from gshard_jax.models.gating import GatingConfig  # noqa: E402
 from gshard_jax.models.moe import MoeConfig, MoeFFN, expert_einsums  # noqa: E402
-from gshard_jax.models.sharding import DEFAULT_RULES, loss_fn  # noqa: E402
+from gshard_jax.models.sharding import DEFAULT_RULES  # noqa: E402
+from gshard_jax.models.transformer import loss_fn  # noqa: E402
 from gshard_jax.partitioner.hlo import collective_stats  # noqa: E402
 from gshard_jax.training.timing import median_times  # noqa: E402
 
@@ -260,7 +261,7 @@ def build(fn, mesh, args, backend):
     t2 = time.perf_counter()
     out = compiled(*args)
     jax.block_until_ready(out)
-    return {"compiled": compiled, "out": out, "stats": collective_stats(compiled),
+    return {"compiled": compiled, "out": out, "stats": collective_stats(compiled, per_step=True),
             "partition_s": t1 - t0, "compile_s": t2 - t1}
 
 
@@ -316,7 +317,7 @@ def print_row(r, header=False):
     if header:
         print(f"# backend={jax.default_backend()} devices={len(jax.devices())} steps={ARGS.steps}")
         print(f"{'program':<28} {'mesh':<24} {'maxdiff ours/xla':<19} {'collectives ours | xla':<44} "
-              f"{'bytes/dev ours':>14} {'xla':>10} {'bytes':>6} {'count':>6} {'part s':>13} {'compile s':>13} "
+              f"{'bytes/step ours':>14} {'xla':>10} {'bytes':>6} {'count':>6} {'part s':>13} {'compile s':>13} "
               f"{'setup':>6} {'step ms ours/xla':>17} {'step':>6}")
         print(f"{'':<28} {'':<24} {'':<19} {'':<44} {'':>14} {'':>10} {'ratio':>6} {'ratio':>6} {'':>13} {'':>13} "
               f"{'ratio':>6} {'':>17} {'ratio':>6}")

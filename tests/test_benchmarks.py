@@ -1,0 +1,41 @@
+"""Every benchmark runs, at its smallest size: a smoke run per script, so none breaks silently (the figures
+themselves are the benchmarks' to print, not the tests' to hold)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--config", "experiments/tiny_dense_lm.py"]
+SMALL_MODEL = ["--set", "model.num_layers=1", "model.vocab_size=256"]
+# script -> arguments of its smallest run (and what its output must hold)
+RUNS = {
+    "annotation_forms.py": ([], "with_sharding_constraint"),
+    "checkpoint_io.py": (TINY + ["--processes", "1"] + SMALL_MODEL, "restored equal: True"),
+    "collective_matmul.py": (["--d-model", "64", "--seq", "64", "--steps", "1"], "bidirectional"),
+    "lm1b_style.py": ([], "xla"),
+    "moe_dropless.py": (["--steps", "1", "--tokens", "256"], "dropless"),
+    "partition_scaling.py": (["--layers", "1", "--repeats", "1", "--compile-repeats", "1", "--no-compile"], "partition s"),
+    "partitioner_vs_xla.py": (["--steps", "1", "--only", "megatron_mlp fwd"], "megatron_mlp fwd"),
+    "pipeline.py": (["--layers", "4", "--width", "32", "--micro", "2", "--steps", "1", "--schedules", "gpipe"],
+                    "gpipe"),
+    "planner.py": (TINY + ["--devices", "8", "--verify", "1"], "planned comm"),
+    "sharded_state.py": (TINY + ["--steps", "1"] + SMALL_MODEL, "EPSO"),
+}
+SLOW = {"sharded_state.py"}  # about a minute: every ZeRO stage, with and without EPSO, compiled twice
+
+
+def test_every_benchmark_has_a_smoke_run():
+    assert sorted(RUNS) == sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py"))
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=[pytest.mark.slow] if s in SLOW else []) for s in RUNS])
+def test_benchmark_runs_at_its_smallest_size(script):
+    args, expect = RUNS[script]
+    p = subprocess.run([sys.executable, os.path.join("benchmarks", script), *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert expect in p.stdout, p.stdout[-3000:]
