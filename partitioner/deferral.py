@@ -21,6 +21,8 @@ enters the sum on one device of the group (masked), so the program is right what
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from collections import Counter
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -29,6 +31,19 @@ from .sharding import Sharding
 
 if TYPE_CHECKING:  # program.py imports control_flow.py, which imports this module
     from .program import Eqn, Program, Value
+
+
+ENABLED = contextvars.ContextVar("deferred_reductions", default=True)
+
+
+@contextlib.contextmanager
+def disabled():
+    """Reduce every summand where it is made, as without this module (benchmarks compare the two)."""
+    token = ENABLED.set(False)
+    try:
+        yield
+    finally:
+        ENABLED.reset(token)
 
 
 def _is_value(x) -> bool:

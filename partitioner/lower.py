@@ -235,7 +235,7 @@ class Lowering(Strategy):
             return out
         out = self._deferred[id(eqn)] = {}
         body, carry_in, carry_out, _ = CF.FORMS[eqn.name].carries(eqn)
-        if body is None:
+        if body is None or not DF.ENABLED.get():
             return out
         for acc in DF.accumulators(body, carry_in, carry_out):
             planned = self.plan.sharding(carry_in[acc.k])
@@ -269,7 +269,7 @@ class Lowering(Strategy):
         """A scan's stacked output v that an outer accumulator sums, when its per-trip result is a partial sum:
         the scan then stacks the partial sums (its sharding), so the outer loop reduces them once."""
         body, ys, outs = CF.FORMS[eqn.name].stacked(eqn)
-        if v not in outs:
+        if v not in outs or not DF.ENABLED.get():
             return None
         j = outs.index(v)
         acc = DF.summand(body, ys[j])

@@ -24,6 +24,7 @@ RUNS = {
                     "gpipe"),
     "planner.py": (TINY + ["--devices", "8", "--verify", "1"], "planned comm"),
     "sharded_state.py": (TINY + ["--steps", "1"] + SMALL_MODEL, "EPSO"),
+    "step_reductions.py": (["--no-xla"], "interleaved_1f1b"),
 }
 SLOW = {"sharded_state.py"}  # about a minute: every ZeRO stage, with and without EPSO, compiled twice
 
