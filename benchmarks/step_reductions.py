@@ -10,7 +10,6 @@ collectives times its trip count). Run:
 from __future__ import annotations
 
 import argparse
-import os
 
 
 def parse_args(argv=None):

@@ -1,0 +1,142 @@
+"""The lowering's side of reductions deferred past loops (deferral.py finds the pattern): which accumulators a
+loop carries as partial sums, the sharding each summand is predicted to arrive in, reading a value into a
+partial sum without communication, and running an accumulator chain's ops on local partial sums.
+
+A mixin of Lowering: it reads the plan, the strategy's choices and the lowering's reads and report rows.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from . import control_flow as CF
+from . import deferral as DF
+from . import manual as M
+from . import reshard as RS
+from .cost import Collective
+from .program import Eqn, Value
+from .sharding import Sharding
+
+
+class PartialSums:
+    """Deferred reductions in the lowering: `_lazy` holds the values kept partial, `_sums` the adds that
+    accumulate them, `_deferred` and `deferred_ys` each loop's carries and stacked results kept so."""
+
+    def deferrals(self, eqn: Eqn) -> dict[int, Sharding]:
+        """A loop's accumulating carries that stay partial sums in it: carry index -> its sharding in the loop.
+
+        Predicted from the plan (what each summand's op makes from planned operands), once per loop; the loop's
+        chains are then kept partial where they arrive so (deferral.py)."""
+        out = self._deferred.get(id(eqn))
+        if out is not None:
+            return out
+        out = self._deferred[id(eqn)] = {}
+        body, carry_in, carry_out, _ = CF.FORMS[eqn.name].carries(eqn)
+        if body is None or not DF.ENABLED.get():
+            return out
+        for acc in DF.accumulators(body, carry_in, carry_out):
+            planned = self.plan.sharding(carry_in[acc.k])
+            if planned.partial or planned.padded:
+                continue
+            made = [self._predict(v, e) for v, e in zip(acc.leaves, acc.producers)]
+            partial = frozenset().union(*(m.partial for m in made))
+            if not partial:
+                continue
+            inside = out[acc.k] = DF.deferred_sharding(planned, partial)
+            self._lazy[carry_in[acc.k]] = self._lazy[acc.add.outvars[0]] = inside
+            for v, dims in acc.chain:
+                self._lazy[v] = DF.in_loop(inside, dims)
+            self._sums.add(id(acc.add))
+        return out
+
+    def _predict(self, v: Value, eqn: Eqn) -> Sharding:
+        """The sharding eqn makes v in, from its operands as planned (an inner loop's deferred accumulator: as
+        the loop carries it)."""
+        if eqn.name in CF.FORMS:
+            k = eqn.outvars.index(v)
+            return self.deferrals(eqn).get(k) or self._stacked_sum(eqn, v) or self.plan.sharding(v)
+        rule = self.plan.rules.get(eqn)
+        if rule is None or eqn.subs or M.is_region(eqn):
+            return self.plan.sharding(v)
+        have = [self.plan.sharding(x) if isinstance(x, Value) else Sharding.replicated(len(x.shape))
+                for x in eqn.invars]
+        return self.choose(eqn, rule, have).made[eqn.outvars.index(v)]
+
+    def _stacked_sum(self, eqn: Eqn, v: Value) -> Optional[Sharding]:
+        """A scan's stacked output v that an outer accumulator sums, when its per-trip result is a partial sum:
+        the scan then stacks the partial sums (its sharding), so the outer loop reduces them once."""
+        body, ys, outs = CF.FORMS[eqn.name].stacked(eqn)
+        if v not in outs or not DF.ENABLED.get():
+            return None
+        j = outs.index(v)
+        acc = DF.summand(body, ys[j])
+        if acc is None:
+            return None
+        planned = self.plan.sharding(ys[j])
+        made = [self._predict(x, e) for x, e in zip(acc.leaves, acc.producers)]
+        partial = frozenset().union(*(m.partial for m in made))
+        if not partial or planned.partial or planned.padded:
+            return None
+        inside = self.deferred_ys[(id(eqn), j)] = DF.deferred_sharding(planned, partial)
+        for x, dims in acc.chain:
+            self._lazy[x] = DF.in_loop(inside, dims)
+        return CF.stacked(inside)
+
+    def _read_sum(self, env, x, dst: Sharding, log: list):
+        """x's local value as a partial sum sharded as dst, with no communication: where x is split over an axis
+        dst sums over (minor to dst's axes of that dim), each device's block sits in zeros at its offset; over
+        the other summed axes it is kept on one device (zero on the others). The sum over them is x."""
+        if not dst.partial:
+            return self._read(env, x, dst, log)
+        have = env[x][1] if isinstance(x, Value) else Sharding.replicated(len(x.shape))
+        extra = [h[len(d):] for h, d in zip(have.dims, dst.dims)]
+        local_fits = (not have.partial and not have.padded and not dst.padded and
+                      all(h[:len(d)] == d and set(e) <= dst.partial for h, d, e in zip(have.dims, dst.dims, extra)))
+        if not local_fits:
+            have = dst.without_partial()
+            extra = [()] * len(dst.dims)
+        local = self._read(env, x, have, log)
+        if self.dry:
+            return local
+        if any(extra):
+            block = have.local_shape(x.shape, self.mesh_shape)
+            offsets = [RS.linear_axis_index(e, self.mesh_shape) * n if e else 0 for e, n in zip(extra, block)]
+            zeros = jnp.zeros(dst.without_partial().local_shape(x.shape, self.mesh_shape), local.dtype)
+            local = jax.lax.dynamic_update_slice(zeros, local, offsets)
+        rest = sorted(dst.partial - {a for e in extra for a in e})
+        if not rest:
+            return local
+        first = functools.reduce(jnp.logical_and, [jax.lax.axis_index(a) == 0 for a in rest])
+        return jnp.where(first, local, jnp.zeros_like(local))
+
+    def _partial_sum(self, eqn: Eqn, env, inside: Sharding) -> bool:
+        """An accumulator chain's op on partial sums, on local shards; False where an operand arrived otherwise
+        (then the op runs as planned: its operand is reduced, as without deferral)."""
+        accumulates = id(eqn) in self._sums
+        log: list[Collective] = []
+        have = [env[x][1] if isinstance(x, Value) else Sharding.replicated(len(x.shape)) for x in eqn.invars]
+        chain = [isinstance(x, Value) and x in self._lazy for x in eqn.invars]
+        whole = Sharding(inside.dims)  # a mask's predicate and zeros: as the sum's dims, not summed
+        want = [self._lazy[x] if c else inside if accumulates else whole if len(x.shape) else Sharding(())
+                for x, c in zip(eqn.invars, chain)]
+        if any(c and h != w for c, h, w in zip(chain, have, want)) and not accumulates:
+            return False
+        local = [env[x][0] if h == w else self._read_sum(env, x, w, log) if accumulates else self._read(env, x, w, log)
+                 for x, h, w in zip(eqn.invars, have, want)]
+        v = eqn.outvars[0]
+        if self.dry or eqn.name == "sharding_annotation":
+            out = self._new_token() if self.dry else local[0]
+        else:
+            params = {k: None if k in ("sharding", "out_sharding") else p for k, p in eqn.params.items()}
+            for key in ("new_sizes", "shape"):  # a reshape or broadcast of 1-dims: local sizes
+                if key in params:
+                    params[key] = tuple(inside.local_shape(v.shape, self.mesh_shape))
+            out = eqn.prim.bind(*local, **params)
+        env[v] = (out, inside)
+        self._record(eqn, [(x, h, w) for x, h, w in zip(eqn.invars, have, want) if isinstance(x, Value)], [inside],
+                     f"partial sum over {','.join(sorted(inside.partial))} kept: "
+                     f"{'accumulated' if accumulates else 'summand'} reduced once after the loop", log)
+        return True
