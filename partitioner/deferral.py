@@ -9,10 +9,11 @@ once, where the loop's result is resharded to its plan. This is XLA's while-loop
 where the partitioner decides its collectives.
 
 This module finds the pattern in a loop body, as data: carry k is an *accumulator* when the body reads it
-once, in an ``add`` whose result is the body's k-th carry out, and whose other operand reaches it through a
+once, in an ``add`` (or a scatter-add into it) whose result is the body's k-th carry out, and whose other
+operand reaches it through a
 *chain* of single-use values made by ops that preserve a partial sum (a dtype convert, an annotation, a
 negation, a transpose, a reshape or broadcast that drops or adds dims of size 1, a mask (``where(p, g, 0)``),
-sums of such). The chain's
+a scatter-add into zeros, sums of such). The chain's
 *leaves* are whatever makes the summand (a dot_general's transpose, a scatter-add, an inner loop's
 accumulator or stacked per-trip partial sums). The lowering (lower.py, control_flow.py) predicts the leaves'
 partial sums, carries the accumulator partial over them, keeps the chain partial on local shards, and lets
@@ -46,6 +47,13 @@ def disabled():
         ENABLED.reset(token)
 
 
+@dataclasses.dataclass(frozen=True)
+class Loose:
+    """A chain value kept partial over `partial` in whatever dims its op makes (below a scatter-add, whose
+    dims do not map one to one): its ops run through their own rules, on partial operands."""
+    partial: frozenset
+
+
 def _is_value(x) -> bool:
     """A program Value (not a Const, which holds `val`)."""
     return not hasattr(x, "val")
@@ -54,7 +62,8 @@ SUMS = ("add", "add_any", "sub")  # an accumulating add, or a chain node that su
 # Ops whose result is a partial sum, with the same dims, when their operand is one.
 LINEAR = ("convert_element_type", "sharding_annotation", "neg", "copy", "copy_p", "reduce_precision")
 # a transpose too (dims permuted), and a reshape or broadcast that drops or inserts dims of size 1
-CHAIN_OPS = SUMS + LINEAR + ("transpose", "reshape", "broadcast_in_dim", "select_n")
+LOOPS = ("scan", "while")  # control-flow forms whose stacked or carried results may be partial sums
+CHAIN_OPS = SUMS + LINEAR + ("transpose", "reshape", "broadcast_in_dim", "select_n", "scatter-add")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +100,14 @@ def accumulators(body: "Program", carry_in: Sequence["Value"], carry_out: Sequen
     out = []
     for k, (cin, cout) in enumerate(zip(carry_in, carry_out)):
         add = producer.get(cout) if _is_value(cout) else None
-        if add is None or add.name not in ("add", "add_any") or uses[cin] != 1 or uses[cout] != 1:
+        if add is None or uses[cin] != 1 or uses[cout] != 1:
+            continue
+        if add.name in RELAYOUTS or add.name == "scatter-add":
+            scattered = _scattered(cin, cout, uses, producer)  # acc.at[i].add(g), maybe transposed around
+            if scattered is not None:
+                out.append(dataclasses.replace(scattered, k=k))
+            continue
+        if add.name not in ("add", "add_any"):
             continue
         others = [x for x in add.invars if x is not cin]
         if len(others) != 1 or cin not in add.invars or not _is_value(others[0]):
@@ -102,6 +118,36 @@ def accumulators(body: "Program", carry_in: Sequence["Value"], carry_out: Sequen
         if leaves:
             out.append(Accumulator(k, add, tuple(chain), tuple(leaves), tuple(producer[v] for v in leaves)))
     return out
+
+
+RELAYOUTS = ("transpose", "reshape", "convert_element_type", "copy")  # one operand, every element kept
+
+
+def _scattered(cin, cout, uses: Counter, producer: dict) -> Optional[Accumulator]:
+    """cout = f(scatter-add(g(cin), i, u)) with f, g chains of RELAYOUTS: linear in the carry and the updates
+    together; the relaid values run through their own rules (Loose)."""
+    relaid, v = [], cout
+    while producer[v].name in RELAYOUTS and _is_value(producer[v].invars[0]):
+        v = producer[v].invars[0]
+        if uses[v] != 1:
+            return None
+        relaid.append((v, None))
+    add = producer[v]
+    if add.name != "scatter-add" or not _is_value(add.invars[0]) or not _is_value(add.invars[2]):
+        return None
+    x = add.invars[0]
+    while x is not cin:
+        e = producer.get(x)
+        if e is None or e.name not in RELAYOUTS or uses[x] != 1 or not _is_value(e.invars[0]):
+            return None
+        relaid.append((x, None))
+        x = e.invars[0]
+    chain: list = []
+    leaves: list = []
+    _walk(add.invars[2], None, uses, producer, chain, leaves)
+    if not leaves:
+        return None
+    return Accumulator(-1, add, tuple(relaid + chain), tuple(leaves), tuple(producer[v] for v in leaves))
 
 
 def summand(body: "Program", y: "Value") -> Optional[Accumulator]:
@@ -125,7 +171,28 @@ def _walk(v: "Value", dims: tuple[int, ...], uses: Counter, producer: dict, chai
         return
     chain.append((v, dims))
     operands = [x for x in e.invars if _is_value(x)]
-    if e.name == "transpose" and len(operands) == 1:
+    if e.name == "scatter-add" and _zero(e.invars[0], producer) and _is_value(e.invars[2]):
+        # scattered into zeros: linear in the updates. Followed where they are a loop's per-trip partial sums
+        # (a pipeline's repeats); otherwise the scatter-add is the leaf (an embedding's gradient, whose own
+        # sum over the batch makes the partial sum).
+        below: tuple[list, list] = ([], [])
+        _walk(e.invars[2], None, uses, producer, *below)
+        if below[1] and all(producer[x].name in LOOPS for x in below[1]):
+            chain += below[0]
+            leaves += below[1]
+        else:
+            leaves.append(v)
+    elif dims is None and ((e.name in LINEAR + ("transpose", "reshape", "broadcast_in_dim") and len(operands) == 1)
+                           or (e.name in SUMS and len(operands) == len(e.invars) == 2
+                               and operands[0] is not operands[1])):
+        for x in operands:
+            _walk(x, None, uses, producer, chain, leaves)
+    elif dims is None and e.name == "select_n" and _masks(e, producer):
+        (x,) = [c for c in e.invars[1:] if not _zero(c, producer)]
+        _walk(x, None, uses, producer, chain, leaves)
+    elif dims is None:
+        leaves.append(v)
+    elif e.name == "transpose" and len(operands) == 1:
         inner = [0] * len(dims)
         for i, p in enumerate(e.params["permutation"]):
             inner[p] = dims[i]
@@ -176,10 +243,17 @@ def _expands(e: "Eqn", a: tuple, b: tuple) -> bool:
     return all(b[d] == n for d, n in zip(kept, a)) and all(n == 1 for i, n in enumerate(b) if i not in kept)
 
 
-def in_loop(inside: Sharding, dims: tuple) -> Sharding:
+def in_loop(inside: Sharding, dims: Optional[tuple]):
     """A chain value's sharding when the accumulator's is `inside` (dims: the accumulator's dim per dim, None
-    for a dim of size 1 a reshape inserted)."""
+    for a dim of size 1 a reshape inserted; no dims: Loose, below a scatter-add)."""
+    if dims is None:
+        return Loose(inside.partial)
     return Sharding(tuple(inside.dims[d] if d is not None else () for d in dims), inside.partial)
+
+
+def kept(want, have: Sharding) -> bool:
+    """Whether a value arriving as `have` is the partial sum its chain keeps (`want`: in_loop's)."""
+    return want == have or (isinstance(want, Loose) and bool(have.partial) and have.partial == want.partial)
 
 
 def deferred_sharding(planned: Sharding, partial: frozenset) -> Sharding:

@@ -190,7 +190,7 @@ class Lowering(Strategy, PartialSums):
         """Bind v to a local value sharded as `have`, resharded to v's planned sharding (an accumulator's summand
         that arrives as the partial sum its loop carries stays one)."""
         env[v] = (x, have)
-        if self._lazy.get(v) == have:
+        if v in self._lazy and DF.kept(self._lazy[v], have):
             return
         planned = self.plan.sharding(v)
         env[v] = (self._reshard(env, v, planned, log)[0], planned)
@@ -238,7 +238,7 @@ class Lowering(Strategy, PartialSums):
             for v, (x, have) in zip(program.invars, inputs):
                 self._store(benv, v, x, have, log)
             self._run_eqns(program.eqns, benv)
-            return [self._read(benv, v, t, log) for v, t in zip(program.outvars, targets)]
+            return [self._read_sum(benv, v, t, log) for v, t in zip(program.outvars, targets)]  # partial: carried
         finally:
             self._cache, self._resharded, self._prefix, self._trips = saved
 
@@ -300,8 +300,11 @@ class Lowering(Strategy, PartialSums):
 
     def _eqn(self, eqn: Eqn, env) -> None:
         inside = self._lazy.get(eqn.outvars[0]) if len(eqn.outvars) == 1 else None
-        if inside is not None and eqn.name in DF.CHAIN_OPS and self._partial_sum(eqn, env, inside):
-            return
+        if inside is not None and eqn.name in DF.CHAIN_OPS:
+            loose = eqn.name == "scatter-add" or any(isinstance(self._lazy.get(x), DF.Loose) for x in
+                                                     [*eqn.outvars, *(x for x in eqn.invars if isinstance(x, Value))])
+            if self._linear(eqn, env, inside) if loose else self._partial_sum(eqn, env, inside):
+                return
         rule = self.plan.rules.get(eqn)
         have = [env[x][1] if isinstance(x, Value) else Sharding.replicated(len(x.shape)) for x in eqn.invars]
         log: list[Collective] = []

@@ -46,7 +46,8 @@ class PartialSums:
             if not partial:
                 continue
             inside = out[acc.k] = DF.deferred_sharding(planned, partial)
-            self._lazy[carry_in[acc.k]] = self._lazy[acc.add.outvars[0]] = inside
+            self._lazy[acc.add.outvars[0]] = DF.Loose(partial)  # relaid to the carry's dims (if not the carry)
+            self._lazy[carry_in[acc.k]] = self._lazy[carry_out[acc.k]] = inside
             for v, dims in acc.chain:
                 self._lazy[v] = DF.in_loop(inside, dims)
             self._sums.add(id(acc.add))
@@ -89,7 +90,7 @@ class PartialSums:
         """x's local value as a partial sum sharded as dst, with no communication: where x is split over an axis
         dst sums over (minor to dst's axes of that dim), each device's block sits in zeros at its offset; over
         the other summed axes it is kept on one device (zero on the others). The sum over them is x."""
-        if not dst.partial:
+        if not dst.partial or (isinstance(x, Value) and env[x][1] == dst):
             return self._read(env, x, dst, log)
         have = env[x][1] if isinstance(x, Value) else Sharding.replicated(len(x.shape))
         extra = [h[len(d):] for h, d in zip(have.dims, dst.dims)]
@@ -140,3 +141,39 @@ class PartialSums:
                      f"partial sum over {','.join(sorted(inside.partial))} kept: "
                      f"{'accumulated' if accumulates else 'summand'} reduced once after the loop", log)
         return True
+
+    def _linear(self, eqn: Eqn, env, keep) -> bool:
+        """An op linear in its chain operands (a scatter-add into zeros, or any chain op below one), run through
+        its own rule on the partial sums as if they were whole: its reshards of them and its local op commute
+        with the sum, so long as none of its factors is split over the summed axes. False (run as planned,
+        reducing the operand) otherwise."""
+        rule = self.plan.rules.get(eqn)
+        chain = [isinstance(x, Value) and x in self._lazy for x in eqn.invars]
+        have = [env[x][1] if isinstance(x, Value) else Sharding.replicated(len(x.shape)) for x in eqn.invars]
+        summed = {h.partial for h, c in zip(have, chain) if c}
+        if rule is None or len(summed) != 1 or not next(iter(summed)) or any(
+                h.partial for h, c in zip(have, chain) if not c):
+            return False
+        (partial,) = summed
+        whole = [h.without_partial() if c else h for h, c in zip(have, chain)]
+        choice = self.choose(eqn, rule, whole)
+        split = {a for axes in choice.fs.values() for a in axes}
+        if split & partial or choice.made[0].partial or choice.ring is not None:
+            return False
+        log: list[Collective] = []
+        local_in = []
+        for x, h, w, n, c in zip(eqn.invars, have, whole, choice.need, chain):
+            if not isinstance(x, Value):
+                local_in.append(x.val)
+                continue
+            if c:  # the partial sum, resharded as if whole (linear steps: no axis it sums over moves)
+                env[x] = (env[x][0], w)
+            local_in.append(self._reshard(env, x, n, log)[0])
+        outs = self._bind(eqn, rule, choice, local_in, log)
+        made = choice.made[0].with_partial(partial)
+        self._store(env, eqn.outvars[0], outs[0], made, log)  # kept, or reduced if the chain wants other dims
+        self._record(eqn, [(x, h, n) for x, h, n in zip(eqn.invars, have, choice.need) if isinstance(x, Value)],
+                     [made], f"partial sum over {','.join(sorted(partial))} kept through {eqn.name}: "
+                     f"reduced once after the loop", log)
+        return True
+
