@@ -10,15 +10,14 @@ where the partitioner decides its collectives.
 
 This module finds the pattern in a loop body, as data: carry k is an *accumulator* when the body reads it
 once, in an ``add`` (or a scatter-add into it) whose result is the body's k-th carry out, and whose other
-operand reaches it through a
-*chain* of single-use values made by ops that preserve a partial sum (a dtype convert, an annotation, a
-negation, a transpose, a reshape or broadcast that drops or adds dims of size 1, a mask (``where(p, g, 0)``),
-a scatter-add into zeros, sums of such). The chain's
-*leaves* are whatever makes the summand (a dot_general's transpose, a scatter-add, an inner loop's
-accumulator or stacked per-trip partial sums). The lowering (lower.py, control_flow.py) predicts the leaves'
-partial sums, carries the accumulator partial over them, keeps the chain partial on local shards, and lets
-the loop's result reduce on its way to the plan. A leaf that arrives otherwise is reduced as before and
-enters the sum on one device of the group (masked), so the program is right whatever arrives.
+operand reaches it through a *chain* of single-use values made by ops that preserve a partial sum (a dtype
+convert, an annotation, a negation, a transpose, a reshape or broadcast that drops or adds dims of size 1, a
+mask (``where(p, g, 0)``), a scatter-add into zeros, sums of such). The chain's *leaves* are whatever makes
+the summand (a dot_general's transpose, a scatter-add, an inner loop's accumulator or stacked per-trip partial
+sums). The lowering (partial_sums.py, control_flow.py) predicts the leaves' partial sums, carries the accumulator
+partial over them, keeps the chain partial on local shards, and lets the loop's result reduce on its way to
+the plan. A leaf that arrives otherwise is reduced as before and enters the sum on one device of the group
+(masked), so the program is right whatever arrives.
 """
 from __future__ import annotations
 
