@@ -54,8 +54,9 @@ class HardwareProfile:
 
     def bandwidth_of(self, axes) -> float:
         """The slowest link among `axes` (a sub-axis "model:(1)2" has its axis's)."""
-        named = lambda a: self.axis_bandwidth.get(a.split(":(")[0], self.bandwidth)
-        return min((self.axis_bandwidth.get(a, named(a)) for a in axes), default=self.bandwidth)
+        from .subaxes import parent_of  # subaxes imports the program view, which needs nothing of this module
+        return min((self.axis_bandwidth.get(a, self.axis_bandwidth.get(parent_of(a), self.bandwidth))
+                    for a in axes), default=self.bandwidth)
 
 
 DEFAULT_PROFILE = HardwareProfile()
