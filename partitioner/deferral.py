@@ -62,7 +62,9 @@ SUMS = ("add", "add_any", "sub")  # an accumulating add, or a chain node that su
 LINEAR = ("convert_element_type", "sharding_annotation", "neg", "copy", "copy_p", "reduce_precision")
 # a transpose too (dims permuted), and a reshape or broadcast that drops or inserts dims of size 1
 LOOPS = ("scan", "while")  # control-flow forms whose stacked or carried results may be partial sums
-CHAIN_OPS = SUMS + LINEAR + ("transpose", "reshape", "broadcast_in_dim", "select_n", "scatter-add")
+# Chain ops whose dims do not map one to one: run through their own rules on the partial sums (Loose)
+THROUGH_RULES = ("scatter-add",)
+CHAIN_OPS = SUMS + LINEAR + ("transpose", "reshape", "broadcast_in_dim", "select_n") + THROUGH_RULES
 
 
 @dataclasses.dataclass(frozen=True)

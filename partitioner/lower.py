@@ -301,7 +301,7 @@ class Lowering(Strategy, PartialSums):
     def _eqn(self, eqn: Eqn, env) -> None:
         inside = self._lazy.get(eqn.outvars[0]) if len(eqn.outvars) == 1 else None
         if inside is not None and eqn.name in DF.CHAIN_OPS:
-            loose = eqn.name == "scatter-add" or any(isinstance(self._lazy.get(x), DF.Loose) for x in
+            loose = eqn.name in DF.THROUGH_RULES or any(isinstance(self._lazy.get(x), DF.Loose) for x in
                                                      [*eqn.outvars, *(x for x in eqn.invars if isinstance(x, Value))])
             if self._linear(eqn, env, inside) if loose else self._partial_sum(eqn, env, inside):
                 return
