@@ -79,11 +79,23 @@ class Accumulator:
     producers: tuple["Eqn", ...]  # each leaf's equation
 
 
+REGIONS = ("remat2",)  # checkpointed regions: aliased values (program.py), walked as if inlined
+
+
+def _flat(eqns) -> list:
+    """The equations with checkpointed regions' bodies in their place: a region's values are the caller's, so a
+    summand made inside one (a weight gradient under remat) chains to the accumulator outside it."""
+    out = []
+    for e in eqns:
+        out += _flat(e.subs["body"].eqns) if e.name in REGIONS else [e]
+    return out
+
+
 def _uses(body: "Program") -> tuple[Counter, dict]:
     """How many times each value is read in the body (its results count once), and the equation making it."""
     uses: Counter = Counter()
     producer: dict = {}
-    for e in body.eqns:
+    for e in _flat(body.eqns):
         for x in e.invars:
             if _is_value(x):
                 uses[x] += 1

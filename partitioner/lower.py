@@ -249,12 +249,15 @@ class Lowering(Strategy, PartialSums):
         args = [env[v][0] for v in ins]
         log: list[Collective] = []
 
+        made: list = []  # each result's sharding: as planned, or a summand kept a partial sum (partial_sums.py)
+
         def region(*xs):
             saved = (self._cache, self._resharded, self._prefix)
             self._cache, self._resharded, self._prefix = {}, {}, f"{self._prefix}checkpoint/"  # recompute inside
             try:
                 benv = collections.ChainMap({v: (x, env[v][1]) for v, x in zip(ins, xs)}, env)
                 self._run_eqns(body.eqns, benv)
+                made[:] = [benv[v][1] for v in eqn.outvars]
                 return [benv[v][0] for v in eqn.outvars]
             finally:
                 self._cache, self._resharded, self._prefix = saved
@@ -263,11 +266,11 @@ class Lowering(Strategy, PartialSums):
             outs = [Token() for _ in region(*[Token() for _ in args])]
         else:
             outs = checkpoint_region(region, args, eqn.params, [eqn.invars.index(v) for v in ins])
-        for v, x in zip(eqn.outvars, outs):
-            env[v] = (x, self.plan.sharding(v))
+        for v, x, m in zip(eqn.outvars, outs, made):
+            env[v] = (x, m)
         policy = eqn.params["policy"]
         name = getattr(policy, "__name__", None) or type(policy).__name__ if policy is not None else "save nothing"
-        self._record(eqn, [(v, env[v][1], env[v][1]) for v in ins], [env[v][1] for v in eqn.outvars],
+        self._record(eqn, [(v, env[v][1], env[v][1]) for v in ins], made,
                      f"checkpoint region: {len(body.eqns)} ops recomputed in the backward pass (policy {name}, "
                      f"prevent_cse={eqn.params['prevent_cse']})", log)
 
@@ -317,7 +320,9 @@ class Lowering(Strategy, PartialSums):
         else:
             ready = tuple(frozenset(self._resharded.get(x, ())) if isinstance(x, Value) else frozenset()
                           for x in eqn.invars)
-            choice = self.choose(eqn, rule, have, ready)
+            # A summand its loop keeps a partial sum is reduced after the loop: no ring reduces it here.
+            kept = any(isinstance(self._lazy.get(v), Sharding) for v in eqn.outvars)
+            choice = self.choose(eqn, rule, have, ready, rings=not kept)
         local_in = []
         for x, n in zip(eqn.invars, choice.need):
             local_in.append(self._reshard(env, x, n, log)[0] if isinstance(x, Value) else x.val)

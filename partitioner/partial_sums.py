@@ -64,7 +64,7 @@ class PartialSums:
             return self.plan.sharding(v)
         have = [self.plan.sharding(x) if isinstance(x, Value) else Sharding.replicated(len(x.shape))
                 for x in eqn.invars]
-        return self.choose(eqn, rule, have).made[eqn.outvars.index(v)]
+        return self.choose(eqn, rule, have, rings=False).made[eqn.outvars.index(v)]
 
     def _stacked_sum(self, eqn: Eqn, v: Value) -> Optional[Sharding]:
         """A scan's stacked output v that an outer accumulator sums, when its per-trip result is a partial sum:

@@ -125,9 +125,10 @@ class Strategy:
             times[key] = sum(c.time(self.profile) for c in self.reshard_collectives(src, dst, shape, dtype))
         return times[key]
 
-    def choose(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], ready: Ready = ()) -> Choice:
+    def choose(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], ready: Ready = (), rings: bool = True) -> Choice:
         """The cheapest factor sharding for eqn given what its operands have (and are `ready` in: operands
         already resharded for an earlier op cost nothing to have that way) and the plan for its results.
+        rings=False: no collective matmul (a summand kept a partial sum past its loop reduces nowhere here).
 
         The choice depends only on the op, its params, dtypes, rule, and those shardings, so equations
         that repeat (the layers of an unrolled model) are decided once.
@@ -136,17 +137,17 @@ class Strategy:
         planned = [self.plan.sharding(v) for v in eqn.outvars]
         key = _choice_key(eqn, rule, have, planned)
         if key is not None:
-            key += (ready,)
+            key += (ready, rings)
         choices = self.cache.choices
         choice = choices.get(key) if key is not None else None
         if choice is None:
-            choice = self._choose(eqn, rule, have, planned, ready)
+            choice = self._choose(eqn, rule, have, planned, ready, rings)
             if key is not None:
                 choices[key] = choice
         return choice
 
     def _choose(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Sharding],
-                ready: Ready) -> Choice:
+                ready: Ready, rings: bool = True) -> Choice:
         proposals = [_merge_fs(rule.to_factors(tf, s, self.mesh_shape))
                      for tf, s in zip(rule.results, planned)]
         proposals += [_merge_fs(rule.to_factors(tf, s, self.mesh_shape))
@@ -182,7 +183,7 @@ class Strategy:
                 best, best_whole = Choice(fs, need, made, cost, peak=peak), whole
         if best is None:  # the all-replicated candidate always exists unless a rule is inexpressible
             raise AssertionError(f"no valid factor sharding for {eqn.name} {rule.signature()}")
-        if rule.rings and self.collective_matmul != "off":
+        if rule.rings and rings and self.collective_matmul != "off":
             return self._ring(eqn, rule, have, planned, best, ready)
         held = f" ({_fmt_bytes(best.peak)} per device)"
         if best_whole:
