@@ -144,3 +144,28 @@ def test_a_non_linear_use_of_the_sum_stays_in_the_loop():
     report = _measure(fn, _args(), (P(), P(None, "data")))
     assert report.totals(dynamic=True)["all-reduce"]["count"] == K
     assert not any("deferred" in r.strategy for r in report.rows)
+
+
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.dots_saveable])
+def test_a_summand_made_under_remat_is_deferred_too(policy):
+    """A weight gradient made inside a checkpointed region (jax.checkpoint / nn.remat: its dot runs in the
+    region's recomputed backward) still chains to the accumulator outside it: one all-reduce per step."""
+    def summand(w, x, acc):
+        return jax.grad(jax.checkpoint(loss, policy=policy))(w, x)
+    report = _measure(_scan(summand), _args(), (P(), P(None, "data")))
+    assert report.totals(dynamic=True)["all-reduce"]["count"] == 1
+    assert any("deferred past the loop" in r.strategy for r in report.rows)
+
+
+def test_a_deferred_summand_takes_no_ring():
+    """ZeRO-2 (the sum split over data): collective_matmul="bidirectional" would run the gradient's reduce-scatter
+    as a ring of permutes on every trip; kept partial, the summand is reduce-scattered once after the loop and
+    its dot takes no ring."""
+    fn, args, ins = _scan(lambda w, x, acc: jax.grad(loss)(w, x)), _args(), (P(), P(None, "data"))
+    mesh = gs.make_mesh({"data": 8})
+    kw = dict(in_shardings=ins, out_shardings=P("data", None), collective_matmul="bidirectional")
+    report = gs.explain(fn, mesh, *args, **kw)
+    per_step = report.totals(dynamic=True)
+    assert per_step["reduce-scatter"]["count"] == 1 and per_step["collective-permute"]["count"] == 0
+    f = gs.partition(fn, mesh, **kw)
+    np.testing.assert_allclose(np.asarray(f(*args)), np.asarray(jax.jit(fn)(*args)), rtol=1e-5, atol=1e-5)
