@@ -174,6 +174,31 @@ def summand(body: "Program", y: "Value") -> Optional[Accumulator]:
     return Accumulator(-1, None, tuple(chain), tuple(leaves), tuple(producer[v] for v in leaves)) if leaves else None
 
 
+def sum_trees(body: "Program") -> list[Accumulator]:
+    """The sums of several partial sums in a body (dX = dQ Wq' + dK Wk' + dV Wv' of a tensor-parallel attention's
+    backward): each add whose operands chain to two or more leaves, not itself a chain value of a larger one
+    (k unset, `add` its root). Each leaf reduced where it is made would send one collective apiece; summed as
+    partial sums, the root reduces once (XLA's all-reduce reassociation, made where the partitioner decides)."""
+    uses, producer = _uses(body)
+    out, claimed = [], set()
+    for e in reversed(_flat(body.eqns)):
+        if e.name not in ("add", "add_any") or e.outvars[0] in claimed or len(e.invars) != 2:
+            continue
+        a, b = e.invars
+        if not (_is_value(a) and _is_value(b)) or a is b:
+            continue
+        chain: list = []
+        leaves: list = []
+        dims = tuple(range(len(e.outvars[0].shape)))
+        for x in (a, b):
+            _walk(x, dims, uses, producer, chain, leaves)
+        if len(leaves) < 2:
+            continue
+        claimed.update(v for v, _ in chain)
+        out.append(Accumulator(-1, e, tuple(chain), tuple(leaves), tuple(producer[v] for v in leaves)))
+    return out
+
+
 def _walk(v: "Value", dims: tuple[int, ...], uses: Counter, producer: dict, chain: list, leaves: list) -> None:
     """Collect v's chain back to its leaves; a value used more than once (or made outside) ends nothing.
     dims[j]: the accumulator's dim that v's dim j is."""

@@ -95,6 +95,8 @@ class Lowering(Strategy, PartialSums):
         self.dry = False  # walking without arrays (cost())
         self._lazy: dict[Value, Sharding] = {}  # accumulator chains kept partial in a loop (deferral.py)
         self._sums: set[int] = set()  # id() of the adds that accumulate them
+        self._roots: dict[int, Sharding] = {}  # id() of an add summing partial sums -> its operands' sharding
+        self._in_tree: set[Value] = set()  # the values of those sums' chains
         self._deferred: dict[int, dict[int, Sharding]] = {}  # id(loop eqn) -> carry index -> sharding in the loop
         # (id(scan eqn), index among its stacked results) -> a per-trip result kept a partial sum for an outer loop
         self.deferred_ys: dict[tuple[int, int], Sharding] = {}
@@ -112,6 +114,7 @@ class Lowering(Strategy, PartialSums):
             self._store(env, v, x, e, log)
             if e != self.plan.sharding(v):
                 self._boundary_row("input", name, v, e, self.plan.sharding(v), log)
+        self.sum_trees(self.program)
         self._run_eqns(self.program.eqns, env)
         outs = []
         for v, x, name in zip(self.program.outvars, self.exit, self.out_names):
@@ -159,15 +162,19 @@ class Lowering(Strategy, PartialSums):
         if dst.padded != src.padded:
             why += "; uneven dims padded on entry" if kind == "input" else "; uneven dims gathered and cut on exit"
         shape, dtype = tuple(v.shape), str(v.aval.dtype)
+        reads, writes = ((), (id(v),)) if kind == "input" else ((id(v),), ())
         self._add_row(-1, name, kind, [Operand(shape, dtype, src, dst)],
-                      [Result(shape, dtype, dst, dst, self.plan.origins.get(v, ""))], why, log, None, 0.0, 1)
+                      [Result(shape, dtype, dst, dst, self.plan.origins.get(v, ""))], why, log, None, 0.0, 1,
+                      reads, writes)
 
     def _add_row(self, index: int, source: str, name: str, ops: list, res: list, strategy: str, log: list,
-                 fallback: Optional[str], compute: float, trips: int) -> None:
+                 fallback: Optional[str], compute: float, trips: int, reads: tuple = (), writes: tuple = (),
+                 issue: Optional[int] = None) -> None:
         """Append a report row whose collectives are as the backend sends them (see cost.on_the_wire)."""
         sent = [on_the_wire(c, self.platform) for c in log]
         self.report.rows.append(Row(index, source, name, ops, res, strategy, sent, fallback, compute,
-                                    sum(c.time(self.profile) for c in sent), trips))
+                                    sum(c.time(self.profile) for c in sent), trips, reads, writes,
+                                    len(sent) if issue is None else issue, self._trips))
 
     def _run_eqns(self, eqns: Sequence[Eqn], env) -> None:
         for eqn in eqns:
@@ -237,6 +244,7 @@ class Lowering(Strategy, PartialSums):
             benv = collections.ChainMap({}, env)
             for v, (x, have) in zip(program.invars, inputs):
                 self._store(benv, v, x, have, log)
+            self.sum_trees(program)
             self._run_eqns(program.eqns, benv)
             return [self._read_sum(benv, v, t, log) for v, t in zip(program.outvars, targets)]  # partial: carried
         finally:
@@ -272,16 +280,17 @@ class Lowering(Strategy, PartialSums):
         name = getattr(policy, "__name__", None) or type(policy).__name__ if policy is not None else "save nothing"
         self._record(eqn, [(v, env[v][1], env[v][1]) for v in ins], made,
                      f"checkpoint region: {len(body.eqns)} ops recomputed in the backward pass (policy {name}, "
-                     f"prevent_cse={eqn.params['prevent_cse']})", log)
+                     f"prevent_cse={eqn.params['prevent_cse']})", log, values=False)
 
     def _control_flow(self, eqn: Eqn, env) -> None:
         """A loop or branch (control_flow.FORMS): its bodies run on local shards, results stored to the plan."""
         log: list[Collective] = []
         results, strategy = CF.FORMS[eqn.name].lower(self, eqn, env, log)
+        issue = len(log)  # the results' reshards (a deferred reduction among them) wait for the loop
         for v, (x, have) in zip(eqn.outvars, results):
             self._store(env, v, x, have, log)
         self._record(eqn, [(x, env[x][1], env[x][1]) for x in eqn.invars if isinstance(x, Value)],
-                     [self.plan.sharding(v) for v in eqn.outvars], strategy, log)
+                     [self.plan.sharding(v) for v in eqn.outvars], strategy, log, issue=issue)
 
     def _manual(self, eqn: Eqn, env) -> None:
         """A manual region: operands resharded to its in_specs, the body on local shards, results as declared."""
@@ -291,6 +300,7 @@ class Lowering(Strategy, PartialSums):
         inner = M.collectives(eqn.params["jaxpr"], self.mesh_shape)
         log.extend(inner)
         results = [Token() for _ in eqn.outvars] if self.dry else M.run(eqn, local_in)
+        issue = len(log)
         for v, o, m in zip(eqn.outvars, results, outs):
             self._store(env, v, o, m, log)
         have = [env[x][1] if isinstance(x, Value) else s for x, s in zip(eqn.invars, ins)]
@@ -299,10 +309,11 @@ class Lowering(Strategy, PartialSums):
         self._record(eqn, list(zip(eqn.invars, have, ins)), outs,
                      f"manual region over {', '.join(manual)}: {len(eqn.params['jaxpr'].eqns)} ops on local "
                      f"shards, {len(inner)} collectives of its own"
-                     + (f"; whole along its automatic axes {', '.join(auto)}" if auto else ""), log)
+                     + (f"; whole along its automatic axes {', '.join(auto)}" if auto else ""), log, issue=issue)
 
     def _eqn(self, eqn: Eqn, env) -> None:
         inside = self._lazy.get(eqn.outvars[0]) if len(eqn.outvars) == 1 else None
+        inside = self._roots.get(id(eqn), inside)
         if inside is not None and eqn.name in DF.CHAIN_OPS:
             loose = eqn.name in DF.THROUGH_RULES or any(isinstance(self._lazy.get(x), DF.Loose) for x in
                                                      [*eqn.outvars, *(x for x in eqn.invars if isinstance(x, Value))])
@@ -327,6 +338,7 @@ class Lowering(Strategy, PartialSums):
         for x, n in zip(eqn.invars, choice.need):
             local_in.append(self._reshard(env, x, n, log)[0] if isinstance(x, Value) else x.val)
         outs = self._bind(eqn, rule, choice, local_in, log)
+        issue = len(log)  # operand reshards and the op's own exchanges; its results' reshards follow it
         for v, o, m in zip(eqn.outvars, outs, choice.made):
             self._store(env, v, o, m, log)
         if self.report is None:
@@ -340,20 +352,27 @@ class Lowering(Strategy, PartialSums):
                 strategy = f"{choice.ring.describe()}; {strategy}"
             if choice.note:
                 strategy = f"{strategy}; {choice.note}"
-        self._record(eqn, list(zip(eqn.invars, have, choice.need)), choice.made, strategy, log, fallback,
-                     compute_time(sum(math.prod(m.local_shape(v.shape, self.mesh_shape))
-                                      for v, m in zip(eqn.outvars, choice.made)), self.profile))
+        work = self._compute(rule, choice.fs) if rule is not None else compute_time(
+            sum(math.prod(m.local_shape(v.shape, self.mesh_shape)) for v, m in zip(eqn.outvars, choice.made)),
+            self.profile)
+        self._record(eqn, list(zip(eqn.invars, have, choice.need)), choice.made, strategy, log, fallback, work,
+                     issue)
 
     def _record(self, eqn: Eqn, operands: list[tuple[Any, Sharding, Sharding]], made: list[Sharding],
-                strategy: str, log: list, fallback: Optional[str] = None, compute: float = 0.0) -> None:
-        """One report row for an equation (when explain() is collecting one): (value, have, need) per operand."""
+                strategy: str, log: list, fallback: Optional[str] = None, compute: float = 0.0,
+                issue: Optional[int] = None, values: bool = True) -> None:
+        """One report row for an equation (when explain() is collecting one): (value, have, need) per operand.
+        issue: how many of log's collectives run before the op computes (the rest wait for its result; None:
+        all). values=False: the row reads and writes nothing for overlap.py (a region whose rows did)."""
         if self.report is None:
             return
         ops = [Operand(tuple(x.shape), str(x.aval.dtype), h, n) for x, h, n in operands if len(x.shape)]
         res = [Result(tuple(v.shape), str(v.aval.dtype), m, self.plan.sharding(v), self.plan.origins.get(v, ""))
                for v, m in zip(eqn.outvars, made)]
+        reads = tuple(id(x) for x in eqn.invars if isinstance(x, Value)) if values else ()
+        writes = tuple(id(v) for v in eqn.outvars) if values else ()
         self._add_row(eqn.index, eqn.source, self._prefix + eqn.name, ops, res, strategy, log, fallback, compute,
-                      self._trips)
+                      self._trips, reads, writes, issue)
 
     def _bind(self, eqn: Eqn, rule: Optional[F.Rule], choice: Choice, local_in: list, log: list):
         """Bind the primitive on local shards, with local-shape params, through its hook if it has one."""
@@ -385,7 +404,8 @@ class Lowering(Strategy, PartialSums):
                 self._add_row(eqn.index, eqn.source, f"{self._prefix}ring/{eqn.name}", [], [],
                               f"the ring's loop: {ring.n - 1} trips, a collective-permute per direction each",
                               CM.collectives(ring, tuple(piece), x.aval.dtype),
-                              None, 0.0, self._trips * (ring.n - 1))
+                              None, 0.0, self._trips * (ring.n - 1),
+                              tuple(id(v) for v in eqn.invars if isinstance(v, Value)))
             if self.dry:
                 return [Token()]
             local_out = choice.made[0].local_shape(eqn.outvars[0].shape, self.mesh_shape)

@@ -23,7 +23,8 @@ from .sharding import Sharding
 
 class PartialSums:
     """Deferred reductions in the lowering: `_lazy` holds the values kept partial, `_sums` the adds that
-    accumulate them, `_deferred` and `deferred_ys` each loop's carries and stacked results kept so."""
+    accumulate them, `_roots` the adds that sum partial sums and reduce them once (their sharding before the
+    reduction), `_deferred` and `deferred_ys` each loop's carries and stacked results kept so."""
 
     def deferrals(self, eqn: Eqn) -> dict[int, Sharding]:
         """A loop's accumulating carries that stay partial sums in it: carry index -> its sharding in the loop.
@@ -52,6 +53,26 @@ class PartialSums:
                 self._lazy[v] = DF.in_loop(inside, dims)
             self._sums.add(id(acc.add))
         return out
+
+    def sum_trees(self, program) -> None:
+        """Mark a body's sums of partial sums (deferral.sum_trees) whose leaves are all predicted partial over the
+        same axes: their chains stay partial and each root add reduces once, to its plan."""
+        if not DF.ENABLED.get():
+            return
+        for tree in DF.sum_trees(program):
+            root = tree.add.outvars[0]
+            if id(tree.add) in self._sums or root in self._lazy or any(v in self._lazy for v, _ in tree.chain):
+                continue
+            planned = self.plan.sharding(root)
+            if planned.partial or planned.padded:
+                continue
+            made = {self._predict(v, e).partial for v, e in zip(tree.leaves, tree.producers)}
+            if len(made) != 1 or not next(iter(made)):
+                continue
+            inside = self._roots[id(tree.add)] = DF.deferred_sharding(planned, next(iter(made)))
+            for v, dims in tree.chain:
+                self._lazy[v] = DF.in_loop(inside, dims)
+                self._in_tree.add(v)
 
     def _predict(self, v: Value, eqn: Eqn) -> Sharding:
         """The sharding eqn makes v in, from its operands as planned (an inner loop's deferred accumulator: as
@@ -116,7 +137,7 @@ class PartialSums:
     def _partial_sum(self, eqn: Eqn, env, inside: Sharding) -> bool:
         """An accumulator chain's op on partial sums, on local shards; False where an operand arrived otherwise
         (then the op runs as planned: its operand is reduced, as without deferral)."""
-        accumulates = id(eqn) in self._sums
+        accumulates = id(eqn) in self._sums or id(eqn) in self._roots
         log: list[Collective] = []
         have = [env[x][1] if isinstance(x, Value) else Sharding.replicated(len(x.shape)) for x in eqn.invars]
         chain = [isinstance(x, Value) and x in self._lazy for x in eqn.invars]
@@ -137,9 +158,13 @@ class PartialSums:
                     params[key] = tuple(inside.local_shape(v.shape, self.mesh_shape))
             out = eqn.prim.bind(*local, **params)
         env[v] = (out, inside)
+        root, issue = id(eqn) in self._roots, len(log)
+        if root:  # a sum of partial sums: reduced here, once
+            self._store(env, v, out, inside, log)
+        what = ("partial sums added, then reduced once" if root else "summand of a sum reduced once"
+                if v in self._in_tree else f"{'accumulated' if accumulates else 'summand'} reduced once after the loop")
         self._record(eqn, [(x, h, w) for x, h, w in zip(eqn.invars, have, want) if isinstance(x, Value)], [inside],
-                     f"partial sum over {','.join(sorted(inside.partial))} kept: "
-                     f"{'accumulated' if accumulates else 'summand'} reduced once after the loop", log)
+                     f"partial sum over {','.join(sorted(inside.partial))} kept: {what}", log, issue=issue)
         return True
 
     def _linear(self, eqn: Eqn, env, keep) -> bool:
@@ -170,10 +195,10 @@ class PartialSums:
                 env[x] = (env[x][0], w)
             local_in.append(self._reshard(env, x, n, log)[0])
         outs = self._bind(eqn, rule, choice, local_in, log)
-        made = choice.made[0].with_partial(partial)
+        made, issue = choice.made[0].with_partial(partial), len(log)
         self._store(env, eqn.outvars[0], outs[0], made, log)  # kept, or reduced if the chain wants other dims
         self._record(eqn, [(x, h, n) for x, h, n in zip(eqn.invars, have, choice.need) if isinstance(x, Value)],
                      [made], f"partial sum over {','.join(sorted(partial))} kept through {eqn.name}: "
-                     f"reduced once after the loop", log)
+                     f"reduced once after the loop", log, issue=issue)
         return True
 

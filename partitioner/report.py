@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from . import overlap as OV
 from .cost import Collective, HardwareProfile, KINDS, _fmt_bytes
 from .sharding import Sharding
 
@@ -101,6 +102,12 @@ class Row:
     compute_time: float = 0.0
     comm_time: float = 0.0
     trips: int = 1  # times the row runs per call (a scan body's length); a while body counts once
+    # For overlap.py: the values read and written (ids), how many collectives run before the op computes (the
+    # rest wait for its result), and how many times per call its region (loop body) runs.
+    reads: tuple = ()
+    writes: tuple = ()
+    issue: Optional[int] = None
+    calls: int = 1
 
     @property
     def origins(self) -> list[str]:
@@ -141,6 +148,7 @@ class Report:
     kind_of: Callable[[str], str] = _argument  # groups inputs into kinds for memory (default: the argument)
     compiled_memory: Optional[dict] = None  # XLA's memory_analysis() of the compiled program (attach_compiled)
     pipelines: list[dict] = dataclasses.field(default_factory=list)  # gs.pipeline schedules traced (Schedule.summary)
+    _overlap: Optional[list] = dataclasses.field(default=None, repr=False, compare=False)  # overlap() at the profile
 
     def argument_bytes(self) -> dict:
         """Predicted bytes per device of the program's arguments, by kind (and "total"), from the shardings
@@ -203,15 +211,44 @@ class Report:
     def compute_time(self) -> float:
         return sum(r.compute_time * r.trips for r in self.rows)
 
+    def overlap(self, comm_time: Optional[Callable] = None, compute_time: Optional[Callable] = None,
+                overlaps: Optional[bool] = None) -> list:
+        """Per row, its collectives' time, exposed time and the op that hides the most of them (overlap.py), at
+        the profile's figures unless other durations are given (the planner's hardware)."""
+        if comm_time is None and compute_time is None and overlaps is None and self._overlap is not None:
+            return self._overlap
+        got = OV.analyse(self.rows, comm_time or (lambda c: c.time(self.profile)),
+                         compute_time or (lambda r: r.compute_time),
+                         self.profile.overlap if overlaps is None else overlaps)
+        if comm_time is None and compute_time is None and overlaps is None:
+            self._overlap = got
+        return got
+
+    @property
+    def exposed_comm_time(self) -> float:
+        """Seconds of communication per step that no independent compute hides (overlap.py)."""
+        return OV.exposed_per_step(self.overlap())
+
     def to_json(self, **kw) -> str:
         return json.dumps({
             "mesh": self.mesh, "profile": dataclasses.asdict(self.profile),
             "inputs": [v.to_dict() for v in self.inputs], "outputs": [v.to_dict() for v in self.outputs],
-            "notes": self.notes, "rows": [r.to_dict() for r in self.rows], "totals": self.totals(),
+            "notes": self.notes, "rows": [dict(r.to_dict(), **self._overlap_dict(o)) for r, o in
+                                          zip(self.rows, self.overlap())], "totals": self.totals(),
             "memory": self.memory, "pipelines": self.pipelines,
             "totals_per_call": self.totals(dynamic=True),  # per step: a loop's collectives times its trips
             "predicted_comm_time_s": self.comm_time, "predicted_compute_time_s": self.compute_time,
+            "predicted_exposed_comm_time_s": self.exposed_comm_time,
             "fallbacks": [r.index for r in self.fallbacks]}, default=str, **kw)
+
+    def _overlap_dict(self, o) -> dict:
+        """A row's overlap in the JSON: exposed seconds per step and the op hiding most of the rest."""
+        if not o.comm:
+            return {}
+        behind = self.rows[o.behind] if o.behind is not None else None
+        return {"exposed_comm_time_s": o.exposed * o.calls, "overlaps": None if behind is None else
+                {"row": o.behind, "primitive": behind.primitive, "source": behind.source,
+                 "hidden_s": o.hidden_by_it * o.calls}}
 
     def to_html(self) -> str:
         """A self-contained HTML page: inputs, outputs, one table row per op (fallbacks highlighted), totals."""
@@ -267,8 +304,8 @@ class Report:
             listed = ", ".join(f"{k} x{t['count']} {_fmt_bytes(t['payload_bytes'])}" for k, t in static.items()
                                if t["count"])
             lines.append(_fit(f"  as the HLO lists them (a loop body once): {listed}", 4))
-        lines.append(f"  predicted communication {self.comm_time * 1e6:.3g}us, compute "
-                     f"{self.compute_time * 1e6:.3g}us per step; fallbacks: {len(self.fallbacks)}")
+        lines.append(f"  predicted communication {self.comm_time * 1e6:.3g}us ({self.exposed_comm_time * 1e6:.3g}us "
+                     f"exposed), compute {self.compute_time * 1e6:.3g}us per step; fallbacks: {len(self.fallbacks)}")
         if self.inputs:
             lines.append(_fit(self._memory_line(), 2))
         return lines

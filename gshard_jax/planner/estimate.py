@@ -2,12 +2,13 @@
 candidate. The top ones are then planned by the partitioner itself (predict.py), whose communication
 replaces the formula's.
 
-Time = compute / (1 - bubble) + communication - overlap x min(communication, compute). Compute is the
+Time = compute / (1 - bubble) + communication - overlap. Compute is the
 model's flops (6 x active parameters per token, plus attention; one more forward under full remat) over
 the devices' peak x efficiency. Communication is a list of collectives (kind, axes, bytes moved per device,
 count), each costed alpha-beta at the bandwidth of its axes (hardware.axes_bandwidth). Memory is params,
 gradients and optimizer state as the layout shards them, activations under the remat policy and the
 pipeline's stash, the largest transient gather (a layer's weights under FSDP / ZeRO-3) and the logits.
+The screen credits no overlap: what a step hides behind compute is the planned program's (predict.py).
 """
 from __future__ import annotations
 
@@ -234,8 +235,10 @@ def compute_time(shape: ModelShape, c: Candidate, hw: Hardware, devices: int) ->
 
 
 def combine(hw: Hardware, c: Candidate, compute: float, comms: Sequence[Comm], mem: dict,
-            source: str = "formula") -> Estimate:
-    """An Estimate from compute seconds, the step's collectives and memory, on `c`'s axis order."""
+            source: str = "formula", exposed: Optional[float] = None) -> Estimate:
+    """An Estimate from compute seconds, the step's collectives and memory, on `c`'s axis order. exposed: the
+    seconds of communication the planned program leaves exposed (partitioner/overlap.py); None (the screen):
+    all of it."""
     by: dict = {}
     sizes = c.sizes
     for cm in comms:
@@ -248,7 +251,7 @@ def combine(hw: Hardware, c: Candidate, compute: float, comms: Sequence[Comm], m
     frac = bubble(c)
     idle = compute * frac / (1 - frac) if frac < 1 else math.inf
     total = sum(by.values())
-    return Estimate(compute, idle, by, hw.overlap * min(total, compute), mem, source)
+    return Estimate(compute, idle, by, 0.0 if exposed is None else max(total - exposed, 0.0), mem, source)
 
 
 def estimate(shape: ModelShape, c: Candidate, hw: Hardware, devices: int) -> Estimate:

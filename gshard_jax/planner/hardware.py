@@ -31,7 +31,9 @@ class Hardware:
     intra_bandwidth: float  # bytes/s a device sends inside a node (where no table entry applies)
     inter_bandwidth: float  # bytes/s one node sends to other nodes (all its NICs together)
     latency: float = 10e-6  # seconds per step of a collective (launch and synchronisation)
-    overlap: float = 0.0  # fraction of communication the runtime hides behind compute (0: none)
+    # Whether collectives run asynchronously beside compute (GPU and TPU runtimes with XLA's latency-hiding
+    # scheduler). Which collectives a step then hides is the planned program's (partitioner/overlap.py).
+    overlap: bool = False
     # Measured intra-node bandwidth in GB/s: rows (ip_min, ip_max, size_min, size_max, GB/s); 0 as a max means
     # no upper bound. The first row that contains (inner product, group size) applies.
     table: tuple = ()
@@ -81,22 +83,22 @@ def axes_bandwidth(hw: Hardware, order: tuple[tuple[str, int], ...], axes: tuple
 # AxoNN's Perlmutter table; GShard: TPU v3). Measure yours and pass a JSON profile (`from_json`).
 PROFILES: dict[str, Hardware] = {h.name: h for h in (
     Hardware("cpu-simulation", "cpu", devices_per_node=8, peak_flops=50e9, efficiency=0.5, memory_gib=2.0,
-             intra_bandwidth=10 * GB, inter_bandwidth=10 * GB, latency=20e-6, overlap=0.0,
+             intra_bandwidth=10 * GB, inter_bandwidth=10 * GB, latency=20e-6, overlap=False,
              source="this project's simulated CPU devices: one host, collectives run between matmuls"),
     Hardware("h100-8", "gpu", devices_per_node=8, peak_flops=989e12, efficiency=0.5, memory_gib=80.0,
-             intra_bandwidth=450 * GB, inter_bandwidth=400 * GB, latency=10e-6, overlap=0.5,
+             intra_bandwidth=450 * GB, inter_bandwidth=400 * GB, latency=10e-6, overlap=True,
              source="8 H100 SXM per node, NVLink 4 (450 GB/s per direction per GPU), 8 x 400 Gb/s InfiniBand"),
     Hardware("perlmutter-a100", "gpu", devices_per_node=4, peak_flops=312e12, efficiency=0.5, memory_gib=40.0,
-             intra_bandwidth=76 * GB, inter_bandwidth=100 * GB, latency=10e-6, overlap=0.5,
+             intra_bandwidth=76 * GB, inter_bandwidth=100 * GB, latency=10e-6, overlap=True,
              table=((1, 1, 2, 2, 76.0), (1, 1, 4, 4, 225.0), (1, 1, 8, 0, 80.0), (2, 2, 2, 2, 76.0),
                     (2, 2, 4, 0, 40.0), (4, 0, 1, 0, 20.0)),
              source="Perlmutter: 4 A100 40GB per node, NVLink 3, 4 x 200 Gb/s Slingshot; AxoNN's measured table"),
     Hardware("tpu-v3", "tpu", devices_per_node=2048, peak_flops=61.5e12, efficiency=0.5, memory_gib=16.0,
-             intra_bandwidth=70 * GB, inter_bandwidth=70 * GB, latency=5e-6, overlap=0.5,
+             intra_bandwidth=70 * GB, inter_bandwidth=70 * GB, latency=5e-6, overlap=True,
              source="TPU v3 cores (2 per chip, 123 TFLOP/s bf16 per chip, 16 GiB HBM per core); a pod's 2D "
                     "torus ICI is one level"),
     Hardware("aurora-pvc", "gpu", devices_per_node=12, peak_flops=419e12, efficiency=0.4, memory_gib=64.0,
-             intra_bandwidth=100 * GB, inter_bandwidth=200 * GB, latency=10e-6, overlap=0.3,
+             intra_bandwidth=100 * GB, inter_bandwidth=200 * GB, latency=10e-6, overlap=True,
              source="Aurora: 6 Max 1550 GPUs of 2 tiles per node (12 tiles, 64 GiB each), Xe Link, "
                     "8 x 200 Gb/s Slingshot"),
 )}

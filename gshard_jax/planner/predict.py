@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -16,7 +17,10 @@ import ml_collections
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
+from ..partitioner import overlap as OV
 from ..partitioner.cost import HardwareProfile, default_profile
+from . import estimate as E
+from . import space as SP
 from .estimate import Comm
 from .hardware import Hardware
 from .space import AXES, Candidate
@@ -87,15 +91,39 @@ def abstract_state(cfg: ml_collections.ConfigDict, c: Candidate) -> Any:
 _STATES: dict = {}  # the abstract train state per model config (this process's)
 
 
-def plan_one(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware) -> tuple[list[Comm], dict]:
-    """Candidate c planned: (its collectives per step, its argument bytes by kind). A top-level function, so
-    a worker process can run it for the planner."""
+ORDERS_SCHEDULED = 3  # axis orders, fastest by communication, whose step is list-scheduled (overlap.py)
+
+
+def plan_one(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware) -> tuple[list[Comm], dict, dict]:
+    """Candidate c planned: (its collectives per step, its argument bytes by kind, the seconds of communication
+    its step leaves exposed per axis order). Every order of its axes is costed by its communication; the
+    ORDERS_SCHEDULED fastest are list-scheduled on hw. A top-level function, so a worker process can run it
+    for the planner."""
     key = cfg.model.to_json() + cfg.train.to_json()
     if key not in _STATES:
         _STATES.clear()
         _STATES[key] = abstract_state(cfg, c)
     report = explain(cfg, c, hw, state=_STATES[key])
-    return comms(report), report.argument_bytes()
+    found = comms(report)
+    compute = E.compute_time(SP.model_shape(cfg), c, hw, math.prod(c.sizes.values()))
+    by_comm = sorted(SP.orders(c.sizes), key=lambda o: E.combine(
+        hw, dataclasses.replace(c, mesh=o), compute, found, {}).comm_total)
+    return found, report.argument_bytes(), {o: exposed(report, hw, o, compute) for o in by_comm[:ORDERS_SCHEDULED]}
+
+
+def exposed(report: Any, hw: Hardware, order: tuple, compute: float) -> float:
+    """Seconds of communication a planned step leaves exposed on hw with its axes in `order`: the report's rows
+    list-scheduled (partitioner/overlap.py) with each collective at the bandwidth of its axes there and the
+    rows' compute scaled to the step's compute seconds."""
+    sizes = dict(order)
+    total = report.compute_time
+    scale = compute / total if total else 0.0
+
+    def comm_time(col) -> float:
+        return Comm(col.kind, tuple(col.axes), 1, col.moved).time(hw, order, sizes)
+
+    timing = report.overlap(comm_time, lambda r: r.compute_time * scale, bool(hw.overlap))
+    return OV.exposed_per_step(timing)
 
 
 def comms(report: Any) -> list[Comm]:

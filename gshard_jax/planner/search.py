@@ -34,10 +34,16 @@ class Ranked:
     estimate: E.Estimate
     orders: int = 1  # axis orders tried; the others were slower
     comms: list = dataclasses.field(default_factory=list)  # the partitioner's collectives (planned ones only)
+    formula_comm: Optional[float] = None  # the screen's communication seconds for it (planned ones)
+
+    def mfu(self, shape: SP.ModelShape, hw: Hardware, devices: int) -> float:
+        """Model flops utilisation of the predicted step: the model's flops (no recompute) over step x peak."""
+        return E.model_flops_per_token(shape) * shape.tokens / (self.estimate.step * devices * hw.peak_flops)
 
     def to_dict(self) -> dict:
         return {**self.candidate.to_dict(), **self.estimate.to_dict(), "orders_tried": self.orders,
-                "overrides": self.candidate.overrides()}
+                "overrides": self.candidate.overrides(), "formula_comm_s": self.formula_comm,
+                "exposed_comm_s": self.estimate.comm_total - self.estimate.overlap}
 
 
 @dataclasses.dataclass
@@ -119,12 +125,15 @@ class Plan:
     def to_dict(self) -> dict:
         return {"config": self.config, "devices": self.devices, "hardware": self.hardware.to_dict(),
                 "memory_budget_bytes": self.memory_budget, "model": dataclasses.asdict(self.shape),
-                "ranked": [r.to_dict() for r in self.ranked], "why": self.why(),
+                "ranked": [self._ranked_dict(r) for r in self.ranked], "why": self.why(),
                 "screened": len(self.screened), **self._rejections_dict(),
                 "rejection_counts": self.rejection_counts(), "dominated": self.dominated,
-                "pinned": [{"mesh": m, "formula_rank": k, "planned": r.to_dict() if r else None, "why": w}
+                "pinned": [{"mesh": m, "formula_rank": k, "planned": self._ranked_dict(r) if r else None, "why": w}
                            for m, k, r, w in self.pinned],
                 "sensitivity": self.sensitivity}
+
+    def _ranked_dict(self, r: Ranked) -> dict:
+        return dict(r.to_dict(), mfu=r.mfu(self.shape, self.hardware, self.devices))
 
     # Rejections a person acts on are listed one by one in the JSON: whole meshes, candidates over the memory
     # budget, candidates the partitioner could not plan. The rest (a microbatch that does not split, a
@@ -155,7 +164,8 @@ class Plan:
             e = r.estimate
             lines.append(f"#{i} {r.candidate.key}: step {e.step * 1e3:.2f} ms = compute {e.compute * 1e3:.2f} + "
                          f"bubble {e.bubble * 1e3:.2f} + comm {e.comm_total * 1e3:.2f} - overlap "
-                         f"{e.overlap * 1e3:.2f}; memory {e.memory['total'] / GiB:.2f} GiB")
+                         f"{e.overlap * 1e3:.2f}; MFU {r.mfu(self.shape, hw, self.devices):.1%}; memory "
+                         f"{e.memory['total'] / GiB:.2f} GiB")
             for k, t in sorted(e.comm.items(), key=lambda kv: -kv[1])[:4]:
                 lines.append(f"     {k} {t * 1e3:.3f} ms")
         if self.ranked:
@@ -205,11 +215,12 @@ def _heuristic_order(c: SP.Candidate, comms) -> tuple:
 
 
 def _best_order(c: SP.Candidate, comms, compute: float, mem: dict, hw: Hardware,
-                orders: Sequence) -> tuple[SP.Candidate, E.Estimate]:
+                exposed: dict) -> tuple[SP.Candidate, E.Estimate]:
+    """The fastest of the list-scheduled orders (exposed: order -> seconds of communication exposed)."""
     best = None
-    for order in orders:
+    for order, seconds in exposed.items():
         cand = dataclasses.replace(c, mesh=order)
-        est = E.combine(hw, cand, compute, comms, mem)
+        est = E.combine(hw, cand, compute, comms, mem, "partitioner", seconds)
         if best is None or est.step < best[1].step - 1e-15:
             best = (cand, est)
     return best
@@ -290,8 +301,13 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
     sensitivity = {}
     for factor in (0.5, 2.0):
         hw2 = scaled(hardware, factor)
-        again = [(E.combine(hw2, r.candidate, r.estimate.compute, r.comms, r.estimate.memory).step, r.candidate.key)
-                 for r in ranked]
+        again = []
+        for r in ranked:  # the exposed share of the communication kept (the schedule is not redone)
+            e = r.estimate
+            share = (e.comm_total - e.overlap) / e.comm_total if e.comm_total else 1.0
+            comm = E.combine(hw2, r.candidate, e.compute, r.comms, e.memory).comm_total
+            again.append((E.combine(hw2, r.candidate, e.compute, r.comms, e.memory, e.source, share * comm).step,
+                          r.candidate.key))
         sensitivity[str(factor)] = [k for _, k in sorted(again)]
     out = Plan(config_name, devices, hardware, budget, shape, ranked, screened, rejected, sensitivity, dominated)
     out.pinned = [_pinned(cfg, out, sizes, hardware, budget) for sizes in pin]
@@ -398,7 +414,7 @@ def _verify(cfg, shape, screened: list[Ranked], count: int, hw: Hardware, budget
             if isinstance(got, Exception):
                 rejected.append((r.candidate.key, "partitioner", f"partitioner: {str(got).splitlines()[0][:300]}"))
                 continue
-            comms, args = got
+            comms, args, exposed = got
             mem = dict(r.estimate.memory)
             mem["params"], mem["optimizer"] = args.get("params", 0), args.get("optimizer", 0)
             mem["batch"] = args.get("batch", 0) + args.get("step", 0)  # the rest of the step's arguments
@@ -408,9 +424,7 @@ def _verify(cfg, shape, screened: list[Ranked], count: int, hw: Hardware, budget
                                  f"{(mem['total'] - budget) / GiB:.2f} GiB ({mem['total'] / GiB:.2f} GiB per "
                                  f"device, planned)"))
                 continue
-            orders = SP.orders(r.candidate.sizes)
-            cand, est = _best_order(r.candidate, comms, r.estimate.compute, mem, hw, orders)
-            est.source = "partitioner"
-            out.append(Ranked(cand, est, len(orders), comms))
+            cand, est = _best_order(r.candidate, comms, r.estimate.compute, mem, hw, exposed)
+            out.append(Ranked(cand, est, len(SP.orders(r.candidate.sizes)), comms, r.estimate.comm_total))
     out.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.order_key))
     return out
