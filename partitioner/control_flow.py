@@ -15,7 +15,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import jax.numpy as jnp
+
 from . import deferral as DF
+from . import prefetch as PF
 from .sharding import Sharding
 
 Link = tuple  # (a, b, tag, stacked, stacked_b)
@@ -67,6 +70,9 @@ def _scan_lower(lo, eqn, env, log):
     x_sh = [plan(b) for b in body.invars[nc + nk:]]
     xs = [lo._read(env, x, stacked(s), log) for x, s in zip(eqn.invars[nc + nk:], x_sh)]
     y_sh = [lo.deferred_ys.get((id(eqn), j)) or plan(b) for j, b in enumerate(body.outvars[nk:])]
+    ahead = PF.targets(lo, eqn)
+    if ahead:
+        return _pipelined(lo, eqn, env, log, ins, carry_sh, xs, x_sh, y_sh, ahead, deferred)
 
     def step(carry, x):
         outs = lo._body(body, env, ins[:nc] + list(zip(carry, carry_sh)) + list(zip(x, x_sh)),
@@ -77,6 +83,54 @@ def _scan_lower(lo, eqn, env, log):
                         eqn.params["unroll"])
     results = list(zip(carry, carry_sh)) + [(y, stacked(s)) for y, s in zip(ys, y_sh)]
     return results, f"scan x{length}: carry {' '.join(map(str, carry_sh)) or '-'}" + _deferred(deferred, length)
+
+
+def _pipelined(lo, eqn, env, log, ins, carry_sh, xs, x_sh, y_sh, ahead: dict, deferred: dict):
+    """The scan with stacked inputs `ahead` (j -> the sharding its body gathers it to) gathered a trip ahead
+    (prefetch.py): the first trip's before the loop, the next trip's in each trip, the last trip peeled."""
+    body = eqn.subs["body"]
+    nc, nk, n = eqn.params["num_consts"], eqn.params["num_carry"], eqn.params["length"]
+    reverse, js = eqn.params["reverse"], sorted(ahead)
+    xvars = body.invars[nc + nk:]
+    keep = [nc + nk + j for j in js]
+    first, last = (n - 1, 0) if reverse else (0, n - 1)
+    dry = lo.dry
+
+    def cut(x, a, b):
+        return x if dry else x[a:b]
+
+    def at(x, i):
+        return x if dry else x[i]
+
+    cur = [cut(x, 1, n) if reverse else cut(x, 0, n - 1) for x in xs]
+    nxt = [cut(xs[j], 0, n - 1) if reverse else cut(xs[j], 1, n) for j in js]
+    what = {j: f"{xvars[j]} (stacked input {j} of the scan)" for j in js}
+    w0 = [lo.gather_ahead(at(xs[j], first), xvars[j], x_sh[j], ahead[j], what[j]) for j in js]
+
+    def given(carry, x_now, w_now):
+        x = list(zip(x_now, x_sh))
+        for j, w in zip(js, w_now):
+            x[j] = (w, ahead[j])
+        return ins[:nc] + list(zip(carry, carry_sh)) + x
+
+    def step(c, x):
+        carry, w = c[:nk], c[nk:]
+        x_now, x_next = x[:len(xs)], x[len(xs):]
+        outs = lo._body(body, env, given(carry, x_now, w), carry_sh + y_sh, log, "scan", n - 1, keep, lambda: [
+            lo.gather_ahead(xn, xvars[j], x_sh[j], ahead[j], what[j]) for j, xn in zip(js, x_next)])
+        k = len(outs) - len(js)
+        return tuple(outs[:nk]) + tuple(outs[k:]), tuple(outs[nk:k])
+
+    cw, ys = lo.scan(step, tuple(a for a, _ in ins[nc:]) + tuple(w0), tuple(cur) + tuple(nxt), n - 1, reverse,
+                     eqn.params["unroll"])
+    outs = lo._body(body, env, given(cw[:nk], [at(x, last) for x in xs], cw[nk:]), carry_sh + y_sh, log,
+                    "scan.last", 1, keep)
+    carry, y_last = outs[:nk], outs[nk:]
+    if not dry:
+        ys = [jnp.concatenate([y[None], y_all] if reverse else [y_all, y[None]]) for y, y_all in zip(y_last, ys)]
+    results = list(zip(carry, carry_sh)) + [(y, stacked(s)) for y, s in zip(ys, y_sh)]
+    return results, (f"scan x{n}: carry {' '.join(map(str, carry_sh)) or '-'}; stacked inputs {', '.join(map(str, js))} "
+                     f"gathered a trip ahead (prefetch.py: {n - 1} trips and the last peeled)" + _deferred(deferred, n))
 
 
 def _scan_carries(e):

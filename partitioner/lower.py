@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -235,20 +235,52 @@ class Lowering(Strategy, PartialSums):
 
     # ------------------------------------------------------------------ control flow
     def _body(self, program: Program, env, inputs: Sequence[tuple[Any, Sharding]], targets: Sequence[Sharding],
-              log: list, name: str, trips: int) -> list:
-        """Run a body on local inputs (each in the given sharding, resharded to the plan); results in targets."""
+              log: list, name: str, trips: int, keep: Sequence[int] = (),
+              prologue: Optional[Callable[[], list]] = None) -> list:
+        """Run a body on local inputs (each in the given sharding, resharded to the plan; those at `keep` stay as
+        given); results in targets, then whatever `prologue` (run first, inside the body) returns."""
         saved = (self._cache, self._resharded, self._prefix, self._trips)
         self._cache, self._prefix, self._trips = dict(self._cache), f"{self._prefix}{name}/", self._trips * trips
         self._resharded = {v: set(d) for v, d in self._resharded.items()}
         try:
             benv = collections.ChainMap({}, env)
-            for v, (x, have) in zip(program.invars, inputs):
-                self._store(benv, v, x, have, log)
+            extra = prologue() if prologue is not None else []
+            edge: list[Collective] = []  # reshards on the way in and out of the body: every trip runs them
+            for k, (v, (x, have)) in enumerate(zip(program.invars, inputs)):
+                if k in keep:
+                    benv[v] = (x, have)
+                else:
+                    self._store(benv, v, x, have, edge)
+            self._edge_row(name, "inputs resharded to the plan", edge, (), program.invars)
             self.sum_trees(program)
             self._run_eqns(program.eqns, benv)
-            return [self._read_sum(benv, v, t, log) for v, t in zip(program.outvars, targets)]  # partial: carried
+            edge = []
+            outs = [self._read_sum(benv, v, t, edge) for v, t in zip(program.outvars, targets)]  # partial: carried
+            self._edge_row(name, "results resharded to the loop's", edge, program.outvars, ())
+            return outs + list(extra)
         finally:
             self._cache, self._resharded, self._prefix, self._trips = saved
+
+    def _edge_row(self, name: str, what: str, log: list, reads, writes) -> None:
+        """A row for a body's own reshards of its inputs or results (run every trip, so counted with its trips)."""
+        if log and self.report is not None:
+            self._add_row(-1, f"{name} body", f"{self._prefix}{'results' if reads else 'inputs'}", [], [], what,
+                          log, None, 0.0, self._trips, tuple(id(v) for v in reads if isinstance(v, Value)),
+                          tuple(id(v) for v in writes if isinstance(v, Value)))
+
+    def gather_ahead(self, x, v: Value, src: Sharding, dst: Sharding, what: str):
+        """x (a local slice of stacked input v's) resharded from src to dst where it is issued, as a row of its
+        own that reads nothing of the region it sits in (prefetch.py)."""
+        log: list[Collective] = []
+        steps = self.reshard_steps(src, dst, v.shape)
+        log.extend(RS.collectives(steps, v.shape, v.dtype, self.mesh_shape))
+        out = Token() if self.dry else RS.apply(steps, x, self.mesh_shape)
+        if self.report is not None:
+            shape, dtype = tuple(v.shape), str(v.aval.dtype)
+            self._add_row(-1, what, f"{self._prefix}prefetch", [Operand(shape, dtype, src, dst)],
+                          [Result(shape, dtype, dst, dst, "")], f"{what}: gathered a trip ahead (prefetch.py)",
+                          log, None, 0.0, self._trips)
+        return out
 
     def _checkpoint(self, eqn: Eqn, env) -> None:
         """A checkpointed region: its body (which reads the caller's values) re-emitted as a checkpoint."""

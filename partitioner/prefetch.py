@@ -1,0 +1,74 @@
+"""Weights gathered one iteration ahead: a scanned layer stack whose weights are stored sharded (FSDP's z,
+ZeRO-3) all-gathers layer i+1's weights in iteration i, beside layer i's compute.
+
+A scan over layers reads each layer's slice of the stacked weights (its xs) and gathers it where a matmul
+needs it whole, so every trip starts by waiting for its own gather. Nothing in the trip feeds that gather,
+though: it depends on the stacked weights alone. So the loop is software-pipelined, as AxoNN overlaps its
+all-gathers (OAG) and XLA's collective pipeliner moves them: the first layer's slice is gathered before the
+loop, the carry holds the gathered weights of the current layer, and each trip gathers the next layer's
+slice while it computes with the current one. The last trip is peeled off (run once after the loop on the
+weights the loop gathered last), so no slice is gathered twice and the bytes moved stay those of the
+unpipelined loop. The cost is one layer's gathered weights held across the trip, and the body's program
+twice.
+
+This module says which stacked inputs a scan body gathers that way (`targets`); control_flow.py's scan
+lowering runs the pipelined loop.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import TYPE_CHECKING
+
+from . import deferral as DF
+from .sharding import Sharding
+
+if TYPE_CHECKING:
+    from .program import Eqn, Program
+
+ENABLED = contextvars.ContextVar("prefetched_gathers", default=True)
+
+
+@contextlib.contextmanager
+def disabled():
+    """Gather each trip's weights in the trip, as without this module (benchmarks compare the two)."""
+    token = ENABLED.set(False)
+    try:
+        yield
+    finally:
+        ENABLED.reset(token)
+
+
+def targets(lo, eqn: "Eqn") -> dict[int, Sharding]:
+    """Stacked input j of scan `eqn` -> the sharding every reader in its body needs it in, where that is an
+    all-gather of the slice as planned (and nothing else): the gathers a pipelined loop issues a trip ahead."""
+    from . import manual as M  # manual imports the program view, which imports the forms and this module
+    if not ENABLED.get() or eqn.params["length"] < 2:
+        return {}
+    body = eqn.subs["body"]
+    nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+    readers: dict = {}
+    for e in DF._flat(body.eqns):
+        for i, x in enumerate(e.invars):
+            readers.setdefault(x, []).append((e, i))
+    out = {}
+    for j, b in enumerate(body.invars[nc + nk:]):
+        planned = lo.plan.sharding(b)
+        if not planned.axes or not len(b.shape) or b in body.outvars:
+            continue
+        needs = set()
+        for e, i in readers.get(b, ()):
+            rule = lo.plan.rules.get(e)
+            if rule is None or e.subs or M.is_region(e) or e.name in DF.CHAIN_OPS:
+                needs = None
+                break
+            have = [lo.plan.sharding(x) if DF._is_value(x) else Sharding.replicated(len(x.shape)) for x in e.invars]
+            needs.add(lo.choose(e, rule, have).need[i])
+        if not needs or len(needs) != 1:
+            continue
+        (need,) = needs
+        steps = lo.reshard_steps(planned, need, b.shape) if need != planned else ()
+        if steps and all(st.kind in ("all-gather", "all-slice") for st in steps) and any(
+                st.kind == "all-gather" for st in steps):
+            out[j] = need
+    return out

@@ -1,0 +1,152 @@
+"""Weights gathered a trip ahead in scanned layer stacks (partitioner/prefetch.py): which stacked inputs, the
+pipelined loop against jax.jit and the compiled HLO, its structure (no compute of the trip feeds the gather
+or reads it) and its memory cost."""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import gshard_jax as gs
+from gshard_jax.partitioner import prefetch as PF
+from gshard_jax.partitioner.cost import DEFAULT_PROFILE
+from helpers import assert_per_step_matches_hlo, assert_report_matches_hlo
+
+L, B, D = 4, 16, 64
+Z_SPLIT = (P(None, "z", None), P("z", None))  # FSDP: each layer's weight split over z, the batch too
+OUTS = (P(), P(None, "z", None))
+
+
+def stack(ws, x):
+    def body(h, w):
+        return jnp.tanh(h @ w), None
+    return jnp.sum(jax.lax.scan(body, x, ws)[0] ** 2)
+
+
+def _args():
+    r = np.random.default_rng(0)
+    return (jnp.asarray(r.standard_normal((L, D, D)) / 8, jnp.float32),
+            jnp.asarray(r.standard_normal((B, D)), jnp.float32))
+
+
+MESH = gs.make_mesh({"z": 8})
+
+
+def _partition(fn, ins=Z_SPLIT, outs=OUTS):
+    return gs.partition(fn, MESH, in_shardings=ins, out_shardings=outs)
+
+
+def test_forward_and_gradients_equal_jit():
+    fn, args = jax.value_and_grad(stack), _args()
+    got, want = _partition(fn)(*args), jax.jit(fn)(*args)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-5)
+
+
+def test_the_report_equals_the_hlo_and_moves_the_unpipelined_bytes():
+    args = _args()
+    compiled = _partition(stack, outs=P()).lower(*args).compile()
+    report = gs.explain(stack, MESH, *args, in_shardings=Z_SPLIT, out_shardings=P())
+    assert_report_matches_hlo(report, gs.collective_stats(compiled))
+    assert_per_step_matches_hlo(report, compiled)
+    ahead = [r for r in report.rows if r.primitive.endswith("prefetch")]
+    assert [(r.primitive, r.trips) for r in ahead] == [("prefetch", 1), ("scan/prefetch", L - 1)]
+    assert any("gathered a trip ahead" in r.strategy and r.primitive == "scan" for r in report.rows)
+    with PF.disabled():
+        before = gs.explain(stack, MESH, *args, in_shardings=Z_SPLIT, out_shardings=P())
+    assert report.totals(dynamic=True) == before.totals(dynamic=True)  # the same bytes: the last trip is peeled
+
+
+def _instructions(text: str) -> dict[str, dict]:
+    """Per computation: instruction name -> (op text, operand names)."""
+    out, name = {}, None
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            name = head.group(1)
+            out[name] = {}
+            continue
+        m = re.match(r"^\s*(?:ROOT )?%([\w.\-]+) = [^=]*?\b([a-z\-]+)\((.*?)\)(.*)$", line)
+        if m and name:
+            out[name][m.group(1)] = (m.group(2), re.findall(r"%([\w.\-]+)", m.group(3)), line)
+    return out
+
+
+def _dots_around_gathers(compiled) -> list[tuple[bool, bool]]:
+    """For each all-gather in a loop body: (a dot feeds it, a dot reads it), within the body."""
+    found = []
+    for comp, ins in _instructions(compiled.as_text()).items():
+        users: dict = {}
+        for n, (_, ops, _) in ins.items():
+            for o in ops:
+                users.setdefault(o, []).append(n)
+
+        def reach(start, step):
+            seen, todo = set(), [start]
+            while todo:
+                for nxt in step(todo.pop()):
+                    if nxt in ins and nxt not in seen:
+                        seen.add(nxt)
+                        todo.append(nxt)
+            return seen
+
+        def is_dot(n):
+            return "dot_general" in ins[n][2] and ins[n][0] != "all-gather"
+
+        for n, (op, _, line) in ins.items():
+            if op == "all-gather" and "while/body" in line:
+                above = reach(n, lambda k: ins[k][1])
+                below = reach(n, lambda k: users.get(k, ()))
+                found.append((any(is_dot(k) for k in above), any(is_dot(k) for k in below)))
+    return found
+
+
+def test_the_trips_gather_neither_waits_for_nor_feeds_its_compute():
+    """In the compiled loop body the weight all-gather reads the stacked weights alone, and no dot of the same
+    trip reads its result (it is carried to the next trip); unpipelined, the trip's dot reads it."""
+    fn, args = jax.grad(stack), _args()
+    outs = P(None, "z", None)
+    on = _dots_around_gathers(_partition(fn, outs=outs).lower(*args).compile())
+    with PF.disabled():
+        off = _dots_around_gathers(_partition(fn, outs=outs).lower(*args).compile())
+    assert (False, False) in on
+    assert (False, True) in off and (False, False) not in off
+
+
+def test_it_costs_one_layers_weights_of_memory():
+    """memory_analysis(): the carried gathered weights add about one layer's (float32 D x D), not L layers'."""
+    fn, args = jax.grad(stack), _args()
+    outs = P(None, "z", None)
+    on = _partition(fn, outs=outs).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    with PF.disabled():
+        off = _partition(fn, outs=outs).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    layer = D * D * 4
+    assert 0 < on - off <= 2 * layer
+
+
+def test_the_gather_overlaps_the_trips_compute():
+    """On a profile with asynchronous collectives, the in-loop gather is hidden behind the trip's matmul
+    (overlap.py); the one before the loop is exposed. (Collective matmul off: on such a profile "auto" may run
+    the matmul as a ring instead, another way of hiding the gather.)"""
+    profile = DEFAULT_PROFILE.__class__(**{**DEFAULT_PROFILE.__dict__, "flops": 1e8, "overlap": True})
+    report = gs.explain(jax.grad(stack), MESH, *_args(), in_shardings=Z_SPLIT, out_shardings=OUTS[1],
+                        profile=profile, collective_matmul="off")
+    timing = {r.primitive: o for r, o in zip(report.rows, report.overlap()) if r.primitive.endswith("prefetch")}
+    assert timing["scan/prefetch"].exposed == pytest.approx(0.0, abs=1e-12) and timing["scan/prefetch"].comm > 0
+    assert timing["prefetch"].exposed > 0
+
+
+@pytest.mark.parametrize("ins,expected", [
+    (Z_SPLIT, ["[-, z, -]->[-, -]"] * 2),  # the split weight, gathered whole for the matmul: ahead, each pass
+    ((P(), P("z", None)), []),  # replicated weights: nothing to gather
+    ((P(None, None, "z"), P()), []),  # split on the output dim: the matmul keeps it split (no gather)
+])
+def test_which_stacked_inputs_are_gathered_ahead(ins, expected):
+    report = gs.explain(jax.grad(stack), MESH, *_args(), in_shardings=ins)
+    got = [str(r.operands[0]).replace("[z, -]", "[-, z, -]") for r in report.rows if r.primitive == "prefetch"]
+    assert sorted(got) == sorted(expected[:len(got)]) and len(got) == len(expected) // 2 * (1 if expected else 0) \
+        or got == expected
