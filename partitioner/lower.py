@@ -107,6 +107,7 @@ class Lowering(Strategy, PartialSums):
         env: dict[Value, tuple[Any, Sharding]] = {}
         self._cache: dict = {}
         self._resharded: dict = {}  # value -> shardings it is already available in (mirrors _cache)
+        self._made_by: Optional[dict] = None  # producers()
         self._prefix, self._trips = "", 1
         values = list(self.program.invars) + [v for v, _ in self.program.consts]
         for v, x, e, name in zip(values, local_args, self.entry, self.in_names):
@@ -260,6 +261,12 @@ class Lowering(Strategy, PartialSums):
             return outs + list(extra)
         finally:
             self._cache, self._resharded, self._prefix, self._trips = saved
+
+    def producers(self) -> dict:
+        """Value -> the equation making it, over the whole program (bodies included), built once."""
+        if self._made_by is None:
+            self._made_by = {v: e for e in self.program.all_eqns() for v in e.outvars}
+        return self._made_by
 
     def _edge_row(self, name: str, what: str, log: list, reads, writes) -> None:
         """A row for a body's own reshards of its inputs or results (run every trip, so counted with its trips)."""

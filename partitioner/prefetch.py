@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .program import Eqn, Program
 
 ENABLED = contextvars.ContextVar("prefetched_gathers", default=True)
+RELAYOUTS = ("sharding_annotation", "copy", "copy_p")  # readers that only re-lay the slice: it is gathered for them
 
 
 @contextlib.contextmanager
@@ -51,13 +52,19 @@ def targets(lo, eqn: "Eqn") -> dict[int, Sharding]:
     for e in DF._flat(body.eqns):
         for i, x in enumerate(e.invars):
             readers.setdefault(x, []).append((e, i))
+    made_by = lo.producers()
     out = {}
     for j, b in enumerate(body.invars[nc + nk:]):
         planned = lo.plan.sharding(b)
         if not planned.axes or not len(b.shape) or b in body.outvars:
             continue
+        if getattr(made_by.get(eqn.invars[nc + nk + j]), "name", None) in DF.LOOPS:
+            continue  # another loop's stacked results (a backward pass's residuals): not weights stored split
         needs = set()
         for e, i in readers.get(b, ()):
+            if e.name in RELAYOUTS:  # an annotation asking for the gathered weight (a rules table's FSDP spec)
+                needs.add(lo.plan.sharding(e.outvars[0]))
+                continue
             rule = lo.plan.rules.get(e)
             if rule is None or e.subs or M.is_region(e) or e.name in DF.CHAIN_OPS:
                 needs = None
