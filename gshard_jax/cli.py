@@ -31,7 +31,8 @@ def _setup(args: argparse.Namespace):
     """The config with its overrides (checked before any work), then the devices and jax.distributed."""
     cfg = _load(args)
     from .training.train import init_devices
-    init_devices(args.cpu_devices, args.coordinator, args.num_processes, args.process_id)
+    init_devices(args.cpu_devices, args.coordinator, args.num_processes, args.process_id,
+                 getattr(args, "overlap_flags", True))
     return cfg
 
 
@@ -176,6 +177,8 @@ def _run_args(q: argparse.ArgumentParser) -> None:
                    "(process 0's address)")
     q.add_argument("--num-processes", type=int, default=1, metavar="N", help="processes in a multi-process run")
     q.add_argument("--process-id", type=int, default=0, metavar="I", help="this process's index")
+    q.add_argument("--no-overlap-flags", dest="overlap_flags", action="store_false", help="leave XLA_FLAGS as "
+                   "they are (by default XLA:GPU's latency-hiding scheduler and collective pipelining are added)")
 
 
 def parser() -> argparse.ArgumentParser:

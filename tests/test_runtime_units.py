@@ -389,3 +389,19 @@ def test_row_watch_on_flax_embed_and_optax_names_the_shard_as_xla_does():
     assert {k: v["payload_bytes"] for k, v in stats.items()} == {k: v["payload_bytes"] for k, v in xla_stats.items()}
     flops = [fn.lower(*args).compile().cost_analysis()["flops"] for fn in (ours, xla)]
     assert flops[0] <= flops[1], flops
+
+
+def test_overlap_flags_are_known_to_the_installed_xla_and_the_users_win():
+    """Every XLA:GPU flag the runtime adds parses in this jaxlib (an unknown one aborts XLA at start-up), and a
+    flag the user set keeps the user's value."""
+    import subprocess
+    import sys
+
+    from gshard_jax.training.train import OVERLAP_FLAGS, with_overlap_flags
+    env = dict(os.environ, XLA_FLAGS=with_overlap_flags(""), JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-c", "import jax; print(len(jax.devices()))"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    mine = with_overlap_flags("--xla_gpu_enable_latency_hiding_scheduler=false --foo=1").split()
+    assert mine[:2] == ["--xla_gpu_enable_latency_hiding_scheduler=false", "--foo=1"]
+    assert len(mine) == len(OVERLAP_FLAGS) + 1 and "--xla_gpu_enable_latency_hiding_scheduler=true" not in mine

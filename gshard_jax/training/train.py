@@ -51,8 +51,35 @@ class NonFiniteStep(RuntimeError):
                          f"(train.nan_policy='halt'; 'skip' drops such steps)")
 
 
-def init_devices(cpu_devices: int = 0, coordinator: str = "", num_processes: int = 1, process_id: int = 0) -> None:
-    """Simulated CPU devices and the multi-process runtime; call before JAX starts its backends."""
+# XLA:GPU flags that let a step's collectives run beside its compute, as MaxText sets them: the latency-hiding
+# scheduler, a high-priority stream for asynchronous collectives, collectives combined up to these sizes, and
+# XLA's own pipelining of all-gathers, reduce-scatters and all-reduces across loop trips. Only GPU compilation
+# reads them; partitioner/overlap.py predicts what they hide.
+OVERLAP_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_enable_highest_priority_async_stream=true",
+    "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
+    "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=67108864",
+    "--xla_gpu_enable_pipelined_all_gather=true",
+    "--xla_gpu_enable_pipelined_reduce_scatter=true",
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+    "--xla_gpu_enable_while_loop_double_buffering=true",
+)
+
+
+def with_overlap_flags(xla_flags: str) -> str:
+    """XLA_FLAGS with OVERLAP_FLAGS added, each unless the user already set that flag."""
+    given = {f.split("=")[0] for f in xla_flags.split()}
+    return " ".join([xla_flags] * bool(xla_flags) + [f for f in OVERLAP_FLAGS if f.split("=")[0] not in given])
+
+
+def init_devices(cpu_devices: int = 0, coordinator: str = "", num_processes: int = 1, process_id: int = 0,
+                 overlap_flags: bool = True) -> None:
+    """Simulated CPU devices, XLA:GPU's overlap flags (OVERLAP_FLAGS) and the multi-process runtime; call
+    before JAX starts its backends."""
+    if overlap_flags:
+        os.environ["XLA_FLAGS"] = with_overlap_flags(os.environ.get("XLA_FLAGS", ""))
     if cpu_devices:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
     if coordinator or num_processes > 1:
