@@ -371,7 +371,7 @@ class Lowering(Strategy, PartialSums):
             ready = tuple(frozenset(self._resharded.get(x, ())) if isinstance(x, Value) else frozenset()
                           for x in eqn.invars)
             # A summand its loop keeps a partial sum is reduced after the loop: no ring reduces it here.
-            kept = any(isinstance(self._lazy.get(v), Sharding) for v in eqn.outvars)
+            kept = any(v in self._lazy for v in eqn.outvars)
             choice = self.choose(eqn, rule, have, ready, rings=not kept)
         local_in = []
         for x, n in zip(eqn.invars, choice.need):

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 import ml_collections
 
+from . import axonn
 from . import estimate as E
 from . import predict as PR
 from . import space as SP
@@ -297,6 +298,13 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
                 screened.append(Ranked(cand, E.combine(hardware, cand, compute, comms, mem), 1))
     screened.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.order_key))
     ranked = _verify(cfg, shape, screened, count, hardware, budget, rejected, workers)
+    if count:  # the families the formula may misjudge are planned whatever their rank (KEPT)
+        planned = {_shape_key(r.candidate) for r in ranked}
+        for sizes in kept_meshes(shape, devices, hardware):
+            best = next((r for r in screened if r.candidate.sizes == sizes), None)
+            if best is not None and _shape_key(best.candidate) not in planned:
+                ranked += _verify(cfg, shape, [best], 1, hardware, budget, rejected, workers)
+        ranked.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.order_key))
     ranked = ranked[:top] if top else ranked
     sensitivity = {}
     for factor in (0.5, 2.0):
@@ -311,8 +319,28 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
         sensitivity[str(factor)] = [k for _, k in sorted(again)]
     out = Plan(config_name, devices, hardware, budget, shape, ranked, screened, rejected, sensitivity, dominated)
     out.pinned = [_pinned(cfg, out, sizes, hardware, budget) for sizes in pin]
+    for _, _, r, _ in out.pinned:  # a pinned candidate that plans faster than #1 ranks where its step puts it
+        if r is not None and r not in out.ranked and (not out.ranked or r.estimate.step < out.ranked[-1].estimate.step):
+            out.ranked.append(r)
+            out.ranked.sort(key=lambda x: (x.estimate.step, x.estimate.memory["total"], x.candidate.order_key))
+            out.ranked = out.ranked[:top] if top else out.ranked
     out.seconds = time.perf_counter() - start
     return out
+
+
+def kept_meshes(shape: SP.ModelShape, devices: int, hw: Hardware, grids: int = 3) -> list[dict]:
+    """Meshes planned whatever their formula rank: all devices on z (FSDP), and AxoNN's `grids` best 4D grids
+    by its own model (where the profile has its bandwidth table)."""
+    out = [{a: devices if a == "z" else 1 for a in SP.AXES}]
+    if hw.table:
+        for g in axonn.rank(hw, shape.batch, shape.seq, shape.layers, shape.d_model, devices, top=grids):
+            out.append({a: g.mesh().get(a, 1) for a in SP.AXES})
+    return [m for i, m in enumerate(out) if m not in out[:i]]
+
+
+def _shape_key(c: SP.Candidate) -> tuple:
+    """What makes two candidates the same configuration to plan (its optimizer options aside)."""
+    return (tuple(sorted(c.sizes.items())), c.schedule, c.repeats, c.microbatches)
 
 
 def _pinned(cfg, out: Plan, sizes: dict, hw: Hardware, budget: float) -> tuple:
@@ -397,8 +425,7 @@ def _verify(cfg, shape, screened: list[Ranked], count: int, hw: Hardware, budget
     while len(out) < count and tried < 3 * count:
         batch = []
         for r in queue:  # the next distinct configurations, as many as can be planned at once
-            c = r.candidate
-            shape_key = (tuple(sorted(c.sizes.items())), c.schedule, c.repeats, c.microbatches)
+            shape_key = _shape_key(r.candidate)
             if shape_key in taken:
                 continue  # a variant of a configuration taken already: the formula ranks them closely
             taken.add(shape_key)
