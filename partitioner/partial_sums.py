@@ -134,6 +134,22 @@ class PartialSums:
         first = functools.reduce(jnp.logical_and, [jax.lax.axis_index(a) == 0 for a in rest])
         return jnp.where(first, local, jnp.zeros_like(local))
 
+    def _filled(self, env, x, dst: Sharding, log: list):
+        """x in sharding dst; a broadcast (a mask's predicate, its zeros) is made there again from its smaller
+        operand (zeros from nothing), where resharding it would gather on every trip what each device can
+        fill in itself."""
+        made_by = self.producers()
+        e = made_by.get(x) if isinstance(x, Value) else None
+        if e is None or e.name != "broadcast_in_dim" or dst.partial or dst.padded:
+            return self._read(env, x, dst, log)
+        local = tuple(dst.local_shape(x.shape, self.mesh_shape))
+        if DF._zero(x, made_by):
+            return self._new_token() if self.dry else jnp.zeros(local, x.dtype)
+        o, dims = e.invars[0], e.params["broadcast_dimensions"]
+        inner = Sharding(tuple(dst.dims[d] if n == x.shape[d] else () for n, d in zip(o.shape, dims)))
+        small = self._read(env, o, inner, log)
+        return small if self.dry else jax.lax.broadcast_in_dim(small, local, dims)
+
     def _partial_sum(self, eqn: Eqn, env, inside: Sharding) -> bool:
         """An accumulator chain's op on partial sums, on local shards; False where an operand arrived otherwise
         (then the op runs as planned: its operand is reduced, as without deferral)."""
@@ -146,8 +162,8 @@ class PartialSums:
                 for x, c in zip(eqn.invars, chain)]
         if any(c and h != w for c, h, w in zip(chain, have, want)) and not accumulates:
             return False
-        local = [env[x][0] if h == w else self._read_sum(env, x, w, log) if accumulates else self._read(env, x, w, log)
-                 for x, h, w in zip(eqn.invars, have, want)]
+        local = [env[x][0] if h == w else self._read_sum(env, x, w, log) if accumulates else
+                 self._filled(env, x, w, log) for x, h, w in zip(eqn.invars, have, want)]
         v = eqn.outvars[0]
         if self.dry or eqn.name == "sharding_annotation":
             out = self._new_token() if self.dry else local[0]

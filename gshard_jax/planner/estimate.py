@@ -93,9 +93,14 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
         if group > 1 and count:
             out.append(Comm(kind, tuple(axes), count, moved_bytes(kind, payload, group) * count))
 
-    # Tensor axes: two all-reduces of activations per layer and pass over y (Megatron), the same over x.
+    # Tensor axes. Over y (Megatron's row-parallel outputs, d_model wide, split over x): two all-reduces per
+    # layer and pass. Over x (d_model split, AxoNN's column group): what contracts d_model is reduced over it,
+    # at its own width split over y: forward the q, k, v and FFN-in projections; backward the input gradients
+    # of the FFN-out and attention-out projections.
     add("all-reduce", ("y",), act, 2 * (fwd + 1) * layers * m)
-    add("all-reduce", ("x",), act * x / y, 2 * (fwd + 1) * layers * m)
+    attn = shape.heads * shape.head_dim
+    per_token = fwd * (3 * attn + shape.d_ff) + shape.d_ff + attn
+    add("all-reduce", ("x",), tokens_mb * per_token / y * b, layers * m)
     # Experts: dispatch and combine all-to-alls per MoE layer and pass. GShard's einsum dispatch sends
     # capacity_factor x k rows per token; a dropless all-to-all sends each peer a buffer that holds every
     # local row (or peer_bound x rows / peers), its all-gather exchange gathers the tokens.
