@@ -22,6 +22,7 @@ RUNS = {
     "partitioner_vs_xla.py": (["--steps", "1", "--only", "megatron_mlp fwd"], "megatron_mlp fwd"),
     "pipeline.py": (["--layers", "4", "--width", "32", "--micro", "2", "--steps", "1", "--schedules", "gpipe"],
                     "gpipe"),
+    "planned_mfu.py": (["--cases", "gpt_20b_32", "--verify", "1"], "gpt_20b_32"),
     "planner.py": (TINY + ["--devices", "8", "--verify", "1"], "planned comm"),
     "sharded_state.py": (TINY + ["--steps", "1"] + SMALL_MODEL, "EPSO"),
     "step_reductions.py": (["--no-xla"], "interleaved_1f1b"),
