@@ -173,3 +173,16 @@ def test_a_trainers_scanned_fsdp_stack_prefetches_and_trains_as_before(remat):
     full = gs.explain(trainer.train_step, trainer.mesh, abstract, data[0],
                       in_shardings=(trainer.state_specs, trainer.batch_spec), out_shardings=trainer.step_outs)
     assert_per_step_matches_hlo(full, compiled)
+
+
+def test_a_trips_weight_gradient_reduce_scatter_hides_behind_its_input_gradient_matmul():
+    """The backward trip reduce-scatters layer i's weight gradient while it computes the gradient of layer i's
+    input, which does not read it (AxoNN's overlapped reduce-scatter, from the program's dependencies)."""
+    profile = DEFAULT_PROFILE.__class__(**{**DEFAULT_PROFILE.__dict__, "flops": 1e8, "overlap": True})
+    report = gs.explain(jax.grad(stack), MESH, *_args(), in_shardings=Z_SPLIT, out_shardings=OUTS[1],
+                        profile=profile, collective_matmul="off")
+    (row, o), = [(r, o) for r, o in zip(report.rows, report.overlap())
+                 if r.primitive == "scan/dot_general" and any(c.kind == "reduce-scatter" for c in r.collectives)]
+    behind = report.rows[o.behind]
+    assert o.comm > 0 and o.exposed == pytest.approx(0.0, abs=1e-12)
+    assert behind.primitive == "scan/dot_general" and not set(behind.reads) & set(row.writes)
