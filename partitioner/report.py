@@ -321,10 +321,17 @@ class Report:
         return [_fit(f"pipeline {p['text']}", 2) for p in self.pipelines]
 
     def table(self) -> str:
-        """Every row, with the origin of each result's sharding."""
+        """Every row, with the origin of each result's sharding (and, where the profile runs collectives beside
+        compute, each row's exposed time and the op that hides the most of the rest)."""
         lines = self._header()
-        for r in self.rows:
+        timing = self.overlap() if self.profile.overlap else [None] * len(self.rows)
+        for r, o in zip(self.rows, timing):
             lines += self._row_lines(r)
+            if o is not None and o.comm:
+                behind = self.rows[o.behind] if o.behind is not None else None
+                lines.append(_fit(f"exposed {o.exposed * 1e6:.3g}us of {o.comm * 1e6:.3g}us" + (
+                    f"; {o.hidden_by_it * 1e6:.3g}us behind {behind.primitive} at {behind.source or '?'}"
+                    if behind is not None else ""), 7))
             lines.append(_fit(f"result from: {'; '.join(r.origins)}", 7))
         return "\n".join(lines + self._totals_lines())
 

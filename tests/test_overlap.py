@@ -120,3 +120,12 @@ def test_on_cpu_devices_every_collective_is_exposed():
     report = gs.explain(fn, gs.make_mesh({"data": 2, "model": 4}), *args, in_shardings=ins)
     assert report.comm_time > 0 and report.exposed_comm_time == pytest.approx(report.comm_time)
     assert "exposed" in str(report)
+
+
+def test_the_full_table_says_what_hides_each_collective():
+    fn, args, ins = _megatron_mlp_grad()
+    report = gs.explain(fn, gs.make_mesh({"data": 2, "model": 4}), *args, in_shardings=ins, profile=GPU_LIKE)
+    text = report.table()
+    assert "exposed" in text and "behind dot_general at" in text
+    cpu = gs.explain(fn, gs.make_mesh({"data": 2, "model": 4}), *args, in_shardings=ins).table()
+    assert "behind" not in cpu  # the CPU profile hides nothing: no per-row line
