@@ -24,7 +24,7 @@ from . import deferral as DF
 from .sharding import Sharding
 
 if TYPE_CHECKING:
-    from .program import Eqn, Program
+    from .program import Eqn
 
 ENABLED = contextvars.ContextVar("prefetched_gathers", default=True)
 RELAYOUTS = ("sharding_annotation", "copy", "copy_p")  # readers that only re-lay the slice: it is gathered for them

@@ -141,15 +141,16 @@ def test_the_gather_overlaps_the_trips_compute():
 
 
 @pytest.mark.parametrize("ins,expected", [
-    (Z_SPLIT, ["[-, z, -]->[-, -]"] * 2),  # the split weight, gathered whole for the matmul: ahead, each pass
+    (Z_SPLIT, ["[z, -]->[-, -]"]),  # a layer's slice of the split weight, gathered whole for the forward's matmul
     ((P(), P("z", None)), []),  # replicated weights: nothing to gather
     ((P(None, None, "z"), P()), []),  # split on the output dim: the matmul keeps it split (no gather)
 ])
 def test_which_stacked_inputs_are_gathered_ahead(ins, expected):
+    """A stacked input is gathered ahead where its body gathers it (the backward's matmuls here read the split
+    weight as it is and gather the activations instead)."""
     report = gs.explain(jax.grad(stack), MESH, *_args(), in_shardings=ins)
-    got = [str(r.operands[0]).replace("[z, -]", "[-, z, -]") for r in report.rows if r.primitive == "prefetch"]
-    assert sorted(got) == sorted(expected[:len(got)]) and len(got) == len(expected) // 2 * (1 if expected else 0) \
-        or got == expected
+    got = [str(r.operands[0]) for r in report.rows if r.primitive == "prefetch"]
+    assert got == expected
 
 
 @pytest.mark.parametrize("remat", ["none", "dots"])
