@@ -37,13 +37,18 @@ ENABLED = contextvars.ContextVar("deferred_reductions", default=True)
 
 
 @contextlib.contextmanager
-def disabled():
-    """Reduce every summand where it is made, as without this module (benchmarks compare the two)."""
-    token = ENABLED.set(False)
+def switched_off(flag: contextvars.ContextVar):
+    """`flag` False inside the block: a lowering strategy left out, for benchmarks and tests to compare."""
+    token = flag.set(False)
     try:
         yield
     finally:
-        ENABLED.reset(token)
+        flag.reset(token)
+
+
+def disabled():
+    """Reduce every summand where it is made, as without this module (benchmarks compare the two)."""
+    return switched_off(ENABLED)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,9 +83,12 @@ class PartialSums:
         rule = self.plan.rules.get(eqn)
         if rule is None or eqn.subs or M.is_region(eqn):
             return self.plan.sharding(v)
-        have = [self.plan.sharding(x) if isinstance(x, Value) else Sharding.replicated(len(x.shape))
+        return self.choose(eqn, rule, self.planned_operands(eqn), rings=False).made[eqn.outvars.index(v)]
+
+    def planned_operands(self, eqn: Eqn) -> list[Sharding]:
+        """eqn's operands as the plan has them (a literal replicated): what a choice predicted ahead reads."""
+        return [self.plan.sharding(x) if isinstance(x, Value) else Sharding.replicated(len(x.shape))
                 for x in eqn.invars]
-        return self.choose(eqn, rule, have, rings=False).made[eqn.outvars.index(v)]
 
     def _stacked_sum(self, eqn: Eqn, v: Value) -> Optional[Sharding]:
         """A scan's stacked output v that an outer accumulator sums, when its per-trip result is a partial sum:

@@ -16,7 +16,6 @@ lowering runs the pipelined loop.
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
 from typing import TYPE_CHECKING
 
@@ -30,14 +29,9 @@ ENABLED = contextvars.ContextVar("prefetched_gathers", default=True)
 RELAYOUTS = ("sharding_annotation", "copy", "copy_p")  # readers that only re-lay the slice: it is gathered for them
 
 
-@contextlib.contextmanager
 def disabled():
     """Gather each trip's weights in the trip, as without this module (benchmarks compare the two)."""
-    token = ENABLED.set(False)
-    try:
-        yield
-    finally:
-        ENABLED.reset(token)
+    return DF.switched_off(ENABLED)
 
 
 def targets(lo, eqn: "Eqn") -> dict[int, Sharding]:
@@ -69,8 +63,7 @@ def targets(lo, eqn: "Eqn") -> dict[int, Sharding]:
             if rule is None or e.subs or M.is_region(e) or e.name in DF.CHAIN_OPS:
                 needs = None
                 break
-            have = [lo.plan.sharding(x) if DF._is_value(x) else Sharding.replicated(len(x.shape)) for x in e.invars]
-            needs.add(lo.choose(e, rule, have).need[i])
+            needs.add(lo.choose(e, rule, lo.planned_operands(e)).need[i])
         if not needs or len(needs) != 1:
             continue
         (need,) = needs

@@ -158,17 +158,13 @@ def test_a_trainers_scanned_fsdp_stack_prefetches_and_trains_as_before(remat):
     """tiny dense LM, layers scanned, on {z 8}: the rules table's gathered-weight annotations are issued a trip
     ahead (forward, and the backward's re-gathers under remat); one step equals jax.jit's, and explain() equals
     the compiled step per step."""
-    from test_sharded_state import batches, make, run
+    from test_sharded_state import assert_same_run, batches, make, run
     from test_step_reductions import _report
     trainer = make(dict(z=8), dense=True, model={"scan": True, "num_layers": 4, "remat": remat})
     report = _report(trainer)
     assert any(r.primitive == "scan/prefetch" and r.trips == 3 for r in report.rows)
     data = batches(trainer, 1)
-    (got,), state = run(trainer, data=data)
-    (want,), ref = run(trainer, partitioned=False, data=data)
-    assert got == pytest.approx(want, rel=1e-5)
-    for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(ref["params"])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert_same_run(run(trainer, data=data), run(trainer, partitioned=False, data=data), 1e-5, atol=1e-6)
     abstract = jax.eval_shape(trainer.init_state, jax.random.key(0))
     compiled = trainer.step_fn.lower(abstract, data[0]).compile()
     full = gs.explain(trainer.train_step, trainer.mesh, abstract, data[0],
