@@ -1,0 +1,172 @@
+"""The train step on whatever accelerators are present: our partitioner against XLA's, with XLA:GPU's overlap
+flags (training.train.OVERLAP_FLAGS) on and off.
+
+    python benchmarks/gpu.py [--steps 10] [--cases tiny_moe_lm,tiny_dense_lm,mula_1b,tiny_moe_lm_dropless]
+
+Each case runs in a fresh process per flag setting (XLA reads XLA_FLAGS once, when its backend starts). A row:
+median step ms of each backend (timed alternately in one process), ours/xla, tokens/s per device and MFU of our
+step (model flops per token, training.timing, over --hardware's peak), the compiled step's memory
+(memory_analysis(): arguments + temporaries) and the device's peak bytes in use over the process (both
+backends), and |loss ours - loss xla|. A case that fails prints its error and the script exits 1.
+The mesh is the config's where it has as many devices as are present, else every device on `data`. On one
+device no collective runs: the flags can then only change the schedule of local work.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXPERIMENTS = os.path.join(HERE, "..", "experiments")
+
+# case: (experiment file, config overrides {dotted key: value, or a function of the device count}).
+CASES = {
+    "tiny_moe_lm": ("tiny_moe_lm.py", {}),
+    "tiny_dense_lm": ("tiny_dense_lm.py", {}),
+    "tiny_moe_lm_dropless": ("tiny_moe_lm.py", {"model.moe.dispatch": "dropless", "model.moe.exchange": "ragged"}),
+    "mula_1b": ("mula_1b.py", {"train.batch_size": lambda n: 4 * n, "train.seq_len": 2048}),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=10, help="timed steps per backend (after 2 untimed)")
+    p.add_argument("--cases", default="tiny_moe_lm,tiny_dense_lm,mula_1b",
+                   help=f"comma-separated, from {sorted(CASES)}")
+    p.add_argument("--hardware", default="h100-8", help="planner hardware profile whose peak flops MFU uses")
+    p.add_argument("--flags", default="on,off", help="overlap flag settings to run: on, off or both")
+    p.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices (a smoke run without GPUs)")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="config overrides for every case, e.g. model.scan=false")
+    p.add_argument("--json", default="", help="also write the rows to this file")
+    p.add_argument("--child", default="", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def configure(name: str, devices: int, hardware: str, sets: list[str] = ()):
+    """The case's config on `devices` devices, with --set overrides last."""
+    from gshard_jax.configs import load
+    from gshard_jax.training.overrides import parse_value
+    path, overrides = CASES[name]
+    cfg = load(os.path.join(EXPERIMENTS, path))
+    given = [kv.split("=", 1) for kv in sets]
+    for key, value in [*overrides.items(), *given]:
+        section, field = key.rsplit(".", 1)
+        cfg_section = cfg
+        for part in section.split("."):
+            cfg_section = cfg_section[part]
+        value = value(devices) if callable(value) else value
+        cfg_section[field] = parse_value(key, value, cfg_section[field]) if (key, value) in map(tuple, given) \
+            else value
+    sizes = {k: v for k, v in cfg.mesh.items() if v not in (1, -1)}
+    product = 1
+    for v in sizes.values():
+        product *= v
+    if product != devices or -1 in cfg.mesh.values():
+        cfg.mesh.update({k: 1 for k in cfg.mesh})
+        cfg.mesh.data = devices
+    cfg.train.hardware = hardware
+    return cfg
+
+
+def child(args) -> dict:
+    """One case under the flag setting in $GSHARD_BENCH_FLAGS: both backends compiled and timed alternately."""
+    from gshard_jax.training import train
+    train.init_devices(cpu_devices=args.cpu_devices, overlap_flags=os.environ["GSHARD_BENCH_FLAGS"] == "on")
+    import functools
+
+    import jax
+
+    from gshard_jax.training.timing import median_times, model_flops_per_token, peak_flops
+
+    cfg = configure(args.child, jax.device_count(), args.hardware, args.set)
+    with tempfile.TemporaryDirectory() as workdir:
+        trainer, state, batch = train.first_step(cfg, workdir)
+    compiled, memory, losses = {}, {}, {}
+    for backend in ("gshard", "xla"):
+        compiled[backend] = trainer.partitioned("train", backend).lower(state, batch).compile()
+        m = compiled[backend].memory_analysis()
+        memory[backend] = int(m.argument_size_in_bytes + m.temp_size_in_bytes)
+        losses[backend] = float(compiled[backend](state, batch)[1]["loss"])
+    median_s = median_times({b: functools.partial(c, state, batch) for b, c in compiled.items()}, args.steps,
+                            warmup=2)
+    stats = jax.devices()[0].memory_stats() or {}
+    n = jax.device_count()
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    tokens_per_s_dev = tokens / median_s["gshard"] / n
+    return {"case": args.child, "flags": os.environ["GSHARD_BENCH_FLAGS"], "devices": n,
+            "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__, "mesh": dict(trainer.mesh.shape),
+            "tokens_per_step": tokens, "ours_ms": 1e3 * median_s["gshard"], "xla_ms": 1e3 * median_s["xla"],
+            "tokens_per_s_per_device": tokens_per_s_dev,
+            "mfu": model_flops_per_token(cfg) * tokens_per_s_dev / peak_flops(cfg),
+            "ours_memory_bytes": memory["gshard"], "xla_memory_bytes": memory["xla"],
+            "peak_bytes_in_use": int(stats.get("peak_bytes_in_use", 0)), "peak_flops": peak_flops(cfg),
+            "loss_diff": abs(losses["gshard"] - losses["xla"])}
+
+
+def run_case(name: str, flags: str, args) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--steps", str(args.steps),
+           "--hardware", args.hardware, "--cpu-devices", str(args.cpu_devices)] + ["--set", *args.set] * bool(args.set)
+    env = dict(os.environ, GSHARD_BENCH_FLAGS=flags)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not rows:
+        error = [line for line in done.stderr.strip().splitlines() if "JAX_TRACEBACK_FILTERING" not in line
+                 and not line.startswith("---")] or ["no output"]
+        return {"case": name, "flags": flags, "error": error[-1]}
+    return json.loads(rows[-1])
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = [f"{'case':<22} {'flags':<5} {'ours ms':>8} {'xla ms':>8} {'ours/xla':>8} {'tok/s/dev':>10} "
+             f"{'MFU':>6} {'ours mem':>10} {'xla mem':>10} {'peak mem':>10} {'|dloss|':>8}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['case']:<22} {r['flags']:<5} failed: {r['error']}")
+            continue
+        lines.append(f"{r['case']:<22} {r['flags']:<5} {r['ours_ms']:>8.2f} {r['xla_ms']:>8.2f} "
+                     f"{r['ours_ms'] / r['xla_ms']:>8.2f} {r['tokens_per_s_per_device']:>10,.0f} "
+                     f"{100 * r['mfu']:>5.1f}% {r['ours_memory_bytes'] / 2**20:>8.1f}Mi "
+                     f"{r['xla_memory_bytes'] / 2**20:>8.1f}Mi {r['peak_bytes_in_use'] / 2**20:>8.1f}Mi "
+                     f"{r['loss_diff']:>8.1e}")
+    ok = [r for r in rows if "error" not in r]
+    if ok:
+        lines.append(f"{ok[0]['devices']} x {ok[0]['device_kind']}, jax {ok[0]['jax']}, mesh per case as "
+                     f"configured or all on data; MFU against the {ok[0]['hardware']} profile's peak "
+                     f"({ok[0]['peak_flops'] / 1e12:.0f} TFLOP/s)")
+    for case in dict.fromkeys(r["case"] for r in ok):
+        on = [r for r in ok if r["case"] == case and r["flags"] == "on"]
+        off = [r for r in ok if r["case"] == case and r["flags"] == "off"]
+        if on and off:
+            lines.append(f"{case}: flags on/off step time, ours {on[0]['ours_ms'] / off[0]['ours_ms']:.2f}, "
+                         f"xla {on[0]['xla_ms'] / off[0]['xla_ms']:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)), flush=True)
+        return
+    unknown = [c for c in args.cases.split(",") if c not in CASES]
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}; expected some of {sorted(CASES)}")
+    rows = []
+    for name in args.cases.split(","):
+        for flags in args.flags.split(","):
+            rows.append(dict(run_case(name, flags, args), hardware=args.hardware))
+            print(json.dumps(rows[-1]), flush=True)
+    print(format_rows(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if any("error" in r for r in rows):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
