@@ -138,6 +138,13 @@ def _scan_carries(e):
     return body, body.invars[nc: nc + nk], body.outvars[:nk], e.params["length"]
 
 
+def carry_offset(e) -> int:
+    """The index of a scan's or while loop's first carry among its operands."""
+    if e.name == "scan":
+        return e.params["num_consts"]
+    return e.params["cond_nconsts"] + e.params["body_nconsts"]
+
+
 def _scan_stacked(e):
     nk, body = e.params["num_carry"], e.subs["body"]
     return body, body.outvars[nk:], e.outvars[nk:]

@@ -108,6 +108,7 @@ class Lowering(Strategy, PartialSums):
         self._cache: dict = {}
         self._resharded: dict = {}  # value -> shardings it is already available in (mirrors _cache)
         self._made_by: Optional[dict] = None  # producers()
+        self._reads: Optional[dict] = None  # value -> its readers (PartialSums._next_loop)
         self._prefix, self._trips = "", 1
         values = list(self.program.invars) + [v for v, _ in self.program.consts]
         for v, x, e, name in zip(values, local_args, self.entry, self.in_names):
@@ -373,6 +374,8 @@ class Lowering(Strategy, PartialSums):
             # A summand its loop keeps a partial sum is reduced after the loop: no ring reduces it here.
             kept = any(v in self._lazy for v in eqn.outvars)
             choice = self.choose(eqn, rule, have, ready, rings=not kept)
+            if kept and not choice.made[0].partial and len(eqn.outvars) == 1:  # as predicted (PartialSums._predict)
+                choice = self.choose(eqn, rule, have, ready, rings=False, planned=self._unsplit(eqn, have))
         local_in = []
         for x, n in zip(eqn.invars, choice.need):
             local_in.append(self._reshard(env, x, n, log)[0] if isinstance(x, Value) else x.val)

@@ -52,7 +52,32 @@ class PartialSums:
             for v, dims in acc.chain:
                 self._lazy[v] = DF.in_loop(inside, dims)
             self._sums.add(id(acc.add))
+        for k, inside in out.items():  # a later loop that goes on accumulating this one's result
+            after = self._next_loop(eqn.outvars[k])
+            if after is not None and self.deferrals(after[0]).get(after[1]) == inside:
+                self._lazy[eqn.outvars[k]] = inside  # handed over partial: the last loop reduces once
         return out
+
+    def _next_loop(self, v: Value) -> Optional[tuple[Eqn, int]]:
+        """(loop, carry index) where v's one use is the initial value of a loop's carry (1F1B's or an
+        interleaved schedule's phases, one after another, accumulating the same gradients)."""
+        if self._reads is None:
+            self._reads = {}
+            progs = [self.program] + [sub for e in self.program.all_eqns() for sub in e.subs.values()]
+            for e in self.program.all_eqns():
+                for i, x in enumerate(e.invars):
+                    if isinstance(x, Value):
+                        self._reads.setdefault(x, []).append((e, i))
+            for prog in progs:
+                for x in prog.outvars:
+                    if isinstance(x, Value):
+                        self._reads.setdefault(x, []).append((None, -1))
+        reads = self._reads.get(v, [])
+        if len(reads) != 1 or reads[0][0] is None or reads[0][0].name not in CF.FORMS:
+            return None
+        e, i = reads[0]
+        k = i - CF.carry_offset(e)
+        return (e, k) if 0 <= k < len(CF.FORMS[e.name].carries(e)[1]) else None
 
     def sum_trees(self, program) -> None:
         """Mark a body's sums of partial sums (deferral.sum_trees) whose leaves are all predicted partial over the
@@ -83,7 +108,20 @@ class PartialSums:
         rule = self.plan.rules.get(eqn)
         if rule is None or eqn.subs or M.is_region(eqn):
             return self.plan.sharding(v)
-        return self.choose(eqn, rule, self.planned_operands(eqn), rings=False).made[eqn.outvars.index(v)]
+        ops, i = self.planned_operands(eqn), eqn.outvars.index(v)
+        made = self.choose(eqn, rule, ops, rings=False).made[i]
+        if made.partial:
+            return made
+        # The plan may split the result over the axes its operands split the contraction over (a ZeRO
+        # gradient), which an exchange of operands makes on every trip; aimed at the plan without those axes,
+        # the op makes a partial sum instead, which its loop reduces once.
+        return self.choose(eqn, rule, ops, rings=False, planned=self._unsplit(eqn, ops)).made[i]
+
+    def _unsplit(self, eqn: Eqn, ops: list[Sharding]) -> list[Sharding]:
+        """eqn's results as planned, without the mesh axes its operands are split over."""
+        used = {a for s in ops for d in s.dims for a in d}
+        return [Sharding(tuple(tuple(a for a in d if a not in used) for d in self.plan.sharding(o).dims))
+                for o in eqn.outvars]
 
     def planned_operands(self, eqn: Eqn) -> list[Sharding]:
         """eqn's operands as the plan has them (a literal replicated): what a choice predicted ahead reads."""
@@ -199,8 +237,13 @@ class PartialSums:
                 h.partial for h, c in zip(have, chain) if not c):
             return False
         (partial,) = summed
-        whole = [h.without_partial() if c else h for h, c in zip(have, chain)]
-        choice = self.choose(eqn, rule, whole)
+        # the others (a mask's predicate and zeros) as if not split over the summed axes either: filled in
+        # locally where they are broadcasts (_filled), instead of the op splitting a factor over those axes
+        whole = [h.without_partial() if c else DF.deferred_sharding(h, partial).without_partial()
+                 for h, c in zip(have, chain)]
+        # aimed at the plan without the summed axes: the sum is over them, so no factor may split over them
+        aims = [DF.deferred_sharding(self.plan.sharding(v), partial).without_partial() for v in eqn.outvars]
+        choice = self.choose(eqn, rule, whole, planned=aims)
         split = {a for axes in choice.fs.values() for a in axes}
         if split & partial or choice.made[0].partial or choice.ring is not None:
             return False
@@ -212,7 +255,9 @@ class PartialSums:
                 continue
             if c:  # the partial sum, resharded as if whole (linear steps: no axis it sums over moves)
                 env[x] = (env[x][0], w)
-            local_in.append(self._reshard(env, x, n, log)[0])
+                local_in.append(self._reshard(env, x, n, log)[0])
+            else:
+                local_in.append(self._filled(env, x, n, log))
         outs = self._bind(eqn, rule, choice, local_in, log)
         made, issue = choice.made[0].with_partial(partial), len(log)
         self._store(env, eqn.outvars[0], outs[0], made, log)  # kept, or reduced if the chain wants other dims

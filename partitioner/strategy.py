@@ -125,16 +125,18 @@ class Strategy:
             times[key] = sum(c.time(self.profile) for c in self.reshard_collectives(src, dst, shape, dtype))
         return times[key]
 
-    def choose(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], ready: Ready = (), rings: bool = True) -> Choice:
+    def choose(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], ready: Ready = (), rings: bool = True,
+               planned: Optional[list[Sharding]] = None) -> Choice:
         """The cheapest factor sharding for eqn given what its operands have (and are `ready` in: operands
-        already resharded for an earlier op cost nothing to have that way) and the plan for its results.
+        already resharded for an earlier op cost nothing to have that way) and the plan for its results
+        (`planned`: other targets for them, as for a partial sum kept past its loop).
         rings=False: no collective matmul (a summand kept a partial sum past its loop reduces nowhere here).
 
         The choice depends only on the op, its params, dtypes, rule, and those shardings, so equations
         that repeat (the layers of an unrolled model) are decided once.
         """
         ready = tuple(ready) or (frozenset(),) * len(eqn.invars)
-        planned = [self.plan.sharding(v) for v in eqn.outvars]
+        planned = planned or [self.plan.sharding(v) for v in eqn.outvars]
         key = _choice_key(eqn, rule, have, planned)
         if key is not None:
             key += (ready, rings)
