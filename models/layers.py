@@ -73,7 +73,7 @@ class Embed(nn.Module):
 
     def __call__(self, tokens_BL: jax.Array) -> jax.Array:
         table_VD = constrain(self.table.astype(self.dtype), ("vocab", "embed"), self.rules, grad=False)
-        return constrain(jnp.take(table_VD, tokens_BL, axis=0), ("batch", "length", "embed"), self.rules)
+        return constrain(jnp.take(table_VD, tokens_BL, axis=0), ("batch", "seq", "embed"), self.rules)
 
     def attend(self, x_BLD: jax.Array) -> jax.Array:
         """Logits against the table, scaled by 1/sqrt(D) (Mesh TensorFlow / T5): the table's entries have unit
@@ -117,7 +117,7 @@ class Attention(nn.Module):
         probs = jax.nn.softmax(jnp.where(allowed, logits_BHLT, -1e30), axis=-1).astype(self.dtype)
         out_BLHK = constrain(jnp.einsum("BHLT,BTHK->BLHK", probs, v_BTHK), ("batch", "length", "heads", "kv"), r)
         wo = weight(self, "wo", (H, K, D), ("heads", "kv", "embed"), r, self.dtype, fan_in_axes=(0, 1))
-        return constrain(jnp.einsum("BLHK,HKD->BLD", out_BLHK, wo), ("batch", "length", "embed"), r)
+        return constrain(jnp.einsum("BLHK,HKD->BLD", out_BLHK, wo), ("batch", "seq", "embed"), r)
 
 
 class Mlp(nn.Module):
@@ -142,4 +142,4 @@ class Mlp(nn.Module):
         else:
             raise ValueError(f"ffn activation={self.activation!r}; expected 'relu', 'gelu' or 'swiglu'")
         wo = weight(self, "wo", (F, D), ("mlp", "embed"), r, self.dtype)
-        return constrain(jnp.einsum("BLF,FD->BLD", h_BLF, wo), ("batch", "length", "embed"), r)
+        return constrain(jnp.einsum("BLF,FD->BLD", h_BLF, wo), ("batch", "seq", "embed"), r)

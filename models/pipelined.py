@@ -103,7 +103,7 @@ def _specs(stack: nn.Module, init: Callable):
     names = nn.get_partition_spec(boxed)
     params = jax.tree.map(lambda spec: (None,) + mesh_spec(tuple(spec)[1:], rules, mesh.axis_names), names,
                           is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-    act = mesh_spec(("batch", "length", "embed"), rules, mesh.axis_names)
+    act = mesh_spec(("batch", "seq", "embed"), rules, mesh.axis_names)
     state = {"x": act, "enc": act, "mask": act[:2]}
     return params, state
 

@@ -40,6 +40,7 @@ DEFAULT_RULES: Rules = (
     ("group", ("data", "z", "expert")),  # MoE routing groups before dispatch (tokens as the batch is)
     ("group", ("data", "z")),  # ... and after dispatch, where E holds the expert axis
     ("length", None),  # sequence positions (not split)
+    ("seq", None),  # the residual stream's positions between tensor-parallel layers (SEQUENCE_PARALLEL: y)
     # features: ordinary layers map embed -> heads/mlp/vocab (in over x, out over y), transposed layers the
     # other way, so the residual stream stays [batch, length, embed over x] between layers with no reshard
     ("embed", "x"),  # model width D: activations and weights (AxoNN's x)
@@ -49,6 +50,24 @@ DEFAULT_RULES: Rules = (
     ("vocab", ("y", "model")),  # vocabulary of the embedding table and the LM head
     ("layers", "stage"),  # the stacked-layers dim of scanned params: split over pipeline stages
 )
+
+
+# Megatron's sequence parallelism: the residual stream (norms, residual adds, the pipeline's state) split along
+# its positions over the tensor axis, so each all-reduce of a row-parallel output becomes a reduce-scatter and
+# each column-parallel input an all-gather (the same bytes; collective matmul can run both as rings), and those
+# activations take 1/y of the memory. TransformerConfig.sequence_parallel applies it.
+SEQUENCE_PARALLEL = ("seq", ("y", "model"))
+
+
+def sequence_parallel(rules: Rules) -> tuple[tuple[str, MeshAxes], ...]:
+    """`rules` with the residual stream's positions (`seq`) over the tensor axis."""
+    name = SEQUENCE_PARALLEL[0]
+    return tuple(SEQUENCE_PARALLEL if n == name else (n, a) for n, a in rules) + \
+        ((SEQUENCE_PARALLEL,) if all(n != name for n, _ in rules) else ())
+
+
+# A logical name a table may lack, and the entry that stands in for it (tables written before `seq` existed).
+STANDS_IN = {"seq": "length"}
 
 
 def for_mesh(rules: Rules, mesh_axes: Optional[Sequence[str]]) -> tuple[tuple[str, MeshAxes], ...]:
@@ -66,6 +85,7 @@ def mesh_spec(names: Sequence[Optional[str]], rules: Rules,
               mesh_axes: Optional[Sequence[str]] = None) -> tuple[MeshAxes, ...]:
     """Per dim, the mesh axes that the logical `names` map to under `rules` (on a mesh with `mesh_axes`)."""
     known = {name for name, _ in rules}
+    names = tuple(STANDS_IN.get(n, n) if n not in known else n for n in names)
     unknown = [n for n in names if n is not None and n not in known]
     if unknown:
         raise ValueError(f"logical axis names {unknown} have no entry in the rules table {list(rules)}; "

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from . import layers
 from .moe import MoeConfig, MoeFFN
 from .pipelined import PipelineConfig, pipelined, pipelined_loss
-from .sharding import DEFAULT_RULES, Rules, constrain
+from .sharding import DEFAULT_RULES, Rules, constrain, sequence_parallel
 
 REMAT_POLICIES = {
     "none": None,  # no checkpointing
@@ -51,9 +51,14 @@ class TransformerConfig:
     remat_modules: tuple = ()  # modules checkpointed each on its own (seed 001): any of REMAT_MODULES
     dtype: str = "float32"  # compute dtype ("bfloat16" for mixed precision; params stay float32)
     rules: Rules = DEFAULT_RULES  # logical axis -> mesh axes table
+    sequence_parallel: bool = False  # the residual stream split along its positions over y (sharding.py)
     pipeline: Optional[PipelineConfig] = None  # periods split over the `stage` mesh axis (None: no pipeline)
     aux_loss_weight: float = 0.01  # weight of the summed MoE aux (load-balancing) loss in the training loss
     z_loss_weight: float = 0.001  # weight of the summed router z-loss
+
+    def __post_init__(self):
+        if self.sequence_parallel:
+            object.__setattr__(self, "rules", sequence_parallel(self.rules))
 
     @property
     def period(self) -> int:
@@ -139,7 +144,7 @@ class Block(nn.Module):
         else:
             y = own(layers.Mlp, "ffn")(c.d_ff, r, c.ffn_activation, dt, name="mlp")(h)
             metrics = {}
-        return constrain(x_BLD + y, ("batch", "length", "embed"), r), metrics
+        return constrain(x_BLD + y, ("batch", "seq", "embed"), r), metrics
 
 
 class Period(nn.Module):

@@ -97,7 +97,12 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     # layer and pass. Over x (d_model split, AxoNN's column group): what contracts d_model is reduced over it,
     # at its own width split over y: forward the q, k, v and FFN-in projections; backward the input gradients
     # of the FFN-out and attention-out projections.
-    add("all-reduce", ("y",), act, 2 * (fwd + 1) * layers * m)
+    if c.sequence_parallel:  # each all-reduce an all-gather and a reduce-scatter (the same bytes); the backward
+        # gathers the two column-parallel inputs again for their weight gradients (saved split, as the stream is)
+        add("all-gather", ("y",), act, (2 * (fwd + 1) + 2 * (c.remat != "full")) * layers * m)
+        add("reduce-scatter", ("y",), act, 2 * (fwd + 1) * layers * m)
+    else:
+        add("all-reduce", ("y",), act, 2 * (fwd + 1) * layers * m)
     attn = shape.heads * shape.head_dim
     per_token = fwd * (3 * attn + shape.d_ff) + shape.d_ff + attn
     add("all-reduce", ("x",), tokens_mb * per_token / y * b, layers * m)
@@ -151,9 +156,11 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
         add("all-gather", ("x",), act * x, (fwd + 1) * moe_layers * runs)
         add("all-gather", ("x",), per_layer * b, (fwd + 1) * moe_layers * runs)
         add("all-reduce", ("x",), act * x, (fwd + 1) * moe_layers * runs)
-    # Pipeline: one permute of the activations per tick and direction.
+    # Pipeline: one permute of the activations per tick and direction (split over y too under sequence
+    # parallelism, as the residual stream between layers is).
     if p > 1:
         sched = schedule(c.schedule, p, m, c.repeats)
+        act = act / y if c.sequence_parallel else act
         add("collective-permute", ("stage",), act, 2 * sched.ticks if sched.stash == 0 else sched.ticks)
         # Its ends, once per step: what one stage makes is summed over `stage`. The first stage's input
         # gradient (the step's residual stream; float32 where the 1F1B schedules make it), and the last

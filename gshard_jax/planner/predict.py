@@ -27,7 +27,8 @@ from .space import AXES, Candidate
 
 
 def apply(cfg: ml_collections.ConfigDict, c: Candidate) -> ml_collections.ConfigDict:
-    """A copy of cfg that runs candidate c (mesh sizes and order, ZeRO, EPSO, microbatches, schedule, remat)."""
+    """A copy of cfg that runs candidate c (mesh sizes and order, ZeRO, EPSO, microbatches, schedule, remat,
+    sequence parallelism)."""
     out = copy.deepcopy(cfg)
     for a in AXES:
         out.mesh[a] = c.size(a)
@@ -35,6 +36,7 @@ def apply(cfg: ml_collections.ConfigDict, c: Candidate) -> ml_collections.Config
     out.mesh_order = ",".join(a for a, _ in c.mesh)
     out.train.zero_stage, out.train.epso, out.train.microbatches = c.zero_stage, c.epso, c.microbatches
     out.model.remat = c.remat
+    out.model.sequence_parallel = c.sequence_parallel
     if c.schedule != "none":
         out.pipeline.schedule, out.pipeline.repeats = c.schedule, c.repeats
     return out

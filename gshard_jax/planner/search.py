@@ -292,10 +292,14 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
                 fit.add(same)
                 if fewer is not None:
                     fit.add(fewer)
-                comms = E.collectives(shape, c)
                 compute = E.compute_time(shape, c, hardware, devices)
-                cand = SP.Candidate(_heuristic_order(c, comms), **fields)
-                screened.append(Ranked(cand, E.combine(hardware, cand, compute, comms, mem), 1))
+                best = None
+                for twin in twins(c):  # screened as the better of the twins (both are planned)
+                    comms = E.collectives(shape, twin)
+                    cand = dataclasses.replace(twin, mesh=_heuristic_order(twin, comms))
+                    got = Ranked(cand, E.combine(hardware, cand, compute, comms, mem), 1)
+                    best = got if best is None or got.estimate.step < best.estimate.step else best
+                screened.append(best)
     screened.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.order_key))
     ranked = _verify(cfg, shape, screened, count, hardware, budget, rejected, workers)
     if count:  # the families the formula may misjudge are planned whatever their rank (KEPT)
@@ -411,6 +415,13 @@ def _warm() -> None:
     """Nothing to do: unpickling it imports this module (JAX, the models), the worker's start-up."""
 
 
+def twins(c: SP.Candidate) -> list[SP.Candidate]:
+    """c, and with a tensor axis its sequence-parallel twin: the same bytes by formula and memory split as the
+    formula already assumes, so only their planned programs (what each hides) tell them apart."""
+    c = dataclasses.replace(c, sequence_parallel=False)
+    return [c] + ([dataclasses.replace(c, sequence_parallel=True)] if c.size("y") > 1 else [])
+
+
 def _verify(cfg, shape, screened: list[Ranked], count: int, hw: Hardware, budget: float, rejected: list,
             workers: Optional[_Workers] = None) -> list:
     """The `count` fastest screened configurations (mesh, schedule and microbatches; the best-ranked variant of
@@ -435,11 +446,11 @@ def _verify(cfg, shape, screened: list[Ranked], count: int, hw: Hardware, budget
         if not batch:
             break
         tried += len(batch)
-        for r, got in zip(batch, workers.run(cfg, [r.candidate for r in batch], hw)):
-            if len(out) == count:
-                break
+        jobs = [(r, c) for r in batch for c in twins(r.candidate)]
+        found: dict[int, Ranked] = {}
+        for (r, c), got in zip(jobs, workers.run(cfg, [c for _, c in jobs], hw)):
             if isinstance(got, Exception):
-                rejected.append((r.candidate.key, "partitioner", f"partitioner: {str(got).splitlines()[0][:300]}"))
+                rejected.append((c.key, "partitioner", f"partitioner: {str(got).splitlines()[0][:300]}"))
                 continue
             comms, args, exposed = got
             mem = dict(r.estimate.memory)
@@ -447,11 +458,15 @@ def _verify(cfg, shape, screened: list[Ranked], count: int, hw: Hardware, budget
             mem["batch"] = args.get("batch", 0) + args.get("step", 0)  # the rest of the step's arguments
             mem["total"] = sum(v for k, v in mem.items() if k != "total")
             if mem["total"] > budget:
-                rejected.append((r.candidate.key, "over memory", f"over memory by "
-                                 f"{(mem['total'] - budget) / GiB:.2f} GiB ({mem['total'] / GiB:.2f} GiB per "
-                                 f"device, planned)"))
+                rejected.append((c.key, "over memory", f"over memory by {(mem['total'] - budget) / GiB:.2f} GiB "
+                                 f"({mem['total'] / GiB:.2f} GiB per device, planned)"))
                 continue
-            cand, est = _best_order(r.candidate, comms, r.estimate.compute, mem, hw, exposed)
-            out.append(Ranked(cand, est, len(SP.orders(r.candidate.sizes)), comms, r.estimate.comm_total))
+            cand, est = _best_order(c, comms, r.estimate.compute, mem, hw, exposed)
+            # the formula's communication in the order the planned step takes (what it is checked against)
+            formula = E.combine(hw, cand, r.estimate.compute, E.collectives(shape, c), mem).comm_total
+            planned = Ranked(cand, est, len(SP.orders(c.sizes)), comms, formula)
+            if id(r) not in found or est.step < found[id(r)].estimate.step:
+                found[id(r)] = planned
+        out += [found[id(r)] for r in batch if id(r) in found][:count - len(out)]
     out.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.order_key))
     return out

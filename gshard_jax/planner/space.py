@@ -20,6 +20,7 @@ AXES = ("stage", "data", "z", "expert", "y", "x")  # the config's mesh section, 
 REMATS = ("none", "dots", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 MAX_MICROBATCHES = 64
+MAX_REPEATS = 8  # the circular schedules' repeats tried: each that divides a stage's layer periods, up to this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +104,7 @@ class Candidate:
     schedule: str = "none"  # "none" without a stage axis, else one of schedules.SCHEDULES
     repeats: int = 1
     remat: str = "none"
+    sequence_parallel: bool = False  # the residual stream split over y between its layers (planned as a twin)
 
     def __post_init__(self):  # sizes are read for every candidate screened: computed once
         sizes = dict.fromkeys(AXES, 1)
@@ -119,7 +121,8 @@ class Candidate:
     @property
     def order_key(self) -> tuple:
         """A total order of candidates (ties in the ranking are broken by it: deterministic)."""
-        return (self.mesh, self.zero_stage, self.epso, self.microbatches, self.schedule, self.repeats, self.remat)
+        return (self.mesh, self.zero_stage, self.epso, self.microbatches, self.schedule, self.repeats, self.remat,
+                self.sequence_parallel)
 
     @property
     def batch_shards(self) -> int:
@@ -136,6 +139,8 @@ class Candidate:
         if self.schedule != "none":
             parts.append(self.schedule + (f"x{self.repeats}" if self.repeats > 1 else ""))
         parts.append(f"remat={self.remat}")
+        if self.sequence_parallel:
+            parts.append("sp")
         return " ".join(parts)
 
     def overrides(self) -> list[str]:
@@ -143,7 +148,8 @@ class Candidate:
         out = [f"--config.mesh.{a}={self.size(a)}" for a in AXES]
         out += ["--config.mesh.model=1", f"--config.mesh_order={','.join(a for a, _ in self.mesh)}",
                 f"--config.train.zero_stage={self.zero_stage}", f"--config.train.epso={self.epso}",
-                f"--config.train.microbatches={self.microbatches}", f"--config.model.remat={self.remat}"]
+                f"--config.train.microbatches={self.microbatches}", f"--config.model.remat={self.remat}",
+                f"--config.model.sequence_parallel={self.sequence_parallel}"]
         if self.schedule != "none":
             out += [f"--config.pipeline.schedule={self.schedule}", f"--config.pipeline.repeats={self.repeats}"]
         return out
@@ -151,7 +157,8 @@ class Candidate:
     def to_dict(self) -> dict:
         return {"key": self.key, "mesh": dict(self.mesh), "mesh_order": [a for a, _ in self.mesh],
                 "zero_stage": self.zero_stage, "epso": self.epso, "microbatches": self.microbatches,
-                "schedule": self.schedule, "repeats": self.repeats, "remat": self.remat}
+                "schedule": self.schedule, "repeats": self.repeats, "remat": self.remat,
+                "sequence_parallel": self.sequence_parallel}
 
 
 def divisors(n: int) -> list[int]:
@@ -196,7 +203,9 @@ def option_groups(shape: ModelShape, sizes: dict[str, int], remats: Sequence[str
     p, shards = sizes["stage"], sizes["data"] * sizes["z"] * sizes["expert"]
     micro = [m for m in divisors(shape.batch) if m <= MAX_MICROBATCHES and m & (m - 1) == 0]
     if p > 1:
-        schedules = [(s, r) for s in SC.SCHEDULES for r in ((1,) if s in ("gpipe", "1f1b") else (2, 4))]
+        per_stage = shape.periods // p
+        repeats = [r for r in range(2, MAX_REPEATS + 1) if per_stage % r == 0] or [2]  # [2]: named, rejected
+        schedules = [(s, r) for s in SC.SCHEDULES for r in ((1,) if s in ("gpipe", "1f1b") else repeats)]
     else:
         schedules = [("none", 1)]
     variants = [(zero, epso, remat) for zero, epso, remat in itertools.product(
