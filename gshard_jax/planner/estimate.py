@@ -97,10 +97,14 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     # layer and pass. Over x (d_model split, AxoNN's column group): what contracts d_model is reduced over it,
     # at its own width split over y: forward the q, k, v and FFN-in projections; backward the input gradients
     # of the FFN-out and attention-out projections.
-    if c.sequence_parallel:  # each all-reduce an all-gather and a reduce-scatter (the same bytes); the backward
-        # gathers the two column-parallel inputs again for their weight gradients (saved split, as the stream is)
-        add("all-gather", ("y",), act, (2 * (fwd + 1) + 2 * (c.remat != "full")) * layers * m)
-        add("reduce-scatter", ("y",), act, 2 * (fwd + 1) * layers * m)
+    if c.sequence_parallel:  # each all-reduce an all-gather and a reduce-scatter (the same bytes), run as
+        # collective-matmul rings beside their matmuls: y - 1 steps of a permute each way, each paying a
+        # latency. The backward gathers the two column-parallel inputs again for their weight gradients.
+        rings = 2 * 2 * (fwd + 1) * layers * m
+        if y > 1:
+            out.append(Comm("collective-permute", ("y",), rings * 2 * (y - 1),
+                            moved_bytes("all-gather", act, y) * rings))
+        add("all-gather", ("y",), act, 2 * (c.remat != "full") * layers * m)
     else:
         add("all-reduce", ("y",), act, 2 * (fwd + 1) * layers * m)
     attn = shape.heads * shape.head_dim
