@@ -6,7 +6,6 @@ top ones with the partitioner on an abstract mesh. Prints seconds per phase and 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
 from gshard_jax import configs
@@ -30,15 +29,8 @@ def main() -> None:
           f"{screen.dominated} dominated")
     print(f"screen only: {t1 - t0:.1f} s; screen + {len(full.ranked)} planned by the partitioner: {t2 - t1:.1f} s")
     for r in full.ranked:
-        print(f"  {r.candidate.key}: formula comm {_formula(screen, r):.3f} s, planned comm "
+        print(f"  {r.candidate.key}: formula comm {r.formula_comm:.3f} s, planned comm "
               f"{r.estimate.comm_total:.3f} s")
-
-
-def _formula(screen, r) -> float:
-    bare = dataclasses.replace(r.candidate, mesh=())
-    same = [s for s in screen.screened if s.candidate.sizes == r.candidate.sizes
-            and dataclasses.replace(s.candidate, mesh=()) == bare]
-    return same[0].estimate.comm_total if same else float("nan")
 
 
 if __name__ == "__main__":

@@ -405,3 +405,14 @@ def test_overlap_flags_are_known_to_the_installed_xla_and_the_users_win():
     mine = with_overlap_flags("--xla_gpu_enable_latency_hiding_scheduler=false --foo=1").split()
     assert mine[:2] == ["--xla_gpu_enable_latency_hiding_scheduler=false", "--foo=1"]
     assert len(mine) == len(OVERLAP_FLAGS) + 1 and "--xla_gpu_enable_latency_hiding_scheduler=true" not in mine
+
+
+@pytest.mark.parametrize("field", ["log_every", "eval_every"])
+def test_a_cadence_of_zero_steps_is_a_clear_error(field):
+    """--config.train.eval_every=0 used to divide by zero at the first step; it is refused up front."""
+    from gshard_jax.training import train
+    cfg = configs.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                                    "tiny_dense_lm.py"))
+    cfg.train[field] = 0
+    with pytest.raises(ValueError, match=f"train.{field}=0: expected a positive number of steps"):
+        train.Trainer(cfg, "/nonexistent")

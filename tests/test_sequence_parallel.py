@@ -3,7 +3,6 @@ residual stream split along its positions over y between tensor-parallel layers,
 all-gathers and reduce-scatters by the partitioner, and the planner's twins (planner/search.py)."""
 from __future__ import annotations
 
-import jax
 import pytest
 
 from gshard_jax.models.sharding import DEFAULT_RULES, mesh_spec, sequence_parallel

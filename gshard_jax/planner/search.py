@@ -294,7 +294,9 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
                     fit.add(fewer)
                 compute = E.compute_time(shape, c, hardware, devices)
                 best = None
-                for twin in twins(c):  # screened as the better of the twins (both are planned)
+                # screened as the better of the twins (both are planned); without stages the formula gives
+                # the sequence-parallel twin the same bytes at more latency (its rings), so it never is
+                for twin in twins(c) if staged else [c]:
                     comms = E.collectives(shape, twin)
                     cand = dataclasses.replace(twin, mesh=_heuristic_order(twin, comms))
                     got = Ranked(cand, E.combine(hardware, cand, compute, comms, mem), 1)

@@ -129,6 +129,11 @@ class Trainer:
         t = cfg.train
         if t.nan_policy not in NAN_POLICIES:
             raise ValueError(f"train.nan_policy={t.nan_policy!r}; expected one of {NAN_POLICIES}")
+        for name in ("log_every", "eval_every"):
+            if not isinstance(t[name], int) or t[name] < 1:
+                raise ValueError(f"train.{name}={t[name]!r}: expected a positive number of steps (the last step "
+                                 f"is always logged and evaluated, so --config.train.{name}=<num_steps> does "
+                                 f"it once)")
         if self.mesh is None:
             self.mesh = mesh_for(cfg)
         self.pipeline = configs.pipeline_config(cfg, dict(self.mesh.shape).get("stage", 1))
