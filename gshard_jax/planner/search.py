@@ -7,13 +7,10 @@ the planned program's, and the final ranking is theirs.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import json
 import math
-import multiprocessing
-import os
 import time
 from typing import Optional, Sequence
 
@@ -21,10 +18,9 @@ import ml_collections
 
 from . import axonn
 from . import estimate as E
-from . import predict as PR
 from . import space as SP
-from ..training.faults import die_with_parent
 from .hardware import Hardware, scaled
+from .workers import Workers
 
 GiB = 1024 ** 3
 
@@ -243,7 +239,7 @@ def plan(cfg: ml_collections.ConfigDict, devices: int, hardware: Hardware, memor
     if devices < 1:
         raise ValueError(f"devices={devices}: expected a positive device count")
     count = max(verify if verify is not None else top, 0)
-    workers = _Workers(count, worker)
+    workers = Workers(count, worker)
     try:
         return _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, config_name, pin, workers,
                      start)
@@ -369,54 +365,6 @@ def _pinned(cfg, out: Plan, sizes: dict, hw: Hardware, budget: float) -> tuple:
     return dict(sizes), None, None, [f"no variant runs: rejected for {', '.join(reasons) or 'no reason found'}"]
 
 
-class _Workers:
-    """Where candidates are planned: here, and in one worker process when asked for (`gshard-jax plan` does),
-    there are cores to spare and several to plan (started before the screen, so it is ready when the screen
-    ends). A spawned worker imports the caller's __main__: only a script with a main guard may ask."""
-
-    def __init__(self, wanted: int, allowed: bool = False):
-        self.pool = None
-        if allowed and wanted >= 3 and (os.cpu_count() or 1) > 1:
-            ctx = multiprocessing.get_context("spawn")  # never fork a process that runs JAX
-            self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, initializer=die_with_parent)
-            self.pool.submit(_warm)
-
-    def run(self, cfg, batch: list, hw: Hardware) -> list:
-        """plan_one for each candidate of `batch` (the last in the worker), results or exceptions, in order."""
-        remote, batch_last = None, batch[-1:]
-        if self.pool is not None and len(batch) > 1:
-            try:
-                remote = self.pool.submit(PR.plan_one, cfg, batch[-1], hw)
-                batch = batch[:-1]
-            except concurrent.futures.process.BrokenProcessPool:
-                self.close()
-                self.pool = None
-        out = []
-        for c in batch:
-            try:
-                out.append(PR.plan_one(cfg, c, hw))
-            except (ValueError, TypeError, NotImplementedError) as e:
-                out.append(e)
-        if remote is not None:
-            try:
-                out.append(remote.result())
-            except (ValueError, TypeError, NotImplementedError) as e:
-                out.append(e)
-            except concurrent.futures.process.BrokenProcessPool:  # the worker died: plan it here, and alone
-                self.close()
-                self.pool = None
-                out += self.run(cfg, batch_last, hw)
-        return out
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
-
-
-def _warm() -> None:
-    """Nothing to do: unpickling it imports this module (JAX, the models), the worker's start-up."""
-
-
 def twins(c: SP.Candidate) -> list[SP.Candidate]:
     """c, and with a tensor axis its sequence-parallel twin: the same bytes by formula and memory split as the
     formula already assumes, so only their planned programs (what each hides) tell them apart."""
@@ -425,13 +373,13 @@ def twins(c: SP.Candidate) -> list[SP.Candidate]:
 
 
 def _verify(cfg, shape, screened: list[Ranked], count: int, hw: Hardware, budget: float, rejected: list,
-            workers: Optional[_Workers] = None) -> list:
+            workers: Optional[Workers] = None) -> list:
     """The `count` fastest screened configurations (mesh, schedule and microbatches; the best-ranked variant of
     each, so the planned ones differ in more than their optimizer options) that the partitioner plans within
     the budget: communication and argument bytes of the planned step. One the model cannot build or the
     partitioner cannot plan is rejected with the error, and the next is taken (at most 3 x count tried).
     Candidates are planned two at a time when a worker process helps; the result is the same."""
-    workers = workers or _Workers(0)
+    workers = workers or Workers(0)
     out, taken = [], set()
     queue = iter(screened)
     tried = 0

@@ -1,0 +1,59 @@
+"""Where the planner's candidates are planned: in this process, and in one spawned worker process beside it
+when there are cores to spare (planning is mostly tracing, one core each)."""
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+
+from . import predict as PR
+from ..training.faults import die_with_parent
+from .hardware import Hardware
+
+
+class Workers:
+    """Where candidates are planned: here, and in one worker process when asked for (`gshard-jax plan` does),
+    there are cores to spare and several to plan (started before the screen, so it is ready when the screen
+    ends). A spawned worker imports the caller's __main__: only a script with a main guard may ask."""
+
+    def __init__(self, wanted: int, allowed: bool = False):
+        self.pool = None
+        if allowed and wanted >= 3 and (os.cpu_count() or 1) > 1:
+            ctx = multiprocessing.get_context("spawn")  # never fork a process that runs JAX
+            self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, initializer=die_with_parent)
+            self.pool.submit(_warm)
+
+    def run(self, cfg, batch: list, hw: Hardware) -> list:
+        """plan_one for each candidate of `batch` (the last in the worker), results or exceptions, in order."""
+        remote, batch_last = None, batch[-1:]
+        if self.pool is not None and len(batch) > 1:
+            try:
+                remote = self.pool.submit(PR.plan_one, cfg, batch[-1], hw)
+                batch = batch[:-1]
+            except concurrent.futures.process.BrokenProcessPool:
+                self.close()
+                self.pool = None
+        out = []
+        for c in batch:
+            try:
+                out.append(PR.plan_one(cfg, c, hw))
+            except (ValueError, TypeError, NotImplementedError) as e:
+                out.append(e)
+        if remote is not None:
+            try:
+                out.append(remote.result())
+            except (ValueError, TypeError, NotImplementedError) as e:
+                out.append(e)
+            except concurrent.futures.process.BrokenProcessPool:  # the worker died: plan it here, and alone
+                self.close()
+                self.pool = None
+                out += self.run(cfg, batch_last, hw)
+        return out
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+
+def _warm() -> None:
+    """Nothing to do: unpickling it imports this module (JAX, the models), the worker's start-up."""
