@@ -53,15 +53,17 @@ def configure(name: str, devices: int, hardware: str, sets: list[str] = ()):
     from gshard_jax.training.overrides import parse_value
     path, overrides = CASES[name]
     cfg = load(os.path.join(EXPERIMENTS, path))
-    given = [kv.split("=", 1) for kv in sets]
-    for key, value in [*overrides.items(), *given]:
-        section, field = key.rsplit(".", 1)
-        cfg_section = cfg
-        for part in section.split("."):
-            cfg_section = cfg_section[part]
-        value = value(devices) if callable(value) else value
-        cfg_section[field] = parse_value(key, value, cfg_section[field]) if (key, value) in map(tuple, given) \
-            else value
+    def put(key, value, text: bool):
+        *path, field = key.split(".")
+        section = cfg
+        for part in path:
+            section = section[part]
+        section[field] = parse_value(key, value, section[field]) if text else value
+
+    for key, value in overrides.items():
+        put(key, value(devices) if callable(value) else value, False)
+    for kv in sets:
+        put(*kv.split("=", 1), True)
     sizes = {k: v for k, v in cfg.mesh.items() if v not in (1, -1)}
     product = 1
     for v in sizes.values():

@@ -119,9 +119,8 @@ class PartialSums:
 
     def _unsplit(self, eqn: Eqn, ops: list[Sharding]) -> list[Sharding]:
         """eqn's results as planned, without the mesh axes its operands are split over."""
-        used = {a for s in ops for d in s.dims for a in d}
-        return [Sharding(tuple(tuple(a for a in d if a not in used) for d in self.plan.sharding(o).dims))
-                for o in eqn.outvars]
+        used = frozenset(a for s in ops for d in s.dims for a in d)
+        return [DF.deferred_sharding(self.plan.sharding(o), used).without_partial() for o in eqn.outvars]
 
     def planned_operands(self, eqn: Eqn) -> list[Sharding]:
         """eqn's operands as the plan has them (a literal replicated): what a choice predicted ahead reads."""
