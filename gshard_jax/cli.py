@@ -4,8 +4,9 @@ Every subcommand that takes ``--config FILE`` also takes overrides of the
 config's fields, ``--config.model.num_experts=16`` (ml-collections'
 config_flags convention); an unknown key or a value of the wrong type is an
 error before any work starts. ``--cpu-devices N`` simulates N CPU devices and
-``--coordinator/--num-processes/--process-id`` start jax.distributed; both act
-before JAX starts its backends.
+``--coordinator/--num-processes/--process-id`` start jax.distributed (under SLURM, Open MPI or a
+Kubernetes indexed Job, the scheduler's environment supplies what is not given: training/cluster.py);
+both act before JAX starts its backends.
 """
 from __future__ import annotations
 
@@ -73,12 +74,23 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from .training import launch
+    from .training import cluster, launch
     cfg = _load(args)  # checked before any process starts
-    opts = launch.Options(args.processes, args.spares, args.cpu_devices, args.hang_timeout, args.startup_timeout,
-                          args.max_restarts, shrink=cfg.mesh.get("data", 1) == -1)
+    hosts, source = cluster.hosts_from(args.hosts, args.hostfile, os.environ if args.exec_template else {})
+    if hosts and not args.exec_template:
+        raise ValueError(f"{len(hosts)} hosts from {source} but no --exec TEMPLATE to start a process on one: "
+                         f"e.g. --exec 'ssh -tt {{host}}' or --exec 'srun --nodes=1 --ntasks=1 --nodelist={{host}}'")
+    processes, spares = args.processes, args.spares
+    if hosts:  # every host is a node: one count gives the other
+        processes = len(hosts) - (spares or 0) if processes is None else processes
+        spares = len(hosts) - processes if spares is None else spares
+        print(f"gshard-jax launch: {len(hosts)} hosts from {source}: {processes} processes, {spares} spares",
+              flush=True)
+    opts = launch.Options(2 if processes is None else processes, spares or 0, args.cpu_devices, args.hang_timeout,
+                          args.startup_timeout, args.max_restarts, shrink=cfg.mesh.get("data", 1) == -1,
+                          hosts=tuple(hosts), exec_template=args.exec_template, port=args.port)
     os.makedirs(args.workdir, exist_ok=True)
-    train_args = ["--config", args.config, "--workdir", args.workdir]
+    train_args = ["--config", os.path.abspath(args.config), "--workdir", os.path.abspath(args.workdir)]
     train_args += [f"--config.{k}={v}" for k, v in args.overrides]
     return launch.launch(opts, train_args, args.workdir)
 
@@ -174,9 +186,13 @@ def _run_args(q: argparse.ArgumentParser) -> None:
                    "(data, checkpoints, metrics.jsonl, tensorboard/, loss.png)")
     q.add_argument("--cpu-devices", type=int, default=0, metavar="N", help="simulate N CPU devices")
     q.add_argument("--coordinator", default="", metavar="HOST:PORT", help="jax.distributed coordinator "
-                   "(process 0's address)")
-    q.add_argument("--num-processes", type=int, default=1, metavar="N", help="processes in a multi-process run")
-    q.add_argument("--process-id", type=int, default=0, metavar="I", help="this process's index")
+                   "(process 0's address). Without it, a process inside a SLURM step or an Open MPI job joins "
+                   "its peers through jax.distributed's cluster detection; in a Kubernetes indexed Job pass "
+                   "--coordinator and --num-processes, and JOB_COMPLETION_INDEX is the process id")
+    q.add_argument("--num-processes", type=int, default=None, metavar="N", help="processes in a multi-process "
+                   "run (default: the scheduler's, else 1)")
+    q.add_argument("--process-id", type=int, default=None, metavar="I", help="this process's index (default: "
+                   "the scheduler's)")
     q.add_argument("--no-overlap-flags", dest="overlap_flags", action="store_false", help="leave XLA_FLAGS as "
                    "they are (by default XLA:GPU's latency-hiding scheduler and collective pipelining are added)")
 
@@ -202,12 +218,25 @@ def parser() -> argparse.ArgumentParser:
                        "node, with --spares spare nodes. A process that exits abnormally or stops beating for "
                        "--hang-timeout seconds ends the attempt: all are stopped, its node is marked bad, and "
                        "the run resumes from its newest checkpoint with a spare in its place (with none left, "
-                       "on fewer processes when mesh.data is -1). WORKDIR/launch.jsonl logs every attempt. "
+                       "on fewer processes when mesh.data is -1). Nodes are local processes, or hosts (--hosts, "
+                       "--hostfile or SLURM_JOB_NODELIST) started through --exec; the workdir must be shared. "
+                       "WORKDIR/launch.jsonl logs every attempt. "
                        "Exits 0 when the run finishes, 75 when preempted (SIGTERM), 4 when it gives up.")
     _config_arg(q)
     q.add_argument("--workdir", required=True, help="the run's directory (as for train)")
-    q.add_argument("--processes", type=int, default=2, metavar="N", help="processes (nodes) the run uses")
-    q.add_argument("--spares", type=int, default=0, metavar="K", help="spare nodes")
+    q.add_argument("--processes", type=int, default=None, metavar="N", help="processes (nodes) the run uses "
+                   "(default: 2, or on hosts every host that is not a spare)")
+    q.add_argument("--spares", type=int, default=None, metavar="K", help="spare nodes (default: 0, or on hosts "
+                   "every host beyond --processes)")
+    q.add_argument("--hosts", default="", metavar="H1,H2,...", help="run on these hosts, one process each, in "
+                   "order (Slurm hostlist ranges allowed: nid[001-004]); needs --exec")
+    q.add_argument("--hostfile", default="", metavar="FILE", help="hosts, one per line (the first word; # comments)")
+    q.add_argument("--exec", dest="exec_template", default="", metavar="TEMPLATE", help="the command prefix that "
+                   "starts a process on {host}: 'ssh -tt {host}', 'srun --nodes=1 --ntasks=1 --nodelist={host}' or "
+                   "any prefix. Inside a SLURM allocation without --hosts/--hostfile, the hosts are "
+                   "SLURM_JOB_NODELIST's")
+    q.add_argument("--port", type=int, default=0, metavar="P", help="the coordinator's port on the first host "
+                   "(default: a port free on this machine, new each attempt)")
     q.add_argument("--cpu-devices", type=int, default=0, metavar="D", help="simulated CPU devices per process")
     q.add_argument("--hang-timeout", type=float, default=300.0, metavar="S", help="seconds without progress "
                    "that count as a hang")

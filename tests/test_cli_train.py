@@ -339,6 +339,51 @@ def test_two_processes_train_to_the_same_losses_as_one(data_dir, tmp_path):
     assert steps_saved(two) == [4, 6] and steps_saved(two, "model_checkpoints") == [6]  # both series save step 6
 
 
+def _scheduler_env(scheduler, i, port):
+    """What SLURM's srun, Open MPI's mpirun or a Kubernetes indexed Job sets for task i of 2 on this host (the
+    coordinator's port through JAX_COORDINATOR_PORT, which jax.distributed reads), and the flags the
+    Kubernetes manifest passes."""
+    if scheduler == "slurm":
+        return {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
+                "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i), "JAX_COORDINATOR_PORT": str(port)}, []
+    if scheduler == "ompi":
+        return {"OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://127.0.0.1:34911", "OMPI_COMM_WORLD_SIZE": "2",
+                "OMPI_COMM_WORLD_RANK": str(i), "OMPI_COMM_WORLD_LOCAL_RANK": str(i),
+                "JAX_COORDINATOR_PORT": str(port)}, []
+    return {"JOB_COMPLETION_INDEX": str(i)}, ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", pytest.param("ompi", marks=pytest.mark.slow),
+                                       pytest.param("k8s", marks=pytest.mark.slow)])
+def test_train_joins_its_peers_under_a_scheduler(data_dir, tmp_path, run24, scheduler):
+    """Two processes x 4 CPU devices started with a scheduler's environment and no --coordinator (nothing in
+    JAX patched): each logs what it detected, they join as processes 0 and 1 of 2, and train to the losses
+    of the one-process run (the first steps of the 24-step run, on its schedule)."""
+    run, port = tmp_path / "run", _free_port()
+    procs = []
+    for i in range(2):
+        env, flags = _scheduler_env(scheduler, i, port)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "gshard_jax.cli", "train", "--config", CONFIG, "--cpu-devices", "4", *flags,
+             "--workdir", str(run), "--no-progress", f"--config.data.dir={data_dir}", "--config.train.num_steps=3",
+             "--config.train.decay_steps=24", *SMALL], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=dict(os.environ, **env)))
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    name = {"slurm": "SLURM", "ompi": "Open MPI", "k8s": "Kubernetes indexed Job"}[scheduler]
+    for i, (_, err) in enumerate(outs):
+        assert f"cluster: {name} (" in err and f"cluster: process {i} of 2, 4 of 8 devices here" in err, err[-2000:]
+    assert [x["loss"] for x in rows(run)] == pytest.approx([x["loss"] for x in rows(run24[1])[:3]], rel=1e-5)
+
+
+def test_a_half_set_scheduler_environment_fails_before_any_work(tmp_path):
+    env = dict(os.environ, SLURM_STEP_NODELIST="localhost", SLURM_PROCID="0")
+    p = subprocess.run([sys.executable, "-m", "gshard_jax.cli", "train", "--config", CONFIG, "--workdir",
+                        str(tmp_path / "w")], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 2 and "half-set SLURM environment" in p.stderr and "srun" in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "w").exists()
+
+
 def launch(workdir, data_dir, steps, *extra, processes=2, spares=1, check=True):
     return cli("launch", "--config", CONFIG, "--workdir", str(workdir), "--processes", str(processes),
                "--spares", str(spares), "--cpu-devices", str(8 // processes), "--hang-timeout", "20",
@@ -378,19 +423,35 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_launch_replaces_a_dead_node_with_a_spare_and_loses_nothing(data_dir, tmp_path, run24):
-    """2 processes x 4 devices and a spare; node 1 dies at step 6 (os._exit): the supervisor stops the
+@pytest.mark.parametrize("hosts", [pytest.param(False, marks=pytest.mark.slow), True], ids=["local", "hosts"])
+def test_launch_replaces_a_dead_node_with_a_spare_and_loses_nothing(data_dir, tmp_path, run24, hosts):
+    """2 processes x 4 devices and a spare; a node dies at step 6 (os._exit): the supervisor stops the
     attempt, puts the spare in its place, and the run resumes from step 4 to the same losses as a 1 x 8 run
-    that never failed (the first 8 steps of the 24-step run, on its learning-rate schedule)."""
+    that never failed (the first 8 steps of the 24-step run, on its learning-rate schedule).
+
+    hosts: the nodes are hosts 127.0.0.2-4 (distinct loopback addresses) started through an --exec prefix;
+    the first host dies, so the coordinator moves to the next good one."""
     from gshard_jax.training import launch as L
     run = tmp_path / "run"
-    launch(run, data_dir, 8, "--config.debug.fail_process=1", "--config.debug.fail_at_step=6",
-           "--config.train.decay_steps=24", "--config.train.async_checkpoints=false")  # step 4 is saved by step 6
+    dead = 0 if hosts else 1
+    started = tmp_path / "started"  # the exec prefix notes each host it starts a process on
+    where = ["--hosts", "127.0.0.2,127.0.0.[3-4]", "--exec",
+             f"sh -c 'echo {{host}} >> {started}; exec \"$@\"' sh"] if hosts else []
+    launch(run, data_dir, 8, f"--config.debug.fail_process={dead}", "--config.debug.fail_at_step=6",
+           "--config.train.decay_steps=24", "--config.train.async_checkpoints=false", *where)  # step 4 is saved
     events = L.read(str(run))
     assert [e["event"] for e in events] == ["attempt", "failure", "replaced", "attempt", "done"], events
-    assert events[0]["nodes"] == [0, 1] and events[3]["nodes"] == [0, 2]
-    assert events[1]["nodes"] == [1] and events[1]["processes"] == [1] and events[1]["detail"] == "exit status 13"
-    assert events[2]["node"] == 1 and events[2]["by"] == 2
+    survivors = [x for x in (0, 1) if x != dead] + [2]
+    assert events[0]["nodes"] == [0, 1] and events[3]["nodes"] == survivors
+    assert events[1]["nodes"] == [dead] and events[1]["processes"] == [dead]
+    assert events[1]["detail"] == "exit status 13"
+    assert events[2]["node"] == dead and events[2]["by"] == 2
+    if hosts:  # the events name the hosts; the coordinator is the first good host of each attempt
+        assert events[0]["hosts"] == ["127.0.0.2", "127.0.0.3"] and events[0]["coordinator"].startswith("127.0.0.2:")
+        assert events[1]["hosts"] == ["127.0.0.2"] and (events[2]["host"], events[2]["by_host"]) == ("127.0.0.2",
+                                                                                                     "127.0.0.4")
+        assert events[3]["hosts"] == ["127.0.0.3", "127.0.0.4"] and events[3]["coordinator"].startswith("127.0.0.3:")
+        assert sorted(started.read_text().split()) == ["127.0.0.2", "127.0.0.3", "127.0.0.3", "127.0.0.4"]
     got = {x["step"]: x["loss"] for x in rows(run)}
     assert sorted(got) == list(range(1, 9))  # every step once: the resume dropped what the failure left
     assert [got[s] for s in range(1, 9)] == pytest.approx([x["loss"] for x in rows(run24[1])[:8]], rel=1e-5)
@@ -399,7 +460,7 @@ def test_launch_replaces_a_dead_node_with_a_spare_and_loses_nothing(data_dir, tm
                    if f.is_file()) for i in (0, 1)]
     assert 0.8 < written[0] / written[1] < 1.25, written
     # Single reads: on resume, host group 0 (process 0) read the state and broadcast it to process 1.
-    logs = [(run / "launch" / f"attempt1.node{n}.log").read_text() for n in (0, 2)]
+    logs = [(run / "launch" / f"attempt1.node{n}.log").read_text() for n in survivors]
     assert all('"start_step": 4' in text for text in logs)
     read = [int(re.search(r"resumed from .* at step 4 \(process \d read (\d+) bytes\)", text)[1]) for text in logs]
     assert read[1] < 0.05 * read[0] and read[0] > sum(written), (read, written)
@@ -471,16 +532,19 @@ def test_launch_without_a_spare_shrinks_the_data_axis_or_stops(data_dir, tmp_pat
 
 
 @pytest.mark.slow  # 1-2 minutes
-def test_sigterm_to_the_supervisor_preempts_every_process(data_dir, tmp_path):
+@pytest.mark.parametrize("hosts", [[], ["--hosts", "127.0.0.[2-3]", "--exec", "env GSHARD_TEST_HOST={host}"]],
+                         ids=["local", "hosts"])
+def test_sigterm_to_the_supervisor_preempts_every_process(data_dir, tmp_path, hosts):
     """SIGTERM to `gshard-jax launch`: its processes agree on a step (JAX's preemption sync point), save a
-    full checkpoint there and exit 75; so does the supervisor, and launch.jsonl says so."""
+    full checkpoint there and exit 75; so does the supervisor, and launch.jsonl says so. The same with
+    processes on hosts started through an --exec prefix."""
     from gshard_jax.training import launch as L
     from gshard_jax.training.faults import EXIT_PREEMPTED
     run = tmp_path / "run"
     p, out, err = sigterm_after_3_rows([sys.executable, "-m", "gshard_jax.cli", "launch", "--config", CONFIG,
                                         "--workdir", str(run), "--processes", "2", "--cpu-devices", "4",
-                                        f"--config.data.dir={data_dir}", "--config.train.num_steps=500", *SMALL],
-                                       run)
+                                        f"--config.data.dir={data_dir}", "--config.train.num_steps=500", *SMALL,
+                                        *hosts], run)
     assert p.returncode == EXIT_PREEMPTED, (out[-2000:], err[-2000:])
     assert L.read(str(run))[-1]["event"] == "preempted"
     assert rows(run)[-1]["step"] in steps_saved(run)

@@ -1,6 +1,12 @@
 """`gshard-jax launch`: run `gshard-jax train` as N cooperating processes (one per node, jax.distributed)
 with K spare nodes, and keep the run alive.
 
+A node is a local process, or a host: hosts come from --hosts, --hostfile or SLURM's node list
+(cluster.hosts_from), and `--exec TEMPLATE` starts a process on one (`ssh -tt {host}`, `srun --nodes=1
+--ntasks=1 --nodelist={host}`, any prefix; `{host}` is replaced). The coordinator is the first good host
+of the attempt; heartbeats, soft-failure reports and launch.jsonl live in the workdir, which every host
+shares. A remote process starts in the supervisor's working directory, with the same Python.
+
 The supervisor watches every attempt. An attempt ends when:
 - a process exits abnormally;
 - a process stops beating for `hang_timeout` seconds (its peers wait forever in a collective), after a
@@ -23,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -47,6 +54,12 @@ class Options:
     startup_timeout: float  # seconds allowed before the first heartbeat of an attempt (compilation)
     max_restarts: int  # relaunches before giving up
     shrink: bool  # without spares, go on with fewer processes (the config's data axis takes the rest)
+    hosts: tuple[str, ...] = ()  # one node per host (the first `processes` run, the rest are spares); () local
+    exec_template: str = ""  # the prefix that starts a process on {host} ("": a local process)
+    port: int = 0  # the coordinator's port (0: a free port of this machine, new each attempt)
+
+
+KILL_GRACE = 10.0  # seconds between SIGTERM and SIGKILL for processes started through --exec (srun, ssh)
 
 
 def _free_port() -> int:
@@ -63,6 +76,10 @@ class Supervisor:
         self.soft_steps: dict[int, list[int]] = {}  # step -> the nodes a soft failure at that step named
         self.procs: list[subprocess.Popen] = []
         self.term = False
+
+    def hosts(self, nodes: list[int]) -> dict:
+        """{"hosts": [...]} for an event about `nodes` when the nodes are hosts, else {}."""
+        return {"hosts": [self.opts.hosts[n] for n in nodes]} if self.opts.hosts else {}
 
     def log(self, event: str, **fields) -> None:
         row = {"time": round(time.time(), 3), "event": event, **fields}
@@ -87,7 +104,7 @@ class Supervisor:
 
     def _attempts(self) -> int:
         o = self.opts
-        nodes = list(range(o.processes + o.spares))
+        nodes = list(range(len(o.hosts) or o.processes + o.spares))
         n = o.processes
         for attempt in range(o.max_restarts + 1):
             good = [x for x in nodes if x not in self.bad]
@@ -99,8 +116,11 @@ class Supervisor:
                 self.log("shrink", processes=len(good), was=n)
                 n = len(good)
             chosen = good[:n]
-            self.log("attempt", attempt=attempt, nodes=chosen, processes=n)
-            failed = self._one(attempt, chosen)
+            port = o.port or _free_port()
+            coordinator = f"{o.hosts[chosen[0]] if o.hosts else '127.0.0.1'}:{port}"  # the first good host
+            self.log("attempt", attempt=attempt, nodes=chosen, processes=n, **self.hosts(chosen),
+                     **({"coordinator": coordinator} if o.hosts else {}))
+            failed = self._one(attempt, chosen, coordinator)
             if failed is None:
                 self.log("done", attempt=attempt)
                 return 0
@@ -124,31 +144,31 @@ class Supervisor:
                 self.soft_steps[step] = failed_nodes
             self.bad.extend(failed_nodes)
             self.log("failure", attempt=attempt, nodes=failed_nodes,
-                     processes=[chosen.index(x) for x in failed_nodes], kind=kind, detail=detail, **extra)
+                     processes=[chosen.index(x) for x in failed_nodes], kind=kind, detail=detail, **extra,
+                     **self.hosts(failed_nodes))
             spare = [x for x in nodes if x not in self.bad and x not in chosen]
             for node, by in zip(failed_nodes, spare):
-                self.log("replaced", node=node, by=by)
+                self.log("replaced", node=node, by=by, **({"host": o.hosts[node], "by_host": o.hosts[by]}
+                                                          if o.hosts else {}))
         self.log("stopped", reason=f"the run failed {o.max_restarts + 1} times; see {self.dir}")
         return EXIT_GAVE_UP
 
-    def _one(self, attempt: int, chosen: list[int]):
+    def _one(self, attempt: int, chosen: list[int], coordinator: str):
         """Run one attempt: None when every process finished, "preempted", or (failed nodes, kind, detail)."""
         o = self.opts
         beats = os.path.join(self.dir, f"heartbeat.{attempt}")
         shutil.rmtree(beats, ignore_errors=True)  # a rerun in the same workdir: no stale beats or reports
         os.makedirs(beats)
-        port = _free_port()
         self.procs = []
         for i, node in enumerate(chosen):
             args = [sys.executable, "-m", "gshard_jax.cli", "train", *self.train_args, "--no-progress",
-                    "--num-processes", str(len(chosen)), "--process-id", str(i)]
-            if len(chosen) > 1:
-                args += ["--coordinator", f"127.0.0.1:{port}"]
+                    "--num-processes", str(len(chosen)), "--process-id", str(i), "--coordinator", coordinator]
             if o.cpu_devices:
                 args += ["--cpu-devices", str(o.cpu_devices)]
-            env = dict(os.environ, **{NODE_ENV: str(node), HEARTBEAT_ENV: beats})
+            marks = {NODE_ENV: str(node), HEARTBEAT_ENV: beats}
             out = open(os.path.join(self.dir, f"attempt{attempt}.node{node}.log"), "w")
-            self.procs.append(subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
+            self.procs.append(subprocess.Popen(self._command(args, marks, node), stdout=out,
+                                               stderr=subprocess.STDOUT, env=dict(os.environ, **marks),
                                                start_new_session=True, preexec_fn=die_with_parent))
             out.close()
         started = time.time()
@@ -176,6 +196,18 @@ class Supervisor:
                     return hung
         finally:
             self._stop()
+
+    def _command(self, args: list[str], marks: dict, node: int) -> list[str]:
+        """The argv that starts `args` on `node`: the args themselves, or the exec template's prefix for its
+        host, then a shell that enters this working directory and sets the node's variables (a remote host
+        inherits neither). ssh hands a remote shell one command line, so there the command is quoted."""
+        o = self.opts
+        if not o.exec_template:
+            return args
+        prefix = shlex.split(o.exec_template.replace("{host}", o.hosts[node]))
+        command = ["sh", "-c", 'cd "$1" && shift && exec "$@"', "sh", os.getcwd(), "env",
+                   *[f"{k}={v}" for k, v in marks.items()], *args]
+        return prefix + ([shlex.join(command)] if os.path.basename(prefix[0]) == "ssh" else command)
 
     def _soft_failure(self, beats: str, process: int, chosen: list[int]):
         """(nodes, "soft", detail) when process `process` halted on non-finite rows it could name."""
@@ -215,14 +247,25 @@ class Supervisor:
         return [node], "hang", f"no process advanced for {o.hang_timeout:.0f} s; node {node} is at step {seen[node][0]}"
 
     def _stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        """Stop every process of the attempt. Through --exec, SIGTERM first (srun and ssh pass it on to the
+        remote process), then SIGKILL after KILL_GRACE seconds."""
+        live = [p for p in self.procs if p.poll() is None]
+        if self.opts.exec_template and live:
+            _signal(live, signal.SIGTERM)
+            deadline = time.time() + KILL_GRACE
+            while time.time() < deadline and any(p.poll() is None for p in live):
+                time.sleep(0.1)
+        _signal([p for p in self.procs if p.poll() is None], signal.SIGKILL)
         for p in self.procs:
             p.wait()
+
+
+def _signal(procs: list, sig: int) -> None:
+    for p in procs:
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def launch(opts: Options, train_args: Sequence[str], workdir: str) -> int:
@@ -230,6 +273,15 @@ def launch(opts: Options, train_args: Sequence[str], workdir: str) -> int:
     if opts.processes < 1 or opts.spares < 0 or opts.max_restarts < 0:
         raise ValueError(f"--processes {opts.processes}, --spares {opts.spares}, --max-restarts "
                          f"{opts.max_restarts}: expected at least 1 process and no negative counts")
+    if opts.hosts and opts.processes + opts.spares != len(opts.hosts):
+        raise ValueError(f"--processes {opts.processes} and --spares {opts.spares} on {len(opts.hosts)} hosts "
+                         f"{list(opts.hosts)}: every host is a process or a spare; give one of the two counts")
+    if opts.exec_template and not opts.hosts:
+        raise ValueError(f"--exec {opts.exec_template!r} starts processes on hosts, but no host is given: pass "
+                         f"--hosts, --hostfile, or run inside a SLURM allocation (SLURM_JOB_NODELIST)")
+    if opts.exec_template and "{host}" not in opts.exec_template:
+        raise ValueError(f"--exec {opts.exec_template!r} does not name {{host}}: e.g. 'ssh -tt {{host}}' or "
+                         f"'srun --nodes=1 --ntasks=1 --nodelist={{host}}'")
     return Supervisor(opts, train_args, workdir).run()
 
 

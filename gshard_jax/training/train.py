@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import math
 import os
-from typing import Any
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import gshard_jax as gs
 
 from .. import configs
-from . import checkpoints, data, faults, metrics, optim, timing
+from . import checkpoints, cluster, data, faults, metrics, optim, timing
 from .faults import Faults, Preempted
 from . import state as sharded
 from .checkpoints import Checkpoints
@@ -74,21 +74,27 @@ def with_overlap_flags(xla_flags: str) -> str:
     return " ".join([xla_flags] * bool(xla_flags) + [f for f in OVERLAP_FLAGS if f.split("=")[0] not in given])
 
 
-def init_devices(cpu_devices: int = 0, coordinator: str = "", num_processes: int = 1, process_id: int = 0,
-                 overlap_flags: bool = True) -> None:
-    """Simulated CPU devices, XLA:GPU's overlap flags (OVERLAP_FLAGS) and the multi-process runtime; call
-    before JAX starts its backends."""
+def init_devices(cpu_devices: int = 0, coordinator: str = "", num_processes: Optional[int] = None,
+                 process_id: Optional[int] = None, overlap_flags: bool = True) -> cluster.Peers:
+    """Simulated CPU devices, XLA:GPU's overlap flags (OVERLAP_FLAGS) and the multi-process runtime, joined
+    as the flags or the scheduler say (cluster.detect); call before JAX starts its backends."""
     if overlap_flags:
         os.environ["XLA_FLAGS"] = with_overlap_flags(os.environ.get("XLA_FLAGS", ""))
     if cpu_devices:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
-    if coordinator or num_processes > 1:
-        if not coordinator:
-            raise ValueError(f"--num-processes {num_processes} needs --coordinator HOST:PORT")
-        if not 0 <= process_id < num_processes:
-            raise ValueError(f"--process-id {process_id} is not in [0, {num_processes})")
+    peers = cluster.detect(os.environ, coordinator, num_processes, process_id)
+    if peers.scheduler:
+        log.info("cluster: %s", peers.describe())
+    if peers.multi:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+        # Detection fills in what is None; with everything given it is off, so that a process started by
+        # `launch` through srun (one task per step) is not taken for a one-task SLURM job.
+        jax.distributed.initialize(peers.coordinator, num_processes=peers.num_processes,
+                                   process_id=peers.process_id,
+                                   cluster_detection_method=None if peers.detect else "deactivate")
+        log.info("cluster: process %d of %d, %d of %d devices here", jax.process_index(), jax.process_count(),
+                 jax.local_device_count(), jax.device_count())
+    return peers
 
 
 def mesh_for(cfg: ml_collections.ConfigDict) -> jax.sharding.Mesh:
