@@ -59,6 +59,7 @@ def train_defaults() -> ConfigDict:
         zero_stage=0,  # sharded state over the data-parallel axes: 0 none, 1 optimizer state, 2 + gradients, 3 + params
         epso=True,  # zero_stage >= 1 with an expert axis: non-expert states over data x expert (seed 001's EPSO)
         microbatches=1,  # gradient accumulation: the batch split into this many microbatches, one update
+        offload_optimizer=False,  # AdamW's moments (and bf16's f32 master weights) in pinned_host memory between steps
     ))
 
 

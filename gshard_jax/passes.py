@@ -148,12 +148,16 @@ def lower(t: Traced, plan: Plan, mesh, profile: HardwareProfile, report: Optiona
         report.rows.clear()
         report.notes = list(t.notes)
         report.pipelines = [sc.summary() for sc in t.pipelines]
-        report.inputs = [ValueInfo(n, tuple(v.shape), str(v.dtype), plan.sharding(v), e,
-                                   plan.origins.get(v, "")) for n, v, e in zip(t.names, t.program.invars, entry)]
+        report.inputs = [ValueInfo(n, tuple(v.shape), str(v.dtype), plan.sharding(v), e, plan.origins.get(v, ""),
+                                   _in_host_memory(v)) for n, v, e in zip(t.names, t.program.invars, entry)]
         report.outputs = [ValueInfo(n, tuple(v.shape), str(v.aval.dtype), plan.sharding(v), x,
                                     plan.origins.get(v, "") if isinstance(v, Value) else "constant")
                           for n, v, x in zip(t.out_names, t.program.outvars, exit_)]
     return lowering
+
+
+def _in_host_memory(v: Value) -> bool:
+    return getattr(v.aval, "memory_space", None) == jax.memory.Space.Host
 
 
 def refined(t: Traced, factoring: SUB.Factoring) -> Traced:

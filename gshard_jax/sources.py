@@ -133,7 +133,10 @@ def _imposed(eqn: Eqn, mesh) -> list[Eqn]:
     targets = list(param) if eqn.name == "device_put" else [param]
     extra = eqn.params.get("unconstrained_dims") or ()
     out = []
-    for x, v, named in zip(eqn.invars, eqn.outvars, targets):
+    for i, (x, v, named) in enumerate(zip(eqn.invars, eqn.outvars, targets)):
+        space = _memory_move(eqn, i)
+        if space is not None:  # the layout is stated on the value the move reads; the move runs per device
+            moved, v = v, Value(v.aval, v.name + "'")
         if not isinstance(named, (NamedSharding, PartitionSpec)) or (eqn.name == "reshard" and _auto(named)):
             # a device_put to a device or memory kind states no layout; nor does a reshard on Auto axes, which
             # JAX emits itself under a mesh context (a user's reshard must name Explicit axes)
@@ -143,7 +146,22 @@ def _imposed(eqn: Eqn, mesh) -> list[Eqn]:
             named = NamedSharding(named.mesh, PartitionSpec(
                 *(PartitionSpec.UNCONSTRAINED if d in extra else e for d, e in enumerate(spec))))
         out.append(_annotation(eqn, x, v, named, f"{_CALLS[eqn.name]}({_spec_text(named)})", mesh))
+        if space is not None:
+            out.append(Eqn(eqn.prim, [v], [moved], {"devices": (space,), "srcs": (None,),
+                                                   "copy_semantics": eqn.params["copy_semantics"][i:i + 1]},
+                           eqn.where, eqn.index))
     return out
+
+
+def _memory_move(eqn: Eqn, i: int):
+    """The memory space (jax.memory.Space) operand i of a device_put moves to, None if it stays where it is:
+    a move between device and host memory (optimizer state offloaded to pinned_host) is kept, as a
+    device_put of the local shard to that space, after the annotation of its layout."""
+    if eqn.name != "device_put":
+        return None
+    before = getattr(getattr(eqn.invars[i], "aval", None), "memory_space", None)  # a constant: None
+    after = getattr(eqn.outvars[i].aval, "memory_space", None)
+    return None if before == after else after
 
 
 def _auto(named) -> bool:

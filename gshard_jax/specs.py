@@ -134,8 +134,9 @@ def to_sharding(spec, shape: Sequence[int], what: str) -> Optional[Sharding]:
 
 def named(specs, mesh: Mesh, what: str):
     """A pytree of NamedShardings (for jax.jit) from a pytree of specs, checking the axis names."""
-    def one(s):
-        return None if s is None else NamedSharding(mesh, PartitionSpec(*check_leaf(s, mesh, what)))
+    def one(s):  # a NamedSharding's memory kind (pinned_host: offloaded state) is kept
+        kind = {"memory_kind": s.memory_kind} if isinstance(s, NamedSharding) and s.memory_kind else {}
+        return None if s is None else NamedSharding(mesh, PartitionSpec(*check_leaf(s, mesh, what)), **kind)
     return jax.tree_util.tree_map(one, specs, is_leaf=is_leaf)
 
 

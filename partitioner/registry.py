@@ -64,6 +64,8 @@ OPS: dict[str, Op] = {
     "cummin": _CUMULATIVE,
     "cumprod": _CUMULATIVE,
     "cumsum": _CUMULATIVE,
+    # a move between device and host memory (gshard_jax/sources.py keeps it; other device_puts are annotations)
+    "device_put": _POINTWISE,
     "dot_general": Op(R.dot_general),
     "dynamic_slice": Op(R.dynamic_slice_rule, H.dynamic_slice_hook),
     "dynamic_update_slice": Op(lambda eqn: RO.update_rule(eqn, R.dynamic_update_slice_rule), RO.update_hook),

@@ -78,6 +78,7 @@ class ValueInfo:
     planned: Sharding
     boundary: Sharding  # how it arrives (input) or leaves (output) the per-device program
     origin: str = ""
+    host: bool = False  # held in host memory (a pinned_host argument: offloaded optimizer state)
 
     def __str__(self) -> str:
         cross = "" if self.boundary == self.planned else f" (crosses as {self.boundary})"
@@ -86,7 +87,7 @@ class ValueInfo:
     def to_dict(self) -> dict:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
                 "planned": _sharding_dict(self.planned), "boundary": _sharding_dict(self.boundary),
-                "origin": self.origin}
+                "origin": self.origin, **({"host": True} if self.host else {})}
 
 
 @dataclasses.dataclass
@@ -150,11 +151,14 @@ class Report:
     pipelines: list[dict] = dataclasses.field(default_factory=list)  # gs.pipeline schedules traced (Schedule.summary)
     _overlap: Optional[list] = dataclasses.field(default=None, repr=False, compare=False)  # overlap() at the profile
 
-    def argument_bytes(self) -> dict:
-        """Predicted bytes per device of the program's arguments, by kind (and "total"), from the shardings
-        they arrive in: what ``memory_analysis().argument_size_in_bytes`` counts."""
+    def argument_bytes(self, host: bool = False) -> dict:
+        """Predicted bytes per device of the program's arguments in device memory (host=True: in host memory),
+        by kind (and "total"), from the shardings they arrive in: what ``memory_analysis()`` counts as
+        ``argument_size_in_bytes`` (``host_argument_size_in_bytes``; XLA:CPU counts both as the first)."""
         out: dict = collections.Counter()
         for v in self.inputs:
+            if v.host != host:
+                continue
             local = [-(-n // math.prod(self.mesh.get(a, 1) for a in axes))
                      for n, axes in zip(v.shape, v.boundary.dims + ((),) * (len(v.shape) - len(v.boundary.dims)))]
             out[self.kind_of(v.name)] += math.prod(local) * _itemsize(v.dtype)
@@ -164,17 +168,23 @@ class Report:
         """Record XLA's memory_analysis() of the compiled program this report describes."""
         m = compiled.memory_analysis()
         self.compiled_memory = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in MEMORY_FIELDS}
+        self.compiled_memory.update({k: v for k in HOST_MEMORY_FIELDS if (v := int(getattr(m, f"{k}_size_in_bytes")))})
         return self
 
     @property
     def memory(self) -> dict:
-        """{"predicted": argument bytes per device by kind, "compiled": memory_analysis() (or None)}."""
-        return {"predicted": self.argument_bytes(), "compiled": self.compiled_memory}
+        """{"predicted": device argument bytes per device by kind, "predicted_host": the same in host memory,
+        "compiled": memory_analysis() (or None)}."""
+        return {"predicted": self.argument_bytes(), "predicted_host": self.argument_bytes(host=True),
+                "compiled": self.compiled_memory}
 
     def _memory_line(self) -> str:
-        pred = self.argument_bytes()
+        pred, host = self.argument_bytes(), self.argument_bytes(host=True)
         text = "memory per device: arguments " + ", ".join(
             f"{k} {_fmt_bytes(v)}" for k, v in pred.items() if k != "total") + f" = {_fmt_bytes(pred['total'])}"
+        if host["total"]:
+            text += "; in host memory " + ", ".join(
+                f"{k} {_fmt_bytes(v)}" for k, v in host.items() if k != "total") + f" = {_fmt_bytes(host['total'])}"
         if self.compiled_memory:
             text += "; compiled " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in self.compiled_memory.items())
         return text
@@ -368,6 +378,7 @@ class Report:
 
 
 MEMORY_FIELDS = ("argument", "output", "temp", "alias", "generated_code")  # memory_analysis()'s *_size_in_bytes
+HOST_MEMORY_FIELDS = ("host_argument", "host_output", "host_temp")  # recorded where XLA reports them (not zero)
 FEW_VALUES = 12  # more inputs (or outputs) than this are summarised by sharding in the compact view
 FEW_ROWS = 10  # more communicating rows than this get a line per source and collectives in the compact view
 

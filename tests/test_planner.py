@@ -168,13 +168,16 @@ def _assert_planned_equals_compiled(name: str, c: SP.Candidate) -> None:
     report = PR.explain(cfg, c, CPU)  # what the planner costs: the step on an abstract mesh
     run = PR.apply(cfg, c)
     trainer = Trainer(run, "")  # the same step on this host's 8 devices
-    state = jax.eval_shape(trainer.init_state, jax.random.key(0))
+    state = trainer.in_memory(jax.eval_shape(trainer.init_state, jax.random.key(0)))
     compiled = trainer.step_fn.lower(state, PR.abstract_batch(run)).compile()
     stats, predicted = collective_stats(compiled), report.totals()
     for kind in predicted:
         assert (predicted[kind]["count"], predicted[kind]["payload_bytes"]) == \
             (stats[kind]["count"], stats[kind]["payload_bytes"]), (c.key, kind, predicted, stats)
-    assert report.argument_bytes()["total"] == compiled.memory_analysis().argument_size_in_bytes
+    host = report.argument_bytes(host=True)["total"]
+    assert (host > 0) == c.offload
+    # XLA:CPU counts pinned_host arguments (offloaded optimizer state) with the device's: its memory is the host's
+    assert report.argument_bytes()["total"] + host == compiled.memory_analysis().argument_size_in_bytes
 
 
 SWEEP = [pytest.param(n, c, id=f"{n}-{c.key}", marks=pytest.mark.slow)
@@ -183,7 +186,9 @@ DEFAULT = [pytest.param("tiny_moe_lm", SP.Candidate((("data", 2), ("expert", 4))
                         id="tiny_moe_lm-data2.expert4-zero1-m2"),
            pytest.param("tiny_dense_lm", SP.Candidate((("stage", 2), ("z", 2), ("x", 2)), zero_stage=1,
                                                        microbatches=4, schedule="1f1b"),
-                        id="tiny_dense_lm-stage2.z2.x2-1f1b", marks=pytest.mark.slow)]
+                        id="tiny_dense_lm-stage2.z2.x2-1f1b", marks=pytest.mark.slow),
+           pytest.param("tiny_dense_lm", SP.Candidate((("data", 4), ("y", 2)), zero_stage=1, offload=True),
+                        id="tiny_dense_lm-data4.y2-zero1-offload", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("name,c", DEFAULT + SWEEP)
@@ -314,3 +319,32 @@ def test_the_formula_is_within_1_5x_of_the_planned_communication_on_gpt_40b():
     for r in a.ranked:
         assert 1 / 1.5 <= r.formula_comm / r.estimate.comm_total <= 1.5, (r.candidate.key, r.formula_comm,
                                                                           r.estimate.comm_total)
+
+
+def test_a_budget_nothing_fits_without_offload_plans_offloaded_candidates():
+    """Below every candidate's device memory, the planner offloads the optimizer state where that fits: the
+    ranked candidates all offload, their planned host bytes are the partitioner's, their device bytes fit, and
+    the same candidates kept on the device were rejected over memory. The host transfer is in the step."""
+    cfg = _config("tiny_dense_lm")
+    shape = SP.model_shape(cfg)
+    every = [SP.Candidate(SP.orders(sizes)[0], **f) for sizes in SP.factorizations(8, SP.AXES)
+             if not SP.mesh_reason(shape, sizes) for f, reason in SP.options(shape, sizes) if reason is None]
+    least = min(E.memory(shape, c)["total"] for c in every)  # the least any candidate needs on the device
+    least_off = min(E.memory(shape, dataclasses.replace(c, offload=True))["total"] for c in every)
+    assert least_off < least
+    budget = (least + least_off) / 2
+    tight = plan(cfg, 8, CPU, memory_gb=budget / 2**30, top=2, verify=2)
+    assert tight.ranked and all(r.candidate.offload for r in tight.ranked)
+    assert all(r.candidate.offload for r in tight.screened)
+    best = tight.ranked[0]
+    mem = best.estimate.memory
+    assert best.estimate.source == "partitioner" and mem["total"] <= budget
+    report = PR.explain(cfg, best.candidate, CPU)
+    assert mem["host_optimizer"] == report.argument_bytes(host=True)["optimizer"] > 0
+    assert best.estimate.comm["host-transfer[optimizer]"] == pytest.approx(2 * mem["host_optimizer"] /
+                                                                           CPU.host_bandwidth)
+    kept = dataclasses.replace(best.candidate, offload=False)
+    assert any(k == kept.key and kind == "over memory" for k, kind, _ in tight.rejected)
+    assert "offload" in best.candidate.key and "--config.train.offload_optimizer=True" in best.candidate.overrides()
+    no_host = dataclasses.replace(CPU, host_memory_gib=0.0)  # a profile without host memory offloads nothing
+    assert not plan(cfg, 8, no_host, memory_gb=budget / 2**30, top=2, verify=0).screened

@@ -196,7 +196,8 @@ def bubble(c: Candidate) -> float:
 
 
 def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
-    """Bytes per device by kind: params, gradients, optimizer, activations, transient, logits."""
+    """Bytes per device by kind: params, gradients, optimizer, activations, transient, logits; offloaded, the
+    optimizer's are host_optimizer's, and the device's peak adds update_stream (`offloaded`)."""
     s = c.sizes
     p, d, z, e, y, x = (s[a] for a in ("stage", "data", "z", "expert", "y", "x"))
     b, m = shape.param_bytes, c.microbatches
@@ -225,8 +226,29 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
         per_layer = (shape.layer_params + shape.expert_params / e) / (shape.layers * y * x)
         out["transient"] = per_layer * b
     out["logits"] = tokens_mb * shape.vocab / y * 4
-    out["total"] = sum(out.values())
+    if c.offload:
+        offloaded(out, out.pop("optimizer"))
+    out["total"] = device_total(out)
     return out
+
+
+def offloaded(mem: dict, host_bytes: float) -> None:
+    """mem (bytes per device by kind) with the optimizer state in host memory (`host_optimizer`): between steps
+    the device holds none of it; the update streams it through the device after the backward has freed the
+    activations, so only what exceeds them (`update_stream`) adds to the device's peak."""
+    mem["optimizer"] = 0.0
+    mem["host_optimizer"] = host_bytes
+    mem["update_stream"] = max(0.0, host_bytes - mem["activations"] - mem["transient"] - mem["logits"])
+
+
+def device_total(mem: dict) -> float:
+    """Device bytes of a memory dict: every kind but the total and those in host memory."""
+    return sum(v for k, v in mem.items() if k != "total" and not k.startswith("host_"))
+
+
+def host_transfer_s(hw: Hardware, c: Candidate, mem: dict) -> float:
+    """Seconds a step spends moving an offloaded optimizer state to the device and back (counted exposed)."""
+    return 2 * mem.get("host_optimizer", 0.0) / hw.host_bandwidth if c.offload else 0.0
 
 
 @dataclasses.dataclass
@@ -271,6 +293,10 @@ def combine(hw: Hardware, c: Candidate, compute: float, comms: Sequence[Comm], m
             if key is None:
                 key = _KEYS[cm[:2]] = f"{cm.kind}[{','.join(cm.axes)}]"
             by[key] = by.get(key, 0.0) + t
+    host = host_transfer_s(hw, c, mem)
+    if host:
+        by["host-transfer[optimizer]"] = host
+        exposed = None if exposed is None else exposed + host
     frac = bubble(c)
     idle = compute * frac / (1 - frac) if frac < 1 else math.inf
     total = sum(by.values())

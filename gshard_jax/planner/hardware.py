@@ -38,6 +38,8 @@ class Hardware:
     # no upper bound. The first row that contains (inner product, group size) applies.
     table: tuple = ()
     source: str = ""  # where the figures come from
+    host_bandwidth: float = 25 * GB  # bytes/s one device moves to or from host memory (PCIe): offloaded state
+    host_memory_gib: float = 0.0  # host memory per device for offloaded optimizer state (0: no offload)
 
     def table_bandwidth(self, ip: int, size: int) -> Optional[float]:
         """bytes/s the table gives a group of `size` devices `ip` apart, None without an entry."""
@@ -84,23 +86,28 @@ def axes_bandwidth(hw: Hardware, order: tuple[tuple[str, int], ...], axes: tuple
 PROFILES: dict[str, Hardware] = {h.name: h for h in (
     Hardware("cpu-simulation", "cpu", devices_per_node=8, peak_flops=50e9, efficiency=0.5, memory_gib=2.0,
              intra_bandwidth=10 * GB, inter_bandwidth=10 * GB, latency=20e-6, overlap=False,
-             source="this project's simulated CPU devices: one host, collectives run between matmuls"),
+             source="this project's simulated CPU devices: one host, collectives run between matmuls",
+             host_bandwidth=10 * GB, host_memory_gib=2.0),
     Hardware("h100-8", "gpu", devices_per_node=8, peak_flops=989e12, efficiency=0.5, memory_gib=80.0,
              intra_bandwidth=450 * GB, inter_bandwidth=400 * GB, latency=10e-6, overlap=True,
-             source="8 H100 SXM per node, NVLink 4 (450 GB/s per direction per GPU), 8 x 400 Gb/s InfiniBand"),
+             source="8 H100 SXM per node, NVLink 4 (450 GB/s per direction per GPU), 8 x 400 Gb/s InfiniBand; "
+                    "PCIe 5 x16 to 2 TB of host memory", host_bandwidth=50 * GB, host_memory_gib=200.0),
     Hardware("perlmutter-a100", "gpu", devices_per_node=4, peak_flops=312e12, efficiency=0.5, memory_gib=40.0,
              intra_bandwidth=76 * GB, inter_bandwidth=100 * GB, latency=10e-6, overlap=True,
              table=((1, 1, 2, 2, 76.0), (1, 1, 4, 4, 225.0), (1, 1, 8, 0, 80.0), (2, 2, 2, 2, 76.0),
                     (2, 2, 4, 0, 40.0), (4, 0, 1, 0, 20.0)),
-             source="Perlmutter: 4 A100 40GB per node, NVLink 3, 4 x 200 Gb/s Slingshot; AxoNN's measured table"),
+             source="Perlmutter: 4 A100 40GB per node, NVLink 3, 4 x 200 Gb/s Slingshot; AxoNN's measured table; "
+                    "PCIe 4 x16 to 256 GB of host memory", host_bandwidth=25 * GB, host_memory_gib=60.0),
     Hardware("tpu-v3", "tpu", devices_per_node=2048, peak_flops=61.5e12, efficiency=0.5, memory_gib=16.0,
              intra_bandwidth=70 * GB, inter_bandwidth=70 * GB, latency=5e-6, overlap=True,
              source="TPU v3 cores (2 per chip, 123 TFLOP/s bf16 per chip, 16 GiB HBM per core); a pod's 2D "
-                    "torus ICI is one level"),
+                    "torus ICI is one level; about 40 GiB of host memory per core over PCIe 3",
+             host_bandwidth=10 * GB, host_memory_gib=40.0),
     Hardware("aurora-pvc", "gpu", devices_per_node=12, peak_flops=419e12, efficiency=0.4, memory_gib=64.0,
              intra_bandwidth=100 * GB, inter_bandwidth=200 * GB, latency=10e-6, overlap=True,
              source="Aurora: 6 Max 1550 GPUs of 2 tiles per node (12 tiles, 64 GiB each), Xe Link, "
-                    "8 x 200 Gb/s Slingshot"),
+                    "8 x 200 Gb/s Slingshot; PCIe 5 per GPU shared by its 2 tiles, 1 TB of DDR5 per node",
+             host_bandwidth=25 * GB, host_memory_gib=80.0),
 )}
 
 

@@ -28,7 +28,7 @@ from .space import AXES, Candidate
 
 def apply(cfg: ml_collections.ConfigDict, c: Candidate) -> ml_collections.ConfigDict:
     """A copy of cfg that runs candidate c (mesh sizes and order, ZeRO, EPSO, microbatches, schedule, remat,
-    sequence parallelism)."""
+    sequence parallelism, optimizer offload)."""
     out = copy.deepcopy(cfg)
     for a in AXES:
         out.mesh[a] = c.size(a)
@@ -37,6 +37,7 @@ def apply(cfg: ml_collections.ConfigDict, c: Candidate) -> ml_collections.Config
     out.train.zero_stage, out.train.epso, out.train.microbatches = c.zero_stage, c.epso, c.microbatches
     out.model.remat = c.remat
     out.model.sequence_parallel = c.sequence_parallel
+    out.train.offload_optimizer = c.offload
     if c.schedule != "none":
         out.pipeline.schedule, out.pipeline.repeats = c.schedule, c.repeats
     return out
@@ -75,6 +76,7 @@ def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware, trace_pe
     trainer = Trainer(run, "", mesh=abstract_mesh(c))
     if state is None:
         state = jax.eval_shape(trainer.init_state, jax.random.key(0))
+    state = trainer.in_memory(state)
     batch = abstract_batch(run)
     report = gs.explain(trainer.train_step, trainer.mesh, state, batch,
                         in_shardings=(trainer.state_specs, trainer.batch_spec),
@@ -97,7 +99,8 @@ ORDERS_SCHEDULED = 3  # axis orders, fastest by communication, whose step is lis
 
 
 def plan_one(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware) -> tuple[list[Comm], dict, dict]:
-    """Candidate c planned: (its collectives per step, its argument bytes by kind, the seconds of communication
+    """Candidate c planned: (its collectives per step, its argument bytes by kind (host_KIND: in host memory),
+    the seconds of communication
     its step leaves exposed per axis order). Every order of its axes is costed by its communication; the
     ORDERS_SCHEDULED fastest are list-scheduled on hw. A top-level function, so a worker process can run it
     for the planner."""
@@ -110,7 +113,9 @@ def plan_one(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware) -> tupl
     compute = E.compute_time(SP.model_shape(cfg), c, hw, math.prod(c.sizes.values()))
     by_comm = sorted(SP.orders(c.sizes), key=lambda o: E.combine(
         hw, dataclasses.replace(c, mesh=o), compute, found, {}).comm_total)
-    return found, report.argument_bytes(), {o: exposed(report, hw, o, compute) for o in by_comm[:ORDERS_SCHEDULED]}
+    args = dict(report.argument_bytes(), **{f"host_{k}": v for k, v in report.argument_bytes(host=True).items()
+                                            if k != "total"})
+    return found, args, {o: exposed(report, hw, o, compute) for o in by_comm[:ORDERS_SCHEDULED]}
 
 
 def exposed(report: Any, hw: Hardware, order: tuple, compute: float) -> float:

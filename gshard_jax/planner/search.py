@@ -284,10 +284,14 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
                 if mem["total"] > budget:
                     rejected.append((c, "over memory", f"over memory by {(mem['total'] - budget) / GiB:.2f} GiB "
                                      f"({mem['total'] / GiB:.2f} GiB per device, formula)"))
-                    continue
-                fit.add(same)
-                if fewer is not None:
-                    fit.add(fewer)
+                    c = _offloaded(shape, c, hardware, budget, rejected)  # it may fit with its optimizer on the host
+                    if c is None:
+                        continue
+                    mem = E.memory(shape, c)
+                else:
+                    fit.add(same)
+                    if fewer is not None:
+                        fit.add(fewer)
                 compute = E.compute_time(shape, c, hardware, devices)
                 best = None
                 # screened as the better of the twins (both are planned); without stages the formula gives
@@ -328,6 +332,21 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
             out.ranked = out.ranked[:top] if top else out.ranked
     out.seconds = time.perf_counter() - start
     return out
+
+
+def _offloaded(shape: SP.ModelShape, c: SP.Candidate, hw: Hardware, budget: float, rejected: list):
+    """c with its optimizer state in host memory when that fits both memories, else None (rejected)."""
+    if not hw.host_memory_gib:
+        return None
+    off = dataclasses.replace(c, offload=True)
+    mem = E.memory(shape, off)
+    host = hw.host_memory_gib * GiB
+    if mem["total"] > budget or mem["host_optimizer"] > host:
+        over = (f"{(mem['total'] - budget) / GiB:.2f} GiB of device memory" if mem["total"] > budget else
+                f"{(mem['host_optimizer'] - host) / GiB:.2f} GiB of host memory")
+        rejected.append((off, "over memory", f"over memory by {over} with the optimizer state offloaded (formula)"))
+        return None
+    return off
 
 
 def kept_meshes(shape: SP.ModelShape, devices: int, hw: Hardware, grids: int = 3) -> list[dict]:
@@ -406,10 +425,15 @@ def _verify(cfg, shape, screened: list[Ranked], count: int, hw: Hardware, budget
             mem = dict(r.estimate.memory)
             mem["params"], mem["optimizer"] = args.get("params", 0), args.get("optimizer", 0)
             mem["batch"] = args.get("batch", 0) + args.get("step", 0)  # the rest of the step's arguments
-            mem["total"] = sum(v for k, v in mem.items() if k != "total")
-            if mem["total"] > budget:
-                rejected.append((c.key, "over memory", f"over memory by {(mem['total'] - budget) / GiB:.2f} GiB "
-                                 f"({mem['total'] / GiB:.2f} GiB per device, planned)"))
+            if c.offload:
+                E.offloaded(mem, args.get("host_optimizer", 0))
+            mem["total"] = E.device_total(mem)
+            host = hw.host_memory_gib * GiB
+            if mem["total"] > budget or mem.get("host_optimizer", 0) > host:
+                over = (f"{(mem['total'] - budget) / GiB:.2f} GiB ({mem['total'] / GiB:.2f} GiB per device" if
+                        mem["total"] > budget else f"{(mem['host_optimizer'] - host) / GiB:.2f} GiB of host memory "
+                        f"({mem['host_optimizer'] / GiB:.2f} GiB per device")
+                rejected.append((c.key, "over memory", f"over memory by {over}, planned)"))
                 continue
             cand, est = _best_order(c, comms, r.estimate.compute, mem, hw, exposed)
             # the formula's communication in the order the planned step takes (what it is checked against)

@@ -105,6 +105,7 @@ class Candidate:
     repeats: int = 1
     remat: str = "none"
     sequence_parallel: bool = False  # the residual stream split over y between its layers (planned as a twin)
+    offload: bool = False  # optimizer state in host memory (tried where the candidate does not fit without it)
 
     def __post_init__(self):  # sizes are read for every candidate screened: computed once
         sizes = dict.fromkeys(AXES, 1)
@@ -122,7 +123,7 @@ class Candidate:
     def order_key(self) -> tuple:
         """A total order of candidates (ties in the ranking are broken by it: deterministic)."""
         return (self.mesh, self.zero_stage, self.epso, self.microbatches, self.schedule, self.repeats, self.remat,
-                self.sequence_parallel)
+                self.sequence_parallel, self.offload)
 
     @property
     def batch_shards(self) -> int:
@@ -141,6 +142,8 @@ class Candidate:
         parts.append(f"remat={self.remat}")
         if self.sequence_parallel:
             parts.append("sp")
+        if self.offload:
+            parts.append("offload")
         return " ".join(parts)
 
     def overrides(self) -> list[str]:
@@ -149,7 +152,8 @@ class Candidate:
         out += ["--config.mesh.model=1", f"--config.mesh_order={','.join(a for a, _ in self.mesh)}",
                 f"--config.train.zero_stage={self.zero_stage}", f"--config.train.epso={self.epso}",
                 f"--config.train.microbatches={self.microbatches}", f"--config.model.remat={self.remat}",
-                f"--config.model.sequence_parallel={self.sequence_parallel}"]
+                f"--config.model.sequence_parallel={self.sequence_parallel}",
+                f"--config.train.offload_optimizer={self.offload}"]
         if self.schedule != "none":
             out += [f"--config.pipeline.schedule={self.schedule}", f"--config.pipeline.repeats={self.repeats}"]
         return out
@@ -158,7 +162,7 @@ class Candidate:
         return {"key": self.key, "mesh": dict(self.mesh), "mesh_order": [a for a, _ in self.mesh],
                 "zero_stage": self.zero_stage, "epso": self.epso, "microbatches": self.microbatches,
                 "schedule": self.schedule, "repeats": self.repeats, "remat": self.remat,
-                "sequence_parallel": self.sequence_parallel}
+                "sequence_parallel": self.sequence_parallel, "offload": self.offload}
 
 
 def divisors(n: int) -> list[int]:

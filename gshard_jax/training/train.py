@@ -173,6 +173,12 @@ class Trainer:
                                             self.layout.optimizer)
         if self.mixed:
             opt_specs = {"master": self.layout.optimizer, "adam": opt_specs}
+        self.offload = bool(t.get("offload_optimizer", False))
+        if self.offload:
+            check_host_memory(self.mesh)
+            opt_specs = jax.tree.map(lambda s: NamedSharding(self.mesh, s, memory_kind=HOST_MEMORY), opt_specs,
+                                     is_leaf=lambda x: isinstance(x, P))
+        # As partition takes them: PartitionSpecs, and the offloaded optimizer state's NamedShardings in host memory.
         self.state_specs = {"params": self.layout.stored, "opt_state": opt_specs, "step": P()}
         self.step_outs = (self.state_specs, P())  # the train step's: the metrics replicated, read by every process
         self.batch_spec = P(*batch_spec)
@@ -207,7 +213,28 @@ class Trainer:
         if self.mixed:
             opt_state = {"master": params, "adam": opt_state}
             params = jax.tree.map(lambda p: p.astype(self.model.cfg.compute_dtype), params)
-        return {"params": params, "opt_state": opt_state, "step": jnp.zeros([], jnp.int32)}
+        return self._stored({"params": params, "opt_state": opt_state, "step": jnp.zeros([], jnp.int32)})
+
+    def in_memory(self, state: Any) -> Any:
+        """Abstract state (ShapeDtypeStructs, jax.eval_shape's) with the offloaded optimizer state's leaves in
+        host memory, as the step receives them."""
+        if not self.offload:
+            return state
+        opt = jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                           self.state_specs["opt_state"], state["opt_state"],
+                           is_leaf=lambda x: isinstance(x, NamedSharding))
+        return dict(state, opt_state=opt)
+
+    def _loaded(self, state: dict) -> dict:
+        """The state with its optimizer state in device memory (from host memory under offload_optimizer): the
+        step streams it through the device."""
+        return dict(state, opt_state=jax.device_put(state["opt_state"], jax.memory.Space.Device)) \
+            if self.offload else state
+
+    def _stored(self, state: dict) -> dict:
+        """The state as it is kept between steps: the optimizer state back in host memory under offload."""
+        return dict(state, opt_state=jax.device_put(state["opt_state"], jax.memory.Space.Host)) \
+            if self.offload else state
 
     def gradients(self, params: Any, batch: dict, step: jax.Array) -> tuple[jax.Array, dict, Any, jax.Array]:
         """(loss, metrics, float32 gradients reduced to the layout's gradient spec, non-finite rows per batch
@@ -250,6 +277,10 @@ class Trainer:
         return value, m, sharded.constrain(g, lo.gradients), bad_S
 
     def update(self, state: dict, grads: Any) -> dict:
+        """The optimizer step as a function of its own (the "update" partitioned function)."""
+        return self._stored(self._update(self._loaded(state), grads))
+
+    def _update(self, state: dict, grads: Any) -> dict:
         """The optimizer step: float32 gradients (in the layout's gradient spec) -> the next state. The moments
         (and master weights) are updated where they are sharded; the new params are gathered to their spec."""
         lo = self.layout
@@ -271,13 +302,14 @@ class Trainer:
             batch = dict(batch, weights=optim.goldfish_weights(batch["inputs"], t.goldfish_k, t.goldfish_h))
         value, m, grads, bad_S = self.gradients(state["params"], batch, step)
         grad_norm = optax.tree.norm(grads)
-        new = self.update(state, grads)
+        state = self._loaded(state)
+        new = self._update(state, grads)
         ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
         if t.nan_policy == "skip":
             new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, dict(state, step=step))
         out = {"loss": value, "grad_norm": grad_norm, "learning_rate": self.schedule(step - 1), "finite": ok,
                "nonfinite_rows": bad_S, **m}
-        return new, out
+        return self._stored(new), out
 
     def eval_step(self, params: Any, batch: dict) -> jax.Array:
         return loss_fn(self.eval_model, params, batch)[1]["cross_entropy"]
@@ -320,7 +352,8 @@ class Trainer:
                     else move_opt(o)
             return out
         specs = self.state_specs if "opt_state" in tree else {"params": self.layout.stored}
-        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+        shardings = jax.tree.map(lambda s: s if isinstance(s, NamedSharding) else NamedSharding(self.mesh, s), specs,
+                                 is_leaf=lambda x: isinstance(x, (P, NamedSharding)))
         log.info("checkpoint layer order %s re-laid to %s", src, self.layer_order)
         return jax.jit(relay, out_shardings=shardings)(tree)
 
@@ -330,6 +363,22 @@ class Trainer:
     def evaluate(self, tokens: data.TokenData, params: Any) -> float:
         losses = [self.eval_fn(params, self.batch(tokens, "eval", i)) for i in range(self.cfg.train.eval_batches)]
         return float(np.mean([float(x) for x in losses]))
+
+
+HOST_MEMORY = "pinned_host"  # the memory kind an offloaded optimizer state lives in
+
+
+def check_host_memory(mesh) -> None:
+    """train.offload_optimizer needs a pinned_host memory on the mesh's devices (an AbstractMesh, which the
+    planner explains, has no devices to ask)."""
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        return
+    device = mesh.devices.flat[0]
+    kinds = sorted(m.kind for m in device.addressable_memories())
+    if HOST_MEMORY not in kinds:
+        raise ValueError(f"train.offload_optimizer=True keeps the optimizer state in {HOST_MEMORY!r} memory, but "
+                         f"{device.platform} device {device.id} has only {kinds}; set "
+                         f"--config.train.offload_optimizer=false, or shard the state instead (train.zero_stage=1)")
 
 
 def state_kind(name: str) -> str:
