@@ -1,7 +1,15 @@
 """The train step on whatever accelerators are present: our partitioner against XLA's, with XLA:GPU's overlap
 flags (training.train.OVERLAP_FLAGS) on and off.
 
-    python benchmarks/gpu.py [--steps 10] [--cases tiny_moe_lm,tiny_dense_lm,mula_1b,tiny_moe_lm_dropless]
+    python benchmarks/gpu.py [--steps 10] [--cases tiny_moe_lm,tiny_dense_lm,mula_1b,tiny_moe_lm_dropless,...]
+    benchmarks/gpu.sh [STEPS]      # every case, flags on and off
+
+tiny_moe_lm_dropless puts the devices on the expert axis and exchanges tokens with ragged all-to-all (XLA:CPU
+cannot compile it); tiny_dense_lm_tp puts them on y (tensor and sequence parallel), where collective matmul
+"auto" may run the all-gathers and reduce-scatters beside their matmuls as rings of collective-permutes (on an
+H100 profile it does on 2 devices, not on 4 at this width). Each row counts the
+ragged all-to-alls and collective-permutes in both compiled steps, so what ran is shown. Both need two or more
+devices to communicate at all.
 
 Each case runs in a fresh process per flag setting (XLA reads XLA_FLAGS once, when its backend starts). A row:
 median step ms of each backend (timed alternately in one process), ours/xla, tokens/s per device and MFU of our
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -23,11 +32,22 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXPERIMENTS = os.path.join(HERE, "..", "experiments")
 
+def _on(axis: str, most: int) -> dict:
+    """Mesh overrides putting the largest divisor of the device count up to `most` on `axis`, the rest on data."""
+    def size(n: int) -> int:
+        return max(d for d in range(1, min(n, most) + 1) if n % d == 0 and most % d == 0)
+    return {"mesh.data": lambda n: n // size(n), f"mesh.{axis}": size, "mesh.expert": lambda n: size(n) if
+            axis == "expert" else 1}
+
+
 # case: (experiment file, config overrides {dotted key: value, or a function of the device count}).
 CASES = {
     "tiny_moe_lm": ("tiny_moe_lm.py", {}),
     "tiny_dense_lm": ("tiny_dense_lm.py", {}),
-    "tiny_moe_lm_dropless": ("tiny_moe_lm.py", {"model.moe.dispatch": "dropless", "model.moe.exchange": "ragged"}),
+    "tiny_moe_lm_dropless": ("tiny_moe_lm.py", {"model.moe.dispatch": "dropless", "model.moe.exchange": "ragged",
+                                                **_on("expert", 8)}),  # 8 experts
+    # 4 heads; sequence parallel, so the matmuls' all-gathers and reduce-scatters may run as rings
+    "tiny_dense_lm_tp": ("tiny_dense_lm.py", {"model.sequence_parallel": True, **_on("y", 4)}),
     "mula_1b": ("mula_1b.py", {"train.batch_size": lambda n: 4 * n, "train.seq_len": 2048}),
 }
 
@@ -88,9 +108,12 @@ def child(args) -> dict:
     cfg = configure(args.child, jax.device_count(), args.hardware, args.set)
     with tempfile.TemporaryDirectory() as workdir:
         trainer, state, batch = train.first_step(cfg, workdir)
-    compiled, memory, losses = {}, {}, {}
+    compiled, memory, losses, ops = {}, {}, {}, {}
     for backend in ("gshard", "xla"):
         compiled[backend] = trainer.partitioned("train", backend).lower(state, batch).compile()
+        text = compiled[backend].as_text()
+        ops[backend] = {op: len(re.findall(rf"\s{op}(?:-start)?\(", text))  # instructions, not their names
+                        for op in ("ragged-all-to-all", "collective-permute")}
         m = compiled[backend].memory_analysis()
         memory[backend] = int(m.argument_size_in_bytes + m.temp_size_in_bytes)
         losses[backend] = float(compiled[backend](state, batch)[1]["loss"])
@@ -107,7 +130,10 @@ def child(args) -> dict:
             "mfu": model_flops_per_token(cfg) * tokens_per_s_dev / peak_flops(cfg),
             "ours_memory_bytes": memory["gshard"], "xla_memory_bytes": memory["xla"],
             "peak_bytes_in_use": int(stats.get("peak_bytes_in_use", 0)), "peak_flops": peak_flops(cfg),
-            "loss_diff": abs(losses["gshard"] - losses["xla"])}
+            "loss_diff": abs(losses["gshard"] - losses["xla"]),
+            "ours_ragged_all_to_all": ops["gshard"]["ragged-all-to-all"], "xla_ragged_all_to_all":
+            ops["xla"]["ragged-all-to-all"], "ours_permutes": ops["gshard"]["collective-permute"],
+            "xla_permutes": ops["xla"]["collective-permute"]}
 
 
 def run_case(name: str, flags: str, args) -> dict:
@@ -125,7 +151,8 @@ def run_case(name: str, flags: str, args) -> dict:
 
 def format_rows(rows: list[dict]) -> str:
     lines = [f"{'case':<22} {'flags':<5} {'ours ms':>8} {'xla ms':>8} {'ours/xla':>8} {'tok/s/dev':>10} "
-             f"{'MFU':>6} {'ours mem':>10} {'xla mem':>10} {'peak mem':>10} {'|dloss|':>8}"]
+             f"{'MFU':>6} {'ours mem':>10} {'xla mem':>10} {'peak mem':>10} {'|dloss|':>8} {'ragged':>7} "
+             f"{'permutes':>9}"]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['case']:<22} {r['flags']:<5} failed: {r['error']}")
@@ -134,12 +161,14 @@ def format_rows(rows: list[dict]) -> str:
                      f"{r['ours_ms'] / r['xla_ms']:>8.2f} {r['tokens_per_s_per_device']:>10,.0f} "
                      f"{100 * r['mfu']:>5.1f}% {r['ours_memory_bytes'] / 2**20:>8.1f}Mi "
                      f"{r['xla_memory_bytes'] / 2**20:>8.1f}Mi {r['peak_bytes_in_use'] / 2**20:>8.1f}Mi "
-                     f"{r['loss_diff']:>8.1e}")
+                     f"{r['loss_diff']:>8.1e} {r['ours_ragged_all_to_all']:>3}/{r['xla_ragged_all_to_all']:<3} "
+                     f"{r['ours_permutes']:>4}/{r['xla_permutes']:<4}")
     ok = [r for r in rows if "error" not in r]
     if ok:
         lines.append(f"{ok[0]['devices']} x {ok[0]['device_kind']}, jax {ok[0]['jax']}, mesh per case as "
                      f"configured or all on data; MFU against the {ok[0]['hardware']} profile's peak "
-                     f"({ok[0]['peak_flops'] / 1e12:.0f} TFLOP/s)")
+                     f"({ok[0]['peak_flops'] / 1e12:.0f} TFLOP/s); ragged and permutes: the ragged "
+                     f"all-to-alls and collective-permutes of each compiled step, ours/xla")
     for case in dict.fromkeys(r["case"] for r in ok):
         on = [r for r in ok if r["case"] == case and r["flags"] == "on"]
         off = [r for r in ok if r["case"] == case and r["flags"] == "off"]

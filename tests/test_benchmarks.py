@@ -16,9 +16,9 @@ RUNS = {
     "annotation_forms.py": ([], "with_sharding_constraint"),
     "checkpoint_io.py": (TINY + ["--processes", "1"] + SMALL_MODEL, "restored equal: True"),
     "collective_matmul.py": (["--d-model", "64", "--seq", "64", "--steps", "1"], "bidirectional"),
-    "gpu.py": (["--cpu-devices", "1", "--steps", "1", "--cases", "tiny_dense_lm", "--flags", "on", "--set",
+    "gpu.py": (["--cpu-devices", "4", "--steps", "1", "--cases", "tiny_dense_lm_tp", "--flags", "on", "--set",
                 "model.num_layers=1"],
-               "tiny_dense_lm"),
+               "permutes"),
     "lm1b_style.py": ([], "xla"),
     "moe_dropless.py": (["--steps", "1", "--tokens", "256"], "dropless"),
     "partition_scaling.py": (["--layers", "1", "--repeats", "1", "--compile-repeats", "1", "--no-compile"], "partition s"),
@@ -44,3 +44,18 @@ def test_benchmark_runs_at_its_smallest_size(script):
                        text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert expect in p.stdout, p.stdout[-3000:]
+
+
+def test_the_one_command_gpu_benchmark_runs_every_case():
+    """benchmarks/gpu.sh names every case of benchmarks/gpu.py (the dropless one cannot compile on XLA:CPU, so
+    the script itself runs where GPUs are)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import gpu
+    finally:
+        sys.path.pop(0)
+    with open(os.path.join(ROOT, "benchmarks", "gpu.sh")) as f:
+        script = f.read()
+    listed = next(line for line in script.splitlines() if "--cases" in line).split("--cases")[1].split()[0]
+    assert sorted(listed.split(",")) == sorted(gpu.CASES)
+    assert os.access(os.path.join(ROOT, "benchmarks", "gpu.sh"), os.X_OK)

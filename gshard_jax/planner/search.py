@@ -84,7 +84,9 @@ class Plan:
             ("zero", a.candidate.zero_stage, b.candidate.zero_stage),
             ("microbatches", a.candidate.microbatches, b.candidate.microbatches),
             ("schedule", a.candidate.schedule, b.candidate.schedule),
-            ("remat", a.candidate.remat, b.candidate.remat)) if v != w]
+            ("remat", a.candidate.remat, b.candidate.remat),
+            ("sequence parallel", a.candidate.sequence_parallel, b.candidate.sequence_parallel),
+            ("offload", a.candidate.offload, b.candidate.offload)) if v != w]
         parts = {"compute": (a.estimate.compute, b.estimate.compute),
                  "bubble": (a.estimate.bubble, b.estimate.bubble),
                  "overlap": (-a.estimate.overlap, -b.estimate.overlap)}
@@ -102,6 +104,10 @@ class Plan:
         ma, mb = a.estimate.memory["total"], b.estimate.memory["total"]
         lines.append(f"  memory: {ma / GiB:.2f} GiB against {mb / GiB:.2f} GiB per device "
                      f"(budget {self.memory_budget / GiB:.1f} GiB)")
+        ha, hb = (x.estimate.memory.get("host_optimizer", 0.0) for x in (a, b))
+        if ha or hb:
+            lines.append(f"  host memory: {ha / GiB:.2f} GiB against {hb / GiB:.2f} GiB per device (offloaded "
+                         f"optimizer state; {self.hardware.host_memory_gib:.0f} GiB available)")
         return lines
 
     def best_against(self, r: Ranked) -> list[str]:
