@@ -6,10 +6,9 @@ flags (training.train.OVERLAP_FLAGS) on and off.
 
 tiny_moe_lm_dropless puts the devices on the expert axis and exchanges tokens with ragged all-to-all (XLA:CPU
 cannot compile it); tiny_dense_lm_tp puts them on y (tensor and sequence parallel), where collective matmul
-"auto" may run the all-gathers and reduce-scatters beside their matmuls as rings of collective-permutes (on an
-H100 profile it does on 2 devices, not on 4 at this width). Each row counts the
-ragged all-to-alls and collective-permutes in both compiled steps, so what ran is shown. Both need two or more
-devices to communicate at all.
+"auto" runs the all-gathers and reduce-scatters beside their matmuls as rings of collective-permutes where the
+cost model says they are faster. Each row counts the ragged all-to-alls and collective-permutes in both
+compiled steps, so what ran is shown. Both need two or more devices to communicate at all.
 
 Each case runs in a fresh process per flag setting (XLA reads XLA_FLAGS once, when its backend starts). A row:
 median step ms of each backend (timed alternately in one process), ours/xla, tokens/s per device and MFU of our
