@@ -384,11 +384,16 @@ def test_a_half_set_scheduler_environment_fails_before_any_work(tmp_path):
     assert not (tmp_path / "w").exists()
 
 
-def launch(workdir, data_dir, steps, *extra, processes=2, spares=1, check=True):
+def launch(workdir, data_dir, steps, *extra, processes=2, spares=1, check=True, hosts=False):
+    """`gshard-jax launch` of the small config; hosts=True: on loopback hosts 127.0.0.2, ... through an exec prefix."""
+    where = ["--hosts", f"127.0.0.[2-{1 + processes + spares}]", "--exec", "env GSHARD_TEST_HOST={host}"] * hosts
     return cli("launch", "--config", CONFIG, "--workdir", str(workdir), "--processes", str(processes),
                "--spares", str(spares), "--cpu-devices", str(8 // processes), "--hang-timeout", "20",
                "--startup-timeout", "300", f"--config.data.dir={data_dir}",
-               f"--config.train.num_steps={steps}", *SMALL, *extra, check=check, timeout=900)
+               f"--config.train.num_steps={steps}", *SMALL, *where, *extra, check=check, timeout=900)
+
+
+ON_HOSTS = pytest.mark.parametrize("hosts", [False, True], ids=["local", "hosts"])
 
 
 @pytest.mark.slow  # starts two training processes
@@ -467,14 +472,15 @@ def test_launch_replaces_a_dead_node_with_a_spare_and_loses_nothing(data_dir, tm
 
 
 @pytest.mark.slow  # starts three training attempts
-def test_launch_names_a_soft_failure_by_process_and_replaces_its_node(data_dir, tmp_path, run24):
+@ON_HOSTS
+def test_launch_names_a_soft_failure_by_process_and_replaces_its_node(data_dir, tmp_path, run24, hosts):
     """Node 1's backward turns NaN at step 6 (loss finite, gradients not): the step halts naming process 1
     and its devices, the supervisor puts the spare in its place, and the run ends with the losses of the run
     that never failed. The same NaN on every node (a poisoned loss) is not a node's fault: the run stops."""
     from gshard_jax.training import launch as L
     run = tmp_path / "run"
     launch(run, data_dir, 8, "--config.debug.soft_fail_process=1", "--config.debug.soft_fail_at_step=6",
-           "--config.train.decay_steps=24", "--config.train.async_checkpoints=false")
+           "--config.train.decay_steps=24", "--config.train.async_checkpoints=false", hosts=hosts)
     events = L.read(str(run))
     assert [e["event"] for e in events] == ["attempt", "failure", "replaced", "attempt", "done"], events
     failure = events[1]
@@ -489,21 +495,22 @@ def test_launch_names_a_soft_failure_by_process_and_replaces_its_node(data_dir, 
     assert sorted(got) == list(range(1, 9))
     assert [got[s] for s in range(1, 9)] == pytest.approx([x["loss"] for x in rows(run24[1])[:8]], rel=1e-5)
     everywhere = tmp_path / "everywhere"
-    p = launch(everywhere, data_dir, 8, "--config.debug.nan_at_step=6", check=False)
+    p = launch(everywhere, data_dir, 8, "--config.debug.nan_at_step=6", check=False, hosts=hosts)
     events = L.read(str(everywhere))
     assert p.returncode == 3 and [e["event"] for e in events] == ["attempt", "stopped"], events
     assert "halted on a non-finite step" in events[-1]["reason"]
 
 
 @pytest.mark.slow  # 2 minutes: the hang is waited out
-def test_launch_finds_a_hung_node_and_replaces_it(data_dir, tmp_path):
+@ON_HOSTS
+def test_launch_finds_a_hung_node_and_replaces_it(data_dir, tmp_path, hosts):
     """Node 1 stops answering at step 6 and node 0 waits in a collective: no heartbeat moves for the
     --hang-timeout, the node with the oldest step is blamed and replaced, and the run finishes."""
     from gshard_jax.training import launch as L
     whole = tmp_path / "whole"
     train(whole, data_dir, 8)
     run = tmp_path / "run"
-    launch(run, data_dir, 8, "--config.debug.fail_process=1", "--config.debug.hang_at_step=6")
+    launch(run, data_dir, 8, "--config.debug.fail_process=1", "--config.debug.hang_at_step=6", hosts=hosts)
     events = L.read(str(run))
     assert [e["event"] for e in events] == ["attempt", "failure", "replaced", "attempt", "done"], events
     assert events[1]["nodes"] == [1] and events[1]["kind"] == "hang" and "step 5" in events[1]["detail"]
@@ -513,19 +520,20 @@ def test_launch_finds_a_hung_node_and_replaces_it(data_dir, tmp_path):
 
 
 @pytest.mark.slow  # 2 minutes
-def test_launch_without_a_spare_shrinks_the_data_axis_or_stops(data_dir, tmp_path):
+@ON_HOSTS
+def test_launch_without_a_spare_shrinks_the_data_axis_or_stops(data_dir, tmp_path, hosts):
     """No spare: with mesh.data = -1 the run goes on as one process of 4 devices (the data axis shrinks, the
     global batch stays); with a fixed data axis it stops and says how to go on."""
     from gshard_jax.training import launch as L
     shrunk = tmp_path / "shrunk"
     launch(shrunk, data_dir, 8, "--config.debug.fail_process=1", "--config.debug.fail_at_step=6",
-           "--config.mesh.data=-1", spares=0)
+           "--config.mesh.data=-1", spares=0, hosts=hosts)
     events = L.read(str(shrunk))
     assert [e["event"] for e in events] == ["attempt", "failure", "shrink", "attempt", "done"], events
     assert events[3]["processes"] == 1 and sorted({x["step"] for x in rows(shrunk)}) == list(range(1, 9))
     stopped = tmp_path / "stopped"
     p = launch(stopped, data_dir, 8, "--config.debug.fail_process=1", "--config.debug.fail_at_step=6",
-               spares=0, check=False)
+               spares=0, check=False, hosts=hosts)
     assert p.returncode == L.EXIT_GAVE_UP
     last = L.read(str(stopped))[-1]
     assert last["event"] == "stopped" and "--spares" in last["reason"]

@@ -239,7 +239,7 @@ def test_the_supervisor_replaces_soft_failing_nodes_once_and_stops_when_the_faul
 
     attempts = []
 
-    def one(attempt, chosen):  # process 1 goes non-finite at step 6 on whichever node runs it
+    def one(attempt, chosen, coordinator):  # process 1 goes non-finite at step 6 on whichever node runs it
         attempts.append(chosen)
         return [chosen[1]], "soft", {"step": 6, "devices": [4, 5], "message": "non-finite rows at step 6"}
     sup._one = one
