@@ -46,6 +46,7 @@ def child(args) -> None:
     train.init_devices(8 // n, f"127.0.0.1:{port}", n, i)
     import jax
     import numpy as np
+
     from gshard_jax import configs
     from gshard_jax.training import overrides
     from gshard_jax.training.checkpoints import Checkpoints, bytes_read, host_groups
@@ -113,7 +114,8 @@ def main(argv=None) -> None:
     for n in (int(x) for x in args.processes.split(",")):
         results = {s: run(args, n, s) for s in SETTINGS}
         first = results["after"][0]
-        print(f"\n{n} processes x {8 // n} devices, mesh {first['mesh']}, host groups {first['host_groups']}, zero_stage {first['zero_stage']}, "
+        print(f"\n{n} processes x {8 // n} devices, mesh {first['mesh']}, host groups {first['host_groups']}, "
+              f"zero_stage {first['zero_stage']}, "
               f"state {first['state_bytes'] / 2**20:.2f} MiB (global)")
         print(f"{'process':>8} {'written before':>15} {'written after':>14} {'read before':>12} {'read after':>11}")
         for b, a in zip(results["before"], results["after"]):

@@ -41,16 +41,15 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import gshard_jax as gs  # noqa: E402
-from gshard_jax.models import cnn, lm  # noqa: E402
 from gshard_jax import configs  # noqa: E402
-from gshard_jax.training import data  # noqa: E402
+from gshard_jax.models import cnn, lm  # noqa: E402
 from gshard_jax.models.gating import GatingConfig  # noqa: E402
 from gshard_jax.models.moe import MoeConfig, MoeFFN, expert_einsums  # noqa: E402
 from gshard_jax.models.sharding import DEFAULT_RULES  # noqa: E402
 from gshard_jax.models.transformer import loss_fn  # noqa: E402
 from gshard_jax.partitioner.hlo import collective_stats  # noqa: E402
+from gshard_jax.training import data  # noqa: E402
 from gshard_jax.training.timing import median_times  # noqa: E402
-
 
 # --------------------------------------------------------------------------- programs
 
@@ -296,14 +295,16 @@ def main():
         oc = sum(v["count"] for v in ours["stats"].values())
         xc = sum(v["count"] for v in xla["stats"].values())
         rows.append({
-            "program": name, "mesh": axes, "diff_ours": max_diff(ours["out"], ref), "diff_xla": max_diff(xla["out"], ref),
+            "program": name, "mesh": axes, "diff_ours": max_diff(ours["out"], ref),
+            "diff_xla": max_diff(xla["out"], ref),
             "collectives_ours": fmt_counts(ours["stats"]), "collectives_xla": fmt_counts(xla["stats"]),
             "count_ours": oc, "count_xla": xc, "bytes_ours": ob, "bytes_xla": xb,
             "bytes_ratio": (ob / xb) if xb else (1.0 if ob == 0 else float("inf")),
             "partition_s_ours": ours["partition_s"], "partition_s_xla": xla["partition_s"],
             "compile_s_ours": ours["compile_s"], "compile_s_xla": xla["compile_s"],
             "step_ms_ours": ours["step_s"] * 1e3, "step_ms_xla": xla["step_s"] * 1e3,
-            "step_ratio": ours["step_s"] / xla["step_s"], "count_ratio": oc / xc if xc else float(oc == 0) or float("inf"),
+            "step_ratio": ours["step_s"] / xla["step_s"],
+            "count_ratio": oc / xc if xc else float(oc == 0) or float("inf"),
             "setup_ratio": (ours["partition_s"] + ours["compile_s"]) / (xla["partition_s"] + xla["compile_s"]),
         })
         print_row(rows[-1], header=len(rows) == 1)
@@ -323,7 +324,8 @@ def print_row(r, header=False):
               f"{'ratio':>6} {'':>17} {'ratio':>6}")
     print(f"{r['program']:<28} {str(r['mesh']):<24} {r['diff_ours']:.1e}/{r['diff_xla']:.1e}    "
           f"{r['collectives_ours'] + ' | ' + r['collectives_xla']:<44} {r['bytes_ours']:>14,} {r['bytes_xla']:>10,} "
-          f"{r['bytes_ratio']:>6.2f} {r['count_ratio']:>6.2f} {r['partition_s_ours']:>6.2f}/{r['partition_s_xla']:<6.2f} "
+          f"{r['bytes_ratio']:>6.2f} {r['count_ratio']:>6.2f} "
+          f"{r['partition_s_ours']:>6.2f}/{r['partition_s_xla']:<6.2f} "
           f"{r['compile_s_ours']:>6.2f}/{r['compile_s_xla']:<6.2f} {r['setup_ratio']:>6.2f} "
           f"{r['step_ms_ours']:>8.2f}/{r['step_ms_xla']:<8.2f} {r['step_ratio']:>6.2f}", flush=True)
 

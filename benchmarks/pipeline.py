@@ -1,5 +1,6 @@
 """Pipeline schedules on 8 simulated devices ({stage 4, data 2}): per schedule and m in {p, 2p, 4p, 8p}
-microbatches of a fixed size (the batch grows with m, as a pipeline's does), the step time against the unpipelined step on the same mesh, collective-permutes per step, per-device flops
+microbatches of a fixed size (the batch grows with m, as a pipeline's does), the step time against the
+unpipelined step on the same mesh, collective-permutes per step, per-device flops
 (cost_analysis() of the unrolled step) against the ideal share and the schedule's theory m r / (m r + p - 1),
 and memory_analysis().temp_size_in_bytes. Prints figures and ratios; asserts nothing about time.
 

@@ -39,10 +39,9 @@ import functools  # noqa: E402
 import numpy as np  # noqa: E402
 
 from gshard_jax import configs  # noqa: E402
-from gshard_jax.training import train  # noqa: E402
-from gshard_jax.training import overrides
-from gshard_jax.partitioner.hlo import collective_stats, summary  # noqa: E402
 from gshard_jax.partitioner.cost import _fmt_bytes  # noqa: E402
+from gshard_jax.partitioner.hlo import collective_stats, summary  # noqa: E402
+from gshard_jax.training import overrides, train  # noqa: E402
 from gshard_jax.training.timing import median_times  # noqa: E402
 
 
@@ -63,7 +62,8 @@ def measure(stage: int, epso: bool) -> dict:
                            t.batch_sharding)
     state = t.fresh_state()
     grads = jax.jit(lambda s: jax.tree.map(lambda p: p.astype(np.float32) * 1e-3, s["params"]),
-                    out_shardings=jax.tree.map(lambda s: jax.sharding.NamedSharding(t.mesh, s), t.layout.gradients))(state)
+                    out_shardings=jax.tree.map(lambda s: jax.sharding.NamedSharding(t.mesh, s),
+                                               t.layout.gradients))(state)
     report = t.explain(state, batch)
     fns, out = {}, {"stage": stage, "epso": epso, "memory": report.memory}
     for backend in ("gshard", "xla"):
@@ -83,14 +83,16 @@ def measure(stage: int, epso: bool) -> dict:
 
 def main() -> None:
     has_expert = "expert=" in ARGS.mesh and "expert=1" not in ARGS.mesh.split(",")
-    rows = [measure(int(s), e) for s in ARGS.stages.split(",") for e in ((True, False) if has_expert and int(s) else (True,))]
+    rows = [measure(int(s), e) for s in ARGS.stages.split(",")
+            for e in ((True, False) if has_expert and int(s) else (True,))]
     print(f"{ARGS.config} mesh {ARGS.mesh} dtype {ARGS.dtype} on {jax.device_count()} {jax.default_backend()} devices")
     print(f"{'stage':>5} {'epso':>5} | {'params':>9} {'optim':>9} {'temp':>9} | {'step ms':>8} {'xla':>8} {'ratio':>6}"
           f" | {'update ms':>9} {'xla':>8} {'ratio':>6} | {'bytes':>9} {'xla':>9}")
     for r in rows:
         p, o, x = r["memory"]["predicted"], r["gshard"], r["xla"]
         print(f"{r['stage']:>5} {str(r['epso']):>5} | {_fmt_bytes(p['params']):>9} {_fmt_bytes(p['optimizer']):>9} "
-              f"{_fmt_bytes(o['temp']):>9} | {o['step_ms']:>8.2f} {x['step_ms']:>8.2f} {o['step_ms'] / x['step_ms']:>6.2f}"
+              f"{_fmt_bytes(o['temp']):>9} | {o['step_ms']:>8.2f} {x['step_ms']:>8.2f} "
+              f"{o['step_ms'] / x['step_ms']:>6.2f}"
               f" | {o['update_ms']:>9.2f} {x['update_ms']:>8.2f} {o['update_ms'] / x['update_ms']:>6.2f} | "
               f"{_fmt_bytes(o['bytes']):>9} {_fmt_bytes(x['bytes']):>9}")
     for r in rows:

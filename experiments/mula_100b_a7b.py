@@ -1,4 +1,5 @@
-"""Mula-100B-A7B (seed 001; docs/references.md): 48 layers, hidden 3072, 144 SwiGLU experts of 1536, 8 chosen per token."""
+"""Mula-100B-A7B (seed 001; docs/references.md):
+48 layers, hidden 3072, 144 SwiGLU experts of 1536, 8 chosen per token."""
 from gshard_jax.configs import mula
 
 

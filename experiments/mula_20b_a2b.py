@@ -1,4 +1,5 @@
-"""Mula-20B-A2B (seed 001; docs/references.md): 32 layers, hidden 2048, 96 SwiGLU experts of 1024, 8 chosen per token."""
+"""Mula-20B-A2B (seed 001; docs/references.md):
+32 layers, hidden 2048, 96 SwiGLU experts of 1024, 8 chosen per token."""
 from gshard_jax.configs import mula
 
 

@@ -1,4 +1,5 @@
-"""Mula-220B-A10B (seed 001; docs/references.md): 64 layers, hidden 3072, 240 SwiGLU experts of 1536, 8 chosen per token."""
+"""Mula-220B-A10B (seed 001; docs/references.md):
+64 layers, hidden 3072, 240 SwiGLU experts of 1536, 8 chosen per token."""
 from gshard_jax.configs import mula
 
 

@@ -2,7 +2,7 @@
 import importlib.util as _importlib_util
 import os as _os
 
-from jax._src import source_info_util as _source_info_util
+from jax.extend import source_info_util as _source_info_util
 
 # Report source locations in the user's code, not in the annotation helpers or the libraries it calls.
 _source_info_util.register_exclusion(_os.path.dirname(__file__) + _os.sep)
@@ -11,15 +11,14 @@ for _lib in ("flax", "optax", "orbax", "einops"):
     if _spec is not None and _spec.submodule_search_locations:
         for _path in _spec.submodule_search_locations:
             _source_info_util.register_exclusion(_path.rstrip(_os.sep) + _os.sep)
-from .partitioner.cost import HardwareProfile
-from .partitioner.hlo import collective_stats
-from .partitioner.report import Report
-from .partitioner.sharding import Sharding
-
 from .annotations import replicate, shard, split
 from .api import explain, partition
 from .manual import manual
 from .mesh import make_mesh
+from .partitioner.cost import HardwareProfile
+from .partitioner.hlo import collective_stats
+from .partitioner.report import Report
+from .partitioner.sharding import Sharding
 from .pipelining import pipeline, pipeline_value_and_grad
 
 __all__ = ["make_mesh", "replicate", "split", "shard", "manual", "partition", "explain", "Report", "Sharding",

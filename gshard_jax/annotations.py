@@ -11,16 +11,16 @@ so cotangents keep the annotation.
 from __future__ import annotations
 
 import contextlib
-import functools
 import contextvars
+import functools
 import itertools
 import math
 from typing import Sequence, Union
 
 import jax
 import numpy as np
-from jax._src.interpreters import ad, batching, mlir
 from jax.extend import core
+from jax.interpreters import ad, batching, mlir
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .partitioner.sharding import Sharding

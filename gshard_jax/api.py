@@ -9,13 +9,10 @@ from typing import Any, Callable, Optional
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from . import annotations as A
-from . import passes as P
-from . import sources as SRC
-from . import specs as S
+from . import annotations as A, passes as P, sources as SRC, specs as S
+from .partitioner import subaxes as SUB
 from .partitioner.collective_matmul import check_mode
 from .partitioner.cost import HardwareProfile, default_profile, platform_of
-from .partitioner import subaxes as SUB
 from .partitioner.report import Report
 
 BACKENDS = ("gshard", "xla")

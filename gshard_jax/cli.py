@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import logging
+import os
 import sys
 from typing import Optional, Sequence
 

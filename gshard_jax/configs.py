@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from .training import data
 from .models.gating import GatingConfig
 from .models.moe import MoeConfig
 from .models.pipelined import PipelineConfig
 from .models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
+from .training import data
 
 ConfigDict = ml_collections.ConfigDict
 
@@ -52,7 +52,7 @@ def train_defaults() -> ConfigDict:
         async_checkpoints=True,  # write checkpoints in the background
         checkpoint_replica_parallel=True,  # replicated arrays written 1/R by each of their R replicas (scattered)
         checkpoint_single_read=True,  # arrays replicated over host groups read by group 0 and broadcast
-        hardware="cpu-simulation",  # planner hardware profile (gshard_jax/planner/hardware.py) whose peak the mfu metric uses
+        hardware="cpu-simulation",  # the planner's hardware profile (planner/hardware.py) whose peak mfu uses
         peak_flops=0.0,  # flop/s of one device for the mfu metric (0: the hardware profile's peak_flops)
         goldfish_k=0,  # goldfish loss: drop ~1/k of target tokens from the loss (0 or 1: off; AxoNN uses 2)
         goldfish_h=13,  # goldfish loss: tokens of context hashed to choose the dropped ones

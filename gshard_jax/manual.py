@@ -15,8 +15,7 @@ from typing import Any, Callable, Optional
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from . import annotations as A
-from . import specs as S
+from . import annotations as A, specs as S
 
 
 def _pspecs(specs: Any, mesh: Mesh, what: str):

@@ -15,9 +15,27 @@ import jax
 import jax.numpy as jnp
 
 from . import schedules as S
+from .pipelining import (
+    _aux_zeros,
+    _axis,
+    _chunk,
+    _f32,
+    _from_stage,
+    _one,
+    _put,
+    _put_rows,
+    _rows,
+    _Run,
+    _shard,
+    _stacked,
+    _trace,
+    _weights_like,
+    _where,
+    _zero_unless,
+    microbatches,
+    unmicrobatch,
+)
 from .residuals import Residuals
-from .pipelining import (_Run, _aux_zeros, _axis, _chunk, _f32, _from_stage, _one, _put, _put_rows, _rows, _shard,
-                         _stacked, _trace, _weights_like, _where, _zero_unless, microbatches, unmicrobatch)
 
 
 def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedule, r, has_aux, aux_weights, axis,

@@ -16,17 +16,13 @@ import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
 import jax
-from jax._src.interpreters import partial_eval as pe
+from jax.interpreters import partial_eval as pe
 
-from . import annotations as A
-from . import pipelining as PL
-from . import sources as SRC
-from . import specs as S
-from .partitioner import lower as L
+from . import annotations as A, pipelining as PL, sources as SRC, specs as S
+from .partitioner import lower as L, subaxes as SUB
 from .partitioner.cost import HardwareProfile
 from .partitioner.fold import fold_constant_reductions, fold_pads, merge_common, static_slices
 from .partitioner.program import Program, Value, from_jaxpr
-from .partitioner import subaxes as SUB
 from .partitioner.propagation import Plan, propagate
 from .partitioner.report import Report, ValueInfo
 from .partitioner.roll import fold_rolls

@@ -26,8 +26,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from . import annotations as A
-from . import schedules as S
+from . import annotations as A, schedules as S
 from .partitioner.roll import roll
 from .residuals import Residuals
 
@@ -163,7 +162,8 @@ def pipeline(stage_fn: Callable, params: PyTree, x: PyTree, *, num_microbatches:
     """Run `stage_fn(chunk_params, x_mb) -> y_mb` (or (y_mb, aux) with has_aux) as a pipeline over x's batch.
 
     params: a pytree whose leaves lead with [stages] (repeats == 1) or [repeats, stages] (MaxText's
-    layout): leaf[k, s] is the layer chunk stage s runs in repeat k, so in layer order chunk k * p + s. x: leaves [B, ...], split into
+    layout): leaf[k, s] is the layer chunk stage s runs in repeat k, so in layer order chunk k * p + s.
+    x: leaves [B, ...], split into
     num_microbatches microbatches of rows i, i + m, ...; y has x's structure and shapes. aux (a pytree of
     scalars) is summed over microbatches and stages. x_spec / param_specs: each leaf's PartitionSpec-like
     tuple over the other mesh axes (one microbatch / one chunk), for the annotations the pipeline makes.

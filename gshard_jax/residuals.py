@@ -15,8 +15,10 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-from jax._src.interpreters import partial_eval as pe
 from jax.extend import core
+from jax.interpreters.partial_eval import dce_jaxpr
+
+from .partitioner.jax_compat import convert_constvars_jaxpr
 
 
 class Residuals:
@@ -34,10 +36,10 @@ class Residuals:
             return flat
 
         closed = jax.make_jaxpr(vmap(leaves))(w_shape, x_shape)
-        jaxpr, self.consts = pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
+        jaxpr, self.consts = convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
         n_w = len(self.consts) + len(jax.tree.leaves(w_shape))
         self.on_x = _depends(jaxpr, n_w)
-        weights_only, self.used_in = pe.dce_jaxpr(jaxpr, [not d for d in self.on_x])
+        weights_only, self.used_in = dce_jaxpr(jaxpr, [not d for d in self.on_x])
         assert not any(self.used_in[n_w:]), "weight-only residuals read the activation"
         self.weights_only = core.ClosedJaxpr(weights_only, [])
         # One stage's view inside the vmap: the stage dim dropped.

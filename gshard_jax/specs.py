@@ -13,8 +13,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import annotations as A
-from .sources import describe
 from .partitioner.sharding import Sharding
+from .sources import describe
 
 
 def is_spec_tuple(x) -> bool:

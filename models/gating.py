@@ -124,7 +124,8 @@ def choose(logits_GSE: jax.Array, cfg: GatingConfig, rng: Optional[jax.Array] = 
     elif cfg.second_policy == "sampling" and k > 1:
         first = jnp.argmax(probs_GSE, axis=-1)
         gumbel = jax.random.gumbel(rng, probs_GSE.shape)
-        score = jnp.where(jax.nn.one_hot(first, E, dtype=bool), -jnp.inf, jnp.log(jnp.maximum(probs_GSE, 1e-30)) + gumbel)
+        score = jnp.where(jax.nn.one_hot(first, E, dtype=bool), -jnp.inf,
+                          jnp.log(jnp.maximum(probs_GSE, 1e-30)) + gumbel)
         rest = jax.lax.top_k(score, k - 1)[1]
         experts_GSK = jnp.concatenate([first[..., None], rest], axis=-1).astype(jnp.int32)
         gates_GSK = jnp.take_along_axis(probs_GSE, experts_GSK, axis=-1)

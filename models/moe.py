@@ -24,8 +24,7 @@ import jax.numpy as jnp
 
 import gshard_jax as gs
 
-from . import dropless as D
-from . import gating
+from . import dropless as D, gating
 from .grouped import IMPLS
 from .sharding import Rules, axes_of, constrain, mesh_spec
 
@@ -114,7 +113,8 @@ class MoeFFN(nn.Module):
         names = ("wi_gate", "wi_up", "wo") if self.cfg.activation == "swiglu" else ("wi", "wo")
         w = {}
         for n in names:
-            shape, logical = ((E, F, M), ("expert", "mlp", "embed")) if n == "wo" else ((E, M, F), ("expert", "embed", "mlp"))
+            shape, logical = (((E, F, M), ("expert", "mlp", "embed")) if n == "wo" else
+                              ((E, M, F), ("expert", "embed", "mlp")))
             init = nn.with_logical_partitioning(_kernel_init(1), logical)
             w[n] = constrain(self.param(n, init, shape, jnp.float32).astype(self.dtype), logical, self.rules,
                              grad=False)

@@ -17,7 +17,7 @@ from typing import Optional, Sequence, Union
 
 import flax.linen as nn
 import jax
-from jax._src import source_info_util
+from jax.extend import source_info_util
 
 import gshard_jax as gs
 

@@ -7,7 +7,8 @@ body), and ``remat`` checkpoints each period with a chosen policy. Each block
 returns its MoE losses (aux, z) and routing statistics as outputs (a scan's
 per-period outputs, a pipeline's aux), summed (losses) and averaged
 (statistics) over MoE layers. With ``pipeline`` set, the periods are split
-over the ``stage`` mesh axis (models/pipelined.py). Sharding is the config's ``rules`` table (logical axis -> mesh axes).
+over the ``stage`` mesh axis (models/pipelined.py). Sharding is the config's ``rules`` table (logical axis
+-> mesh axes).
 """
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ def check(cfg: TransformerConfig, decoder_only: bool) -> None:
                          f"{REMAT_MODULES}, e.g. ('attention', 'moe')")
     if cfg.moe is not None and cfg.moe_every < 1:
         raise ValueError(f"TransformerConfig.moe_every={cfg.moe_every!r}; expected a positive int")
-    counts = [("num_layers", cfg.num_layers)] + ([] if decoder_only else [("num_decoder_layers", cfg.num_decoder_layers)])
+    counts = [("num_layers", cfg.num_layers)]
+    counts += [] if decoder_only else [("num_decoder_layers", cfg.num_decoder_layers)]
     for field, n in counts:
         if n % cfg.period:
             raise ValueError(f"TransformerConfig.{field}={n} is not a multiple of moe_every={cfg.moe_every}; "
@@ -307,7 +309,8 @@ class EncoderDecoder(nn.Module):
         else:
             logits = jnp.einsum("BLD,DV->BLV", x, layers.weight(self, "unembed", (c.d_model, c.vocab_size),
                                                                  ("embed", "vocab"), r, dt))
-        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"), r), _metrics(enc_metrics, dec_metrics)
+        logits = constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"), r)
+        return logits, _metrics(enc_metrics, dec_metrics)
 
 
 def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array, weights_BL: Optional[jax.Array] = None):

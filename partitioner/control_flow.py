@@ -17,8 +17,7 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 
-from . import deferral as DF
-from . import prefetch as PF
+from . import deferral as DF, prefetch as PF
 from .sharding import Sharding
 
 Link = tuple  # (a, b, tag, stacked, stacked_b)
@@ -129,7 +128,8 @@ def _pipelined(lo, eqn, env, log, ins, carry_sh, xs, x_sh, y_sh, ahead: dict, de
     if not dry:
         ys = [jnp.concatenate([y[None], y_all] if reverse else [y_all, y[None]]) for y, y_all in zip(y_last, ys)]
     results = list(zip(carry, carry_sh)) + [(y, stacked(s)) for y, s in zip(ys, y_sh)]
-    return results, (f"scan x{n}: carry {' '.join(map(str, carry_sh)) or '-'}; stacked inputs {', '.join(map(str, js))} "
+    return results, (f"scan x{n}: carry {' '.join(map(str, carry_sh)) or '-'}; "
+                     f"stacked inputs {', '.join(map(str, js))} "
                      f"gathered a trip ahead (prefetch.py: {n - 1} trips and the last peeled)" + _deferred(deferred, n))
 
 

@@ -118,7 +118,8 @@ class Rule:
         text = f"({', '.join(t(o) for o in self.operands)})->({', '.join(t(r) for r in self.results)}) "
         text += "{" + ", ".join(f"{f}={n}" for f, n in self.sizes.items()) + "}"
         if self.reductions:
-            text += " reduction={" + ", ".join(f if k == "sum" else f"{f}:{k}" for f, k in self.reductions.items()) + "}"
+            text += " reduction={" + ", ".join(f if k == "sum" else f"{f}:{k}"
+                                               for f, k in self.reductions.items()) + "}"
         if self.replicated:
             text += " need_replication={" + ", ".join(f for f in self.sizes if f in self.replicated) + "}"
         if self.ties:

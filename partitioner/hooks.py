@@ -26,11 +26,12 @@ from typing import Mapping, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core.primitives import threefry2x32_p
 
 from .cost import Collective, HardwareProfile
+from .factors import FactorSharding, Rule
 from .program import Eqn
 from .reshard import linear_axis_index
-from .factors import FactorSharding, Rule
 from .sharding import Axes, Sharding
 
 
@@ -236,7 +237,8 @@ def cumulative_hook(ctx: OpContext, ins, params, bind):
     if not axes:
         return [out]
     combine, reduce_masked = CUMULATIVE[ctx.eqn.name]
-    total = jax.lax.slice_in_dim(out, 0 if reverse else out.shape[axis] - 1, 1 if reverse else out.shape[axis], axis=axis)
+    total = jax.lax.slice_in_dim(out, 0 if reverse else out.shape[axis] - 1, 1 if reverse else out.shape[axis],
+                                 axis=axis)
     gathered = jax.lax.all_gather(total, _name(axes), axis=0)
     n, me = gathered.shape[0], ctx.index(axes)
     order = jnp.arange(n).reshape((n,) + (1,) * total.ndim)
@@ -262,7 +264,8 @@ def gather_hook(ctx: OpContext, ins, params, bind):
     dn = ctx.eqn.params["dimension_numbers"]
     os = ctx.eqn.invars[0].shape
     sizes = list(params["slice_sizes"])
-    offset_operand = [d for d in range(len(os)) if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    offset_operand = [d for d in range(len(os))
+                      if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
     for d in offset_operand:
         if sizes[d] == os[d]:
             sizes[d] = operand.shape[d]
@@ -326,8 +329,6 @@ def scatter_hook(ctx: OpContext, ins, params, bind):
 
 def random_bits_hook(ctx: OpContext, ins, params, bind):
     """Partitionable threefry: bits at global position p are threefry(key, p), so compute them locally."""
-    from jax._src.random.threefry2x32 import threefry2x32_p
-
     (key,) = ins
     gshape = tuple(ctx.eqn.params["shape"])
     if math.prod(gshape) >= 2 ** 32:

@@ -28,23 +28,25 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax._src.ad_checkpoint import remat_p
-from jax._src.interpreters import partial_eval as pe
+from jax.extend.core.primitives import remat_p
 
-from . import collective_matmul as CM
-from . import control_flow as CF
-from . import deferral as DF
-from . import hooks as H
-from . import registry as REG
-from . import manual as M
-from . import reshard as RS
-from . import factors as F
+from . import (
+    collective_matmul as CM,
+    control_flow as CF,
+    deferral as DF,
+    factors as F,
+    hooks as H,
+    manual as M,
+    registry as REG,
+    reshard as RS,
+)
 from .cost import Collective, HardwareProfile, compute_time, on_the_wire, platform_of
+from .jax_compat import convert_constvars_jaxpr
+from .partial_sums import PartialSums
 from .program import Const, Eqn, Program, Value
 from .propagation import Plan
 from .report import Operand, Report, Result, Row
 from .sharding import Sharding
-from .partial_sums import PartialSums
 from .strategy import Choice, Strategy, StrategyCache
 
 
@@ -65,7 +67,7 @@ def checkpoint_region(fn, args: list, params: dict, positions: list[int]) -> lis
     cse = params["prevent_cse"]
     if not isinstance(cse, bool):
         cse = (False,) * len(closed.consts) + tuple(cse[i] for i in positions)
-    return remat_p.bind(*closed.consts, *args, jaxpr=pe.convert_constvars_jaxpr(closed.jaxpr), prevent_cse=cse,
+    return remat_p.bind(*closed.consts, *args, jaxpr=convert_constvars_jaxpr(closed.jaxpr), prevent_cse=cse,
                         differentiated=params["differentiated"], policy=params["policy"])
 
 

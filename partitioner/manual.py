@@ -14,8 +14,8 @@ import math
 from typing import Mapping, Sequence
 
 import numpy as np
-from jax._src import core as jcore
-from jax._src.lax import parallel as P
+from jax.extend import core as jcore
+from jax.extend.core.primitives import all_gather_p, psum_p
 
 from .cost import Collective
 from .program import Eqn
@@ -77,16 +77,17 @@ def run(eqn: Eqn, local_args: Sequence) -> list:
 
 
 def _psum(x, *, axes):
-    return P.psum_p.bind(x, axes=tuple(axes), axis_index_groups=None)
+    return psum_p.bind(x, axes=tuple(axes), axis_index_groups=None)
 
 
 def _all_gather(x, **params):
-    return P.all_gather_p.bind(x, axis_index_groups=None, **params)
+    return all_gather_p.bind(x, axis_index_groups=None, **params)
 
 
 PLAIN = {"psum_invariant": _psum, "psum_invariant_start": _psum, "pvary": lambda x, *, axes: x,
          "all_gather_invariant": _all_gather}
-CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
+CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+         "custom_jvp_call": "call_jaxpr",
          "custom_vjp_call": "call_jaxpr"}
 
 

@@ -7,7 +7,8 @@ not needed here: differentiation happens before partitioning
 (``partition(jax.grad(f))``) or on the per-device program.
 
 Bodies that must stay regions become sub-programs (Eqn.subs): the bodies of
-the control-flow forms (control_flow.FORMS: scan, while, cond), and checkpointed regions (``remat2``, from jax.checkpoint /
+the control-flow forms (control_flow.FORMS: scan, while, cond), and checkpointed regions (``remat2``, from
+jax.checkpoint /
 nn.remat). A checkpointed region is *aliased*, not linked: its sub-program's
 inputs are the caller's values and its results are the equation's results,
 so propagation sees exactly the inlined program, while lowering re-emits the
@@ -19,8 +20,7 @@ import dataclasses
 import os
 from typing import Any
 
-from jax._src import source_info_util
-from jax.extend import core
+from jax.extend import core, source_info_util
 
 from .control_flow import FORMS
 

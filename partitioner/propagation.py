@@ -23,10 +23,7 @@ import dataclasses
 import math
 from typing import Callable, Mapping, Optional, Sequence
 
-from . import control_flow as CF
-from . import manual as M
-from . import factors as F
-from . import registry as REG
+from . import control_flow as CF, factors as F, manual as M, registry as REG
 from .program import Eqn, Program, Value
 from .sharding import Sharding, splittable
 
@@ -72,7 +69,8 @@ def _link(a, b, name: str, where: object, stacked: int = 0, stacked_b: bool = Fa
     lead = tuple((names.new(big.shape[0]),) for _ in range(stacked))
     rep = frozenset(f for (f,) in lead)
     ops = (dims, lead + dims) if stacked_b else (lead + dims, dims)
-    return Constraint(F.Rule("link", (ops[0],), (ops[1],), names.sizes, replicated=rep, link=True), [a], [b], name, where)
+    rule = F.Rule("link", (ops[0],), (ops[1],), names.sizes, replicated=rep, link=True)
+    return Constraint(rule, [a], [b], name, where)
 
 
 def control_flow_links(e: Eqn) -> tuple[list[Constraint], list[Constraint]]:

@@ -16,11 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
-from . import hooks as H
-from . import reorder as RO
-from . import roll as RL
-from . import rules as R
-from . import windowed as W
+from . import hooks as H, reorder as RO, roll as RL, rules as R, windowed as W
 from .cost import Collective
 from .factors import Rule
 from .program import Eqn

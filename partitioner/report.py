@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from . import overlap as OV
-from .cost import Collective, HardwareProfile, KINDS, _fmt_bytes
+from .cost import KINDS, Collective, HardwareProfile, _fmt_bytes
 from .sharding import Sharding
 
 WIDTH = 100
@@ -273,7 +273,8 @@ class Report:
             rows.append(f"<tr{style}><td>{r.index}</td><td>{esc(r.source)}</td><td>{esc(r.primitive)}</td>"
                         f"<td>{esc(' '.join(map(str, r.operands)))}</td><td>{esc(' '.join(map(str, r.outputs)))}</td>"
                         f"<td>{strategy}</td><td>{coll}</td><td>{esc('; '.join(r.origins))}</td></tr>")
-        totals = "".join(f"<tr><td>{k}</td><td>{t['count']}</td><td>{t['payload_bytes']}</td><td>{t['moved_bytes']:.0f}</td></tr>"
+        totals = "".join(f"<tr><td>{k}</td><td>{t['count']}</td><td>{t['payload_bytes']}</td>"
+                         f"<td>{t['moved_bytes']:.0f}</td></tr>"
                          for k, t in self.totals(dynamic=True).items() if t["count"])
         io = "".join(f"<li>input {esc(str(x))}</li>" for x in self.inputs) + \
             "".join(f"<li>output {esc(str(x))}</li>" for x in self.outputs) + \

@@ -14,9 +14,8 @@ from __future__ import annotations
 import math
 
 import jax
-from jax._src import source_info_util
 import jax.numpy as jnp
-from jax.extend import core
+from jax.extend import core, source_info_util
 from jax.interpreters import ad, batching, mlir
 
 from .cost import Collective

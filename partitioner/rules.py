@@ -8,11 +8,13 @@ rules: there is no per-op code path.
 from __future__ import annotations
 
 import math
-import jax
 from typing import Optional, Sequence
+
+import jax
 
 from .factors import FactorNames, Rule
 from .program import Eqn
+
 
 def _shape(x) -> tuple[int, ...]:
     return tuple(x.aval.shape)
@@ -263,7 +265,8 @@ def gather_rule(eqn: Eqn) -> Rule:
     op: list = [None] * len(os)
     for od, ibd in zip(dn.operand_batching_dims, dn.start_indices_batching_dims):
         op[od] = idx[ibd]
-    offset_operand = [d for d in range(len(os)) if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    offset_operand = [d for d in range(len(os))
+                      if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
     # A whole-dim window starts at 0 whatever its index when starts are clamped (a vmapped dynamic_slice).
     clamped = eqn.params["mode"] in (jax.lax.GatherScatterMode.CLIP, jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
     for k, d in enumerate(offset_operand):
@@ -304,7 +307,8 @@ def scatter_rule(eqn: Eqn) -> Optional[Rule]:
                 rep.add(upd[d][0])
     idx[-1] = (n.new(is_[-1]),)
     rep.add(idx[-1][0])
-    window_operand = [d for d in range(len(os)) if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+    window_operand = [d for d in range(len(os))
+                      if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
     # A whole-dim window lands at 0 whatever its index when indices are clamped (a vmapped update slice).
     clamped = eqn.params["mode"] in (jax.lax.GatherScatterMode.CLIP, jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
     for k, d in enumerate(window_operand):

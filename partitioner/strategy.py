@@ -18,11 +18,7 @@ import dataclasses
 import math
 from typing import Optional, Sequence
 
-from . import collective_matmul as CM
-from . import hooks as H
-from . import registry as REG
-from . import reshard as RS
-from . import factors as F
+from . import collective_matmul as CM, factors as F, hooks as H, registry as REG, reshard as RS
 from .cost import Collective, _fmt_bytes, compute_time
 from .program import Const, Eqn
 from .sharding import Sharding
@@ -247,7 +243,7 @@ class Strategy:
         # A tied leader (a windowed op's input rows) is counted through its follower (output or window rows);
         # a leader of several followers (the pieces of a split or a concatenation) is counted once, for them all.
         followers = collections.Counter(rule.ties.values())
-        skip = {f for f, n in followers.items() if n == 1} | {f for f, l in rule.ties.items() if followers[l] > 1}
+        skip = {f for f, n in followers.items() if n == 1} | {f for f, lead in rule.ties.items() if followers[lead] > 1}
         work = math.prod(rule.sizes[f] // math.prod(self.mesh_shape[a] for a in fs.get(f, ()))
                          for f in rule.factors if f not in skip)
         return compute_time(work * (2 if rule.reductions else 1), self.profile)

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from .cost import Collective
-from .halo import Halo, exchange, gather_collectives, gather_rows, pad_value
 from .factors import FactorNames, Rule
+from .halo import Halo, exchange, gather_collectives, gather_rows, pad_value
 from .program import Eqn, Value
 from .reshard import linear_axis_index
 
@@ -252,7 +252,8 @@ def _receives(ctx, operand: Optional[int] = None) -> list[Collective]:
             if sp.contracted:
                 w = ctx.eqn.invars[1]
                 wshape = list(ctx.need[1].local_shape(w.shape, ctx.mesh_shape))
-                out += gather_collectives(wshape, sp.rhs, axes, str(w.aval.dtype), w.aval.dtype.itemsize, ctx.mesh_shape,
+                out += gather_collectives(wshape, sp.rhs, axes, str(w.aval.dtype), w.aval.dtype.itemsize,
+                                          ctx.mesh_shape,
                                 "window rows")
             continue
         for hop, rows in h.pieces():

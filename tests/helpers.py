@@ -101,7 +101,8 @@ def check(fn, args, mesh, seed, n=6, out_random=True, rtol=1e-5, atol=1e-5, arg_
         assert_close(got, want, rtol=rtol, atol=atol)
 
 
-__all__ = ["randn", "all_specs", "hlo_counts", "hlo_stats", "assert_close", "assert_report_matches_hlo", "check", "get_mesh", "gs"]
+__all__ = ["randn", "all_specs", "hlo_counts", "hlo_stats", "assert_close", "assert_report_matches_hlo", "check",
+           "get_mesh", "gs"]
 
 
 def flax_optax_step(batch: int, features: int, hidden: int, classes: int):

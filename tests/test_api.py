@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_collectives import moe_chain, moe_inputs
+from test_grad import megatron_mlp
 
 import gshard_jax as gs
 from helpers import assert_close, assert_report_matches_hlo, hlo_counts, hlo_stats, randn
-from test_collectives import moe_chain, moe_inputs
-from test_grad import megatron_mlp
 
 
 def test_make_mesh():

@@ -50,6 +50,7 @@ def rows(workdir):
 def tensorboard_tags(workdir):
     """Scalar tags in WORKDIR/tensorboard's event files (TFRecord framing: length, crc, event, crc)."""
     import struct
+
     from tensorboardX.proto import event_pb2
     tags = set()
     d = os.path.join(workdir, "tensorboard")
@@ -126,8 +127,8 @@ def test_training_lowers_the_loss_and_writes_its_records(data_dir, run24):
     assert {"loss", "grad_norm", "learning_rate", "tokens_per_s", "eval_loss", "mfu"} <= tensorboard_tags(run)
     # Utilisation: mfu = model flops per token x tokens/s / (devices x peak), the peak from train.hardware.
     from gshard_jax import configs
-    from gshard_jax.training import overrides, timing as T
     from gshard_jax.planner import hardware
+    from gshard_jax.training import overrides, timing as T
     cfg = overrides.apply(configs.load(CONFIG), overrides.split_args(SMALL)[1])
     per_token, peak = T.model_flops_per_token(cfg), hardware.get(cfg.train.hardware).peak_flops
     assert per_token > 6 * 1e5 and peak == T.peak_flops(cfg)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import gshard_jax as gs
-from helpers import assert_close, hlo_counts, hlo_stats, randn
 from gshard_jax.models.moe import expert_einsums
+from helpers import assert_close, hlo_counts, hlo_stats, randn
 
 D = 8
 

@@ -68,7 +68,8 @@ def test_spatially_split_conv(case, mesh_name, rng):
     # A few KB per device: the split dims stay split (memory in the strategy choice), where two exchanges cost more
     # time than one all-gather.
     b, c = (4, 16) if mesh_name != "2x4" else (2, 4)
-    hw = {"uneven 30 rows": (30, 16), "wider than a shard": (64, 64)}.get(case, (64, 16) if mesh_name != "2x4" else (32, 32))
+    hw = {"uneven 30 rows": (30, 16), "wider than a shard": (64, 64)}.get(
+        case, (64, 16) if mesh_name != "2x4" else (32, 32))
     x = ints(rng, b, *hw, c)
     kernel = {"7x7 stride 2 pad 3": (7, 7), "wider than a shard": (25, 1)}.get(case, (3, 3))
     cout = 16 if (mesh_name, case) in (("2x4", "7x7 stride 2 pad 3"), ("8", "wider than a shard"),

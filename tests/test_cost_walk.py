@@ -9,8 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 import gshard_jax as gs
 from gshard_jax import configs
-from helpers import flax_optax_step
 from gshard_jax.planner import hardware, predict as PR, space as SP
+from helpers import flax_optax_step
 
 F32 = jnp.float32
 

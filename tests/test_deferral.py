@@ -9,8 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import gshard_jax as gs
-from gshard_jax.partitioner import control_flow as CF
-from gshard_jax.partitioner import deferral as DF
+from gshard_jax.partitioner import control_flow as CF, deferral as DF
 from gshard_jax.partitioner.program import from_jaxpr
 from helpers import assert_per_step_matches_hlo, assert_report_matches_hlo
 

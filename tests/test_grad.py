@@ -2,10 +2,10 @@
 import jax
 import jax.numpy as jnp
 import optax
+from test_collectives import moe_chain, moe_inputs
 
 import gshard_jax as gs
 from helpers import assert_close, hlo_counts, randn
-from test_collectives import moe_chain, moe_inputs
 
 
 def megatron_mlp(x, w1, w2, data="data", model="model"):

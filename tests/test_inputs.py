@@ -59,7 +59,8 @@ def test_array_on_another_mesh_names_the_argument_and_both_meshes(rng):
     params = _params(rng)
     params["fc1"]["bias"] = jax.device_put(params["fc1"]["bias"], NamedSharding(other, P("x")))
     with pytest.raises(ValueError, match=r"params\['fc1'\]\['bias'\] is committed to a NamedSharding on "
-                                         r"Mesh\(\{'x': 8\}.*not to the partition mesh Mesh\(\{'data': 2, 'model': 4\}"):
+                                         r"Mesh\(\{'x': 8\}.*not to the partition mesh "
+                                         r"Mesh\(\{'data': 2, 'model': 4\}"):
         gs.partition(_mlp, mesh)(params, randn(rng, 4, 16))
     one = jax.device_put(randn(rng, 4, 16), jax.devices()[3])
     with pytest.raises(ValueError, match=r"argument x is committed to a SingleDeviceSharding on devices \[3\]"):

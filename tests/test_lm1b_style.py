@@ -2,13 +2,13 @@
 masked cross-entropy, global-norm clipping and AdamW) partitioned as XLA's partitioner partitions it."""
 import jax
 import jax.numpy as jnp
+import lm1b_style
 import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import gshard_jax as gs
-import lm1b_style
 from helpers import assert_close, assert_report_matches_hlo, get_mesh, hlo_stats
 
 

@@ -6,8 +6,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import gshard_jax as gs
-from helpers import assert_close, assert_report_matches_hlo, get_mesh, hlo_stats, randn
 from gshard_jax.models.moe import expert_einsums
+from helpers import assert_close, assert_report_matches_hlo, get_mesh, hlo_stats, randn
 
 G, S, M, E, C, H = 8, 8, 16, 8, 4, 32
 

@@ -7,10 +7,9 @@ import types
 import jax
 import numpy as np
 import pytest
-
-from gshard_jax.training import train
 from test_sharded_state import batches, make
 
+from gshard_jax.training import train
 
 ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
 

@@ -5,11 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from conftest import MESHES
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import gshard_jax as gs
-from conftest import MESHES
 from helpers import assert_close, check, get_mesh, randn
 
 UNARY = [jnp.exp, jnp.tanh, jnp.abs, jnp.negative, jnp.sin, jax.nn.relu, jax.nn.gelu, lambda x: x ** 3,

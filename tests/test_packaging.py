@@ -4,8 +4,6 @@ import re
 import subprocess
 import sys
 
-import gshard_jax
-
 
 def test_user_modules_named_partitioner_and_models_do_not_shadow(tmp_path):
     """A user's own partitioner.py and models/ package next to their script leave gshard_jax intact."""

@@ -153,8 +153,8 @@ def test_forward_pipeline_equals_the_layers_and_sums_aux():
     y, aux = gs.pipeline(_stage, _chunked(W, 2, 2), x, num_microbatches=4, schedule="circular", repeats=2,
                          has_aux=True)
     h = x
-    for l in range(L):
-        h = _layer(W[l], h)
+    for layer in range(L):
+        h = _layer(W[layer], h)
     np.testing.assert_allclose(y, h, atol=1e-6)
     assert float(aux["count"]) == 4 * 4
 

@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 import gshard_jax as gs
-from gshard_jax.models import transformer as T
+from gshard_jax.models import pipelined as PM, transformer as T
 from gshard_jax.models.moe import MoeConfig
-from gshard_jax.models import pipelined as PM
 from gshard_jax.models.pipelined import PipelineConfig
 from helpers import hlo_stats
 

@@ -11,10 +11,7 @@ import pytest
 
 from gshard_jax import cli, configs
 from gshard_jax.partitioner.hlo import collective_stats
-from gshard_jax.planner import PROFILES, axonn, hardware, plan
-from gshard_jax.planner import estimate as E
-from gshard_jax.planner import predict as PR
-from gshard_jax.planner import space as SP
+from gshard_jax.planner import PROFILES, axonn, estimate as E, hardware, plan, predict as PR, space as SP
 from gshard_jax.training.train import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -47,7 +47,7 @@ import gshard_jax as gs  # noqa: E402
 MESHES = {"8": {"x": 8}, "2x4": {"a": 2, "b": 4}, "4x2": {"a": 4, "b": 2}, "2x2x2": {"a": 2, "b": 2, "c": 2}}
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12)
 MAX_ELEMS = 1024
-F, I, B = "f32", "i32", "bool"
+F, I, B = "f32", "i32", "bool"  # noqa: E741  (the dtypes by their first letter)
 JNP_DTYPE = {F: "jnp.float32", I: "jnp.int32", B: "jnp.bool_"}
 DEFAULT_SEEDS = range(40)
 SLOW_START, SLOW_CHUNK, SLOW_CHUNKS = 100_000, 100, 10
@@ -453,7 +453,8 @@ def op_select(g: Gen, v: Var, preserve: bool = False):
             f"jax.lax.select({cond}, {o.name}, {v.name})"
     else:
         o = g.operand(v.shape, v.dtype)
-        expr = f"jnp.where({cond}, {v.name}, {o.name})" if r.random() < 0.5 else f"jnp.where({cond}, {o.name}, {v.name})"
+        a, b = (v, o) if r.random() < 0.5 else (o, v)
+        expr = f"jnp.where({cond}, {a.name}, {b.name})"
     out = _bshape(_bshape(v.shape, c.shape), o.shape)
     if not _fits(out) or preserve and out != v.shape:
         return None
@@ -1171,7 +1172,8 @@ BASIC_OPS = [
     ("transpose", op_transpose, 2), ("reduce", op_reduce, 3), ("einsum", op_einsum, 3), ("iota", op_iota, 1),
     ("cumulative", op_cumulative, 1.5), ("sort", op_sort, 1), ("top_k", op_top_k, 1), ("slice", op_slice, 2),
     ("pad", op_pad, 2), ("concat", op_concat, 1.5), ("split", op_split, 1), ("rev", op_rev, 1),
-    ("roll", op_roll, 1.5), ("dynamic_slice", op_dynamic_slice, 2), ("dynamic_update_slice", op_dynamic_update_slice, 1.5),
+    ("roll", op_roll, 1.5), ("dynamic_slice", op_dynamic_slice, 2),
+    ("dynamic_update_slice", op_dynamic_update_slice, 1.5),
     ("take", op_take, 2.5), ("at", op_at, 2), ("random", op_random, 1),
 ]
 TOP_OPS = BASIC_OPS + [("scan", op_scan, 1.2), ("while", op_while, 0.8), ("cond", op_cond, 1),
@@ -1375,7 +1377,8 @@ def run_seeds(seeds, log=None) -> tuple[dict, list]:
 
 
 def _report(failures) -> str:
-    return "\n\n".join(f"=== seed {seed}: {kind}\n{detail}\n--- reproduce:\n{desc}" for seed, kind, detail, desc in failures)
+    return "\n\n".join(f"=== seed {seed}: {kind}\n{detail}\n--- reproduce:\n{desc}"
+                       for seed, kind, detail, desc in failures)
 
 
 # --------------------------------------------------------------------------- tests

@@ -5,8 +5,8 @@ import json
 import jax
 import pytest
 
-from helpers import gs
 from gshard_jax.models import lm
+from helpers import gs
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_control_flow import layers, stacked
 
 import gshard_jax as gs
 from helpers import assert_report_matches_hlo, get_mesh, hlo_stats, randn
-from test_control_flow import layers, stacked
 
 
 def _while(x):

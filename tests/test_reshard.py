@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import gshard_jax as gs
-from helpers import all_specs, assert_close, hlo_counts, randn
 from gshard_jax.partitioner import reshard as RS
 from gshard_jax.partitioner.sharding import Sharding
+from helpers import all_specs, assert_close, hlo_counts, randn
 
 
 def _identity_partitioned(mesh, src, dst):

@@ -221,6 +221,7 @@ def test_the_supervisor_replaces_soft_failing_nodes_once_and_stops_when_the_faul
     their nodes bad and relaunches on spares; one naming every process, or the same step failing again on
     the replacements, is the data or the model and stops the run with the halt status."""
     import json
+
     from gshard_jax.training import launch as L
     from gshard_jax.training.faults import SOFT_FAILURE
     beats = tmp_path / "beats"
@@ -267,6 +268,7 @@ def _saved_state(tmp_path, monkeypatch):
     saved at step 7, with one process standing in for two host groups along data: (Checkpoints, state)."""
     import optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
     from gshard_jax.training import checkpoints
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "x"))
     monkeypatch.setattr(checkpoints, "host_groups", lambda m: 2 if m.shape["data"] == 2 else None)
@@ -299,6 +301,7 @@ def test_single_reads_restore_what_was_saved_full_and_params_only(tmp_path, monk
     params-only one (partial, leaves left out) both give back what was saved, and neither fell back to
     the plain read."""
     import logging
+
     from gshard_jax.training import checkpoints
     ckpt, state = _saved_state(tmp_path, monkeypatch)
     single_reads = []
@@ -316,6 +319,7 @@ def test_a_failed_single_read_falls_back_to_every_process_reading(tmp_path, monk
     """docs/training.md: a single read that fails is retried the plain way, with a warning, and the
     checkpoint is not counted as damaged."""
     import logging
+
     from gshard_jax.training import checkpoints
     ckpt, state = _saved_state(tmp_path, monkeypatch)
 
@@ -333,6 +337,7 @@ def test_a_failed_single_read_falls_back_to_every_process_reading(tmp_path, monk
 def test_checkpoint_writes_are_replica_parallel_where_orbax_defaults_them_off(tmp_path, monkeypatch):
     """orbax turns replica-parallel saving off by default on GPUs; the runtime's managers ask for it."""
     import orbax.checkpoint as ocp
+
     from gshard_jax.training import checkpoints
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
     assert ocp.type_handlers.ArrayHandler()._use_replica_parallel is False  # orbax's default there
@@ -353,6 +358,7 @@ def test_row_watch_on_flax_embed_and_optax_names_the_shard_as_xla_does():
     import flax.linen as nn
     import optax
     from jax.sharding import PartitionSpec as P
+
     import gshard_jax as gs
     from gshard_jax.training import faults
     from helpers import assert_report_matches_hlo, hlo_stats

@@ -4,11 +4,11 @@ all-gathers and reduce-scatters by the partitioner, and the planner's twins (pla
 from __future__ import annotations
 
 import pytest
+from test_sharded_state import assert_same_run, batches, make, run
+from test_step_reductions import _report
 
 from gshard_jax.models.sharding import DEFAULT_RULES, mesh_spec, sequence_parallel
 from gshard_jax.planner import search, space
-from test_sharded_state import assert_same_run, batches, make, run
-from test_step_reductions import _report
 
 
 def _over_y(report) -> dict:

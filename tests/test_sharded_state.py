@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 
 from gshard_jax import configs
-from gshard_jax.training import train
-from gshard_jax.training import state as S
-from gshard_jax.training.checkpoints import Checkpoints
 from gshard_jax.partitioner.hlo import collectives
+from gshard_jax.training import state as S, train
+from gshard_jax.training.checkpoints import Checkpoints
 from helpers import assert_report_matches_hlo, hlo_stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import jax
 import pytest
+from test_sharded_state import assert_same_run, batches, make, run
 
 import gshard_jax as gs
 from helpers import assert_per_step_matches_hlo
-from test_sharded_state import assert_same_run, batches, make, run
 
 SCALAR = 8  # bytes: a per-microbatch loss or metric reduced where it is made
 

@@ -9,8 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import gshard_jax as gs
 from gshard_jax.partitioner import subaxes as SUB

@@ -7,8 +7,8 @@ import optax
 import pytest
 
 import gshard_jax as gs
-from helpers import assert_close, assert_report_matches_hlo, hlo_stats
 from gshard_jax.models import lm
+from helpers import assert_close, assert_report_matches_hlo, hlo_stats
 
 LAYOUTS = {
     "data8": ({"data": 8}, lm.Layout("data", None)),

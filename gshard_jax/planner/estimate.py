@@ -150,7 +150,8 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
             add("all-gather", axes, store * b, 1)
     # A dropless MoE layer is a manual region over the token (data, z), expert and FFN (y) axes, run once per
     # microbatch (per tick in a pipeline, bubbles included): its expert weights, whole over the other axes,
-    # leave gradients (in their dtype) all-reduced over them (data, z, x) every run, and along x it gathers tokens and weights
+    # leave gradients (in their dtype) all-reduced over them (data, z, x) every run, and along x it gathers
+    # tokens and weights
     # and all-reduces its output.
     if shape.dropless:
         runs = schedule(c.schedule, p, m, c.repeats).ticks if p > 1 else m

@@ -19,8 +19,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from ..partitioner import overlap as OV
 from ..partitioner.cost import HardwareProfile, default_profile
-from . import estimate as E
-from . import space as SP
+from . import estimate as E, space as SP
 from .estimate import Comm
 from .hardware import Hardware
 from .space import AXES, Candidate

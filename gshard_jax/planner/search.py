@@ -16,9 +16,7 @@ from typing import Optional, Sequence
 
 import ml_collections
 
-from . import axonn
-from . import estimate as E
-from . import space as SP
+from . import axonn, estimate as E, space as SP
 from .hardware import Hardware, scaled
 from .workers import Workers
 
@@ -160,7 +158,8 @@ class Plan:
         lines.append(f"plan for {self.config} on {self.devices} x {hw.name} ({hw.devices_per_node} per node, "
                      f"{hw.peak_flops / 1e12:.0f} TFLOP/s x {hw.efficiency:.0%}), memory budget "
                      f"{self.memory_budget / GiB:.1f} GiB per device; {len(self.screened)} feasible by formula, "
-                     f"{len(self.ranked)} planned by the partitioner, {len(self.rejections)} rejected, {self.dominated} "
+                     f"{len(self.ranked)} planned by the partitioner, {len(self.rejections)} rejected, "
+                     f"{self.dominated} "
                      f"dominated"
                      + (f" ({self.seconds:.1f} s)" if self.seconds else ""))
         for i, r in enumerate(self.ranked, 1):
@@ -173,7 +172,8 @@ class Plan:
                 lines.append(f"     {k} {t * 1e3:.3f} ms")
         if self.ranked:
             lines.append("why #1: " + "\n".join(self.why()))
-            lines.append("run it: gshard-jax train --config " + self.config + " " + " ".join(self.best.candidate.overrides()))
+            lines.append("run it: gshard-jax train --config " + self.config + " " +
+                         " ".join(self.best.candidate.overrides()))
         for sizes, rank, r, why in self.pinned:
             name = ".".join(f"{a}{n}" for a, n in sizes.items())
             lines.append(f"pinned {name}: " + "; ".join(why) if r is None else

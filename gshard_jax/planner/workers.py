@@ -6,8 +6,8 @@ import concurrent.futures
 import multiprocessing
 import os
 
-from . import predict as PR
 from ..training.faults import die_with_parent
+from . import predict as PR
 from .hardware import Hardware
 
 

@@ -27,13 +27,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import gshard_jax as gs
 
 from .. import configs
-from . import checkpoints, cluster, data, faults, metrics, optim, timing
-from .faults import Faults, Preempted
-from . import state as sharded
-from .checkpoints import Checkpoints
 from ..models import layers, pipelined
 from ..models.sharding import axes_of, mesh_spec
 from ..models.transformer import loss_fn
+from . import checkpoints, cluster, data, faults, metrics, optim, state as sharded, timing
+from .checkpoints import Checkpoints
+from .faults import Faults, Preempted
 
 log = logging.getLogger("gshard_jax")
 NAN_POLICIES = ("halt", "skip")
@@ -272,7 +271,8 @@ class Trainer:
 
         zeros = (jnp.zeros([], jnp.float32), {n: jnp.zeros([], jnp.float32) for n in METRICS},
                  sharded.constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), acc_specs))
-        (value, m, g), bad_S = jax.lax.scan(body, (zeros, jnp.zeros([self.shards], jnp.int32)), (jnp.arange(k), micro))[0]
+        init = (zeros, jnp.zeros([self.shards], jnp.int32))
+        (value, m, g), bad_S = jax.lax.scan(body, init, (jnp.arange(k), micro))[0]
         value, m, g = jax.tree.map(lambda x: x / k, (value, m, g))
         return value, m, sharded.constrain(g, lo.gradients), bad_S
 
