@@ -3,10 +3,11 @@
 An experiment file in ``experiments/`` defines ``get_config()`` returning a
 ConfigDict with ``model``, ``train``, ``mesh`` and ``debug`` sections; the
 builders here fill in the parts families share, so each file states only what
-makes it that experiment. ConfigDict fields are typed, so "off" values are 0
-(not None): ``model.moe.num_experts = 0`` is a dense model, ``group_size = 0``
-one group per sequence, ``peer_bound = 0`` no bound, ``router_logit_cap = 0``
-no cap, ``eval_capacity_factor = 0`` the training factor.
+makes it that experiment. ``model.moe.num_experts = 0`` is a dense model; the
+other "off" values are None, which the model dataclasses read as off:
+``group_size = None`` one group per sequence, ``peer_bound = None`` no bound,
+``router_logit_cap = None`` no cap, ``eval_capacity_factor = None`` the training
+factor.
 """
 from __future__ import annotations
 
