@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .cost import Collective
+from .reshard import mesh_order_index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,15 +63,7 @@ def ppermute(x, axes: tuple, pairs: list, mesh_shape):
     of axes in mesh order, so the pairs are renumbered when `axes` lists them in another order."""
     order = tuple(a for a in mesh_shape if a in axes)
     if order != tuple(axes):
-        def renumber(j: int) -> int:
-            coords = {}
-            for a in reversed(axes):
-                j, coords[a] = divmod(j, mesh_shape[a])
-            out = 0
-            for a in order:
-                out = out * mesh_shape[a] + coords[a]
-            return out
-        pairs = [(renumber(s), renumber(t)) for s, t in pairs]
+        pairs = [(mesh_order_index(s, axes, mesh_shape), mesh_order_index(t, axes, mesh_shape)) for s, t in pairs]
     return jax.lax.ppermute(x, order if len(order) > 1 else order[0], pairs)
 
 

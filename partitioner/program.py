@@ -53,6 +53,11 @@ class Value:
         return self.name or f"v{id(self) % 10000}"
 
 
+def shape_of(x) -> tuple[int, ...]:
+    """The shape of an operand: a Value, a Const, or anything with an aval."""
+    return tuple(x.aval.shape)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Const:
     """A literal or closed-over constant operand."""

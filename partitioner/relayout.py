@@ -17,7 +17,7 @@ import numpy as np
 
 from .cost import Collective, HardwareProfile
 from .halo import ppermute
-from .reshard import linear_axis_index
+from .reshard import linear_axis_index, mesh_order_index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,19 +136,8 @@ def relayout_collectives(plan: Relayout, shape: Sequence[int], dim: int, axes: t
 
 
 def _jax_index(axes: tuple, mesh_shape) -> list[int]:
-    """For each row-major index over `axes`, the device's index in a collective over the same axes in mesh
-    order (how JAX numbers the devices of a tuple of axes)."""
-    order = [a for a in mesh_shape if a in axes]
-    out = []
-    for j in range(math.prod(mesh_shape[a] for a in axes)):
-        coords = {}
-        for a in reversed(axes):
-            j, coords[a] = divmod(j, mesh_shape[a])
-        i = 0
-        for a in order:
-            i = i * mesh_shape[a] + coords[a]
-        out.append(i)
-    return out
+    """For each row-major index over `axes`, the device's index in a collective over the same axes."""
+    return [mesh_order_index(j, axes, mesh_shape) for j in range(math.prod(mesh_shape[a] for a in axes))]
 
 
 def _assemble(pool, dim: int, rows: int, table: list, index):

@@ -20,25 +20,21 @@ import numpy as np
 from .cost import DEFAULT_PROFILE, Collective, HardwareProfile
 from .factors import FactorNames, Rule
 from .halo import gather_collectives, gather_rows, ppermute
-from .program import Const, Eqn
+from .program import Const, Eqn, shape_of
 from .relayout import Relayout, relayout, relayout_collectives, run_relayout
 from .reshard import linear_axis_index
-
-
-def _shape(x) -> tuple[int, ...]:
-    return tuple(x.aval.shape)
 
 
 def concat_rule(eqn: Eqn) -> Rule:
     """Other dims shared; along the concatenated dim each piece's rows are tied to the result's rows (not
     propagated: the plan decides each side), and a split result reads its rows from the pieces' shards."""
     d = eqn.params["dimension"]
-    out = _shape(eqn.outvars[0])
+    out = shape_of(eqn.outvars[0])
     n = FactorNames()
     dims = [(n.new(s),) for s in out]
     pieces, ties = [], {}
     for x in eqn.invars:
-        f = n.new(_shape(x)[d])
+        f = n.new(shape_of(x)[d])
         ties[f] = dims[d][0]
         pieces.append(tuple(dims[:d]) + ((f,),) + tuple(dims[d + 1:]))
     return Rule("concatenate", tuple(pieces), (tuple(dims),), n.sizes, ties=ties, ties_propagate=False)
@@ -48,13 +44,13 @@ def split_rule(eqn: Eqn) -> Rule:
     """jnp.split: other dims shared; each piece's rows along the split dim are tied to the operand's (a split
     carries to the pieces and back), and each device's block of each piece is assembled from the operand's
     shards (`relayout`)."""
-    shape = _shape(eqn.invars[0])
+    shape = shape_of(eqn.invars[0])
     d = eqn.params["axis"] % len(shape)
     n = FactorNames()
     dims = [(n.new(s),) for s in shape]
     pieces, ties = [], {}
     for v in eqn.outvars:
-        f = n.new(_shape(v)[d])
+        f = n.new(shape_of(v)[d])
         ties[f] = dims[d][0]
         pieces.append(tuple(dims[:d]) + ((f,),) + tuple(dims[d + 1:]))
     return Rule("split", (tuple(dims),), tuple(pieces), n.sizes, ties=ties)
@@ -140,7 +136,7 @@ def concat_hook(ctx, ins, params, bind):
 def rev_rule(eqn: Eqn) -> Rule:
     """Every dim passes through; a split reversed dim is fixed up by the hook (blocks swap ends)."""
     n = FactorNames()
-    dims = tuple((n.new(s),) for s in _shape(eqn.invars[0]))
+    dims = tuple((n.new(s),) for s in shape_of(eqn.invars[0]))
     return Rule("rev", (dims,), (dims,), n.sizes)
 
 
@@ -189,7 +185,7 @@ def _static_starts(eqn: Eqn) -> Optional[list]:
     if not all(isinstance(x, Const) and np.ndim(x.val) == 0 for x in eqn.invars[2:]):
         return None
     return [min(max(int(np.asarray(x.val)), 0), n - u) for x, n, u in
-            zip(eqn.invars[2:], _shape(eqn.invars[0]), _shape(eqn.invars[1]))]
+            zip(eqn.invars[2:], shape_of(eqn.invars[0]), shape_of(eqn.invars[1]))]
 
 
 def update_rule(eqn: Eqn, fallback) -> Rule:
@@ -199,10 +195,10 @@ def update_rule(eqn: Eqn, fallback) -> Rule:
     if _static_starts(eqn) is None:
         return fallback(eqn)
     n = FactorNames()
-    dims = [(n.new(s),) for s in _shape(eqn.invars[0])]
+    dims = [(n.new(s),) for s in shape_of(eqn.invars[0])]
     upd, whole = [], set()
-    for d, u in enumerate(_shape(eqn.invars[1])):
-        if u == _shape(eqn.invars[0])[d]:
+    for d, u in enumerate(shape_of(eqn.invars[1])):
+        if u == shape_of(eqn.invars[0])[d]:
             upd.append(dims[d])
         else:
             f = n.new(u)

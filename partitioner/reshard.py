@@ -195,6 +195,18 @@ def collectives(steps: Sequence[Step], shape: Sequence[int], dtype, mesh_shape: 
     return out
 
 
+def mesh_order_index(j: int, axes: Sequence[str], mesh_shape: Mapping[str, int]) -> int:
+    """Device j of the row-major numbering over `axes` (as listed) in JAX's numbering of a collective over the
+    same axes, which takes them in mesh order."""
+    coords = {}
+    for a in reversed(axes):
+        j, coords[a] = divmod(j, mesh_shape[a])
+    out = 0
+    for a in (a for a in mesh_shape if a in axes):
+        out = out * mesh_shape[a] + coords[a]
+    return out
+
+
 def linear_axis_index(axes: Axes, mesh_shape: Mapping[str, int]):
     """This device's row-major index over `axes` (inside shard_map)."""
     idx = jnp.int32(0)

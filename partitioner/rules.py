@@ -13,21 +13,17 @@ from typing import Optional, Sequence
 import jax
 
 from .factors import FactorNames, Rule
-from .program import Eqn
-
-
-def _shape(x) -> tuple[int, ...]:
-    return tuple(x.aval.shape)
+from .program import Eqn, shape_of
 
 
 def elementwise(eqn: Eqn) -> Optional[Rule]:
     """Same factor for every dim; rank-0 operands and size-1 (implicitly broadcast) dims get their own."""
-    out_shape = _shape(eqn.outvars[0])
+    out_shape = shape_of(eqn.outvars[0])
     n = FactorNames()
     dims = tuple((n.new(s),) for s in out_shape)
     ops = []
     for x in eqn.invars:
-        shape = _shape(x)
+        shape = shape_of(x)
         if len(shape) not in (0, len(out_shape)):
             return None
         ops.append(tuple(f if s == out_shape[d] else (n.new(s),) for d, (s, f) in enumerate(zip(shape, dims))))
@@ -36,7 +32,7 @@ def elementwise(eqn: Eqn) -> Optional[Rule]:
 
 def bitcast_convert_type(eqn: Eqn) -> Optional[Rule]:
     """Elementwise when the element widths agree (the shape is unchanged); otherwise a dim is added or removed."""
-    return elementwise(eqn) if _shape(eqn.invars[0]) == _shape(eqn.outvars[0]) else None
+    return elementwise(eqn) if shape_of(eqn.invars[0]) == shape_of(eqn.outvars[0]) else None
 
 
 def broadcast_in_dim(eqn: Eqn) -> Rule:
@@ -46,7 +42,7 @@ def broadcast_in_dim(eqn: Eqn) -> Rule:
     res = [(n.new(s),) for s in shape]
     op = []
     for i, d in enumerate(bdims):
-        op.append(res[d] if _shape(x)[i] == shape[d] else (n.new(_shape(x)[i]),))
+        op.append(res[d] if shape_of(x)[i] == shape[d] else (n.new(shape_of(x)[i]),))
     extra = tuple(() for _ in eqn.invars[1:])
     return Rule("broadcast", (tuple(op),) + extra, (tuple(res),), n.sizes, late_backward=True)
 
@@ -58,11 +54,11 @@ def reshape(eqn: Eqn) -> Optional[Rule]:
     leading 2), the remaining dims get factors that must stay replicated. With `dimensions` (transpose,
     then reshape: what a grouped conv's gradient emits) the factors are those of the transposed operand.
     """
-    perm = eqn.params.get("dimensions") or tuple(range(len(_shape(eqn.invars[0]))))
-    src, dst = [_shape(eqn.invars[0])[d] for d in perm], list(eqn.params["new_sizes"])
+    perm = eqn.params.get("dimensions") or tuple(range(len(shape_of(eqn.invars[0]))))
+    src, dst = [shape_of(eqn.invars[0])[d] for d in perm], list(eqn.params["new_sizes"])
     n = FactorNames()
     if 0 in src:  # an empty array (e.g. jnp.pad's edge mode on a side of width 0): nothing to split
-        op_e, res_e = tuple((n.new(s),) for s in _shape(eqn.invars[0])), tuple((n.new(s),) for s in dst)
+        op_e, res_e = tuple((n.new(s),) for s in shape_of(eqn.invars[0])), tuple((n.new(s),) for s in dst)
         return Rule("reshape", (op_e,) + tuple(() for _ in eqn.invars[1:]), (res_e,), n.sizes,
                     replicated=frozenset(n.sizes))
     op: list[list[str]] = [[] for _ in src]
@@ -106,14 +102,14 @@ def reshape(eqn: Eqn) -> Optional[Rule]:
 
 def transpose(eqn: Eqn) -> Rule:
     n = FactorNames()
-    op = [(n.new(s),) for s in _shape(eqn.invars[0])]
+    op = [(n.new(s),) for s in shape_of(eqn.invars[0])]
     return Rule("transpose", (tuple(op),), (tuple(op[p] for p in eqn.params["permutation"]),), n.sizes)
 
 
 def squeeze(eqn: Eqn) -> Rule:
     n = FactorNames()
-    drop = {d % len(_shape(eqn.invars[0])) for d in eqn.params["dimensions"]}
-    op = [(n.new(s),) for s in _shape(eqn.invars[0])]
+    drop = {d % len(shape_of(eqn.invars[0])) for d in eqn.params["dimensions"]}
+    op = [(n.new(s),) for s in shape_of(eqn.invars[0])]
     return Rule("squeeze", (tuple(op),), (tuple(f for d, f in enumerate(op) if d not in drop),), n.sizes)
 
 
@@ -124,7 +120,7 @@ _REDUCE_KINDS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min", 
 def reduction(eqn: Eqn) -> Rule:
     n = FactorNames()
     axes = set(eqn.params["axes"])
-    op = [(n.new(s),) for s in _shape(eqn.invars[0])]
+    op = [(n.new(s),) for s in shape_of(eqn.invars[0])]
     kind = _REDUCE_KINDS[eqn.name]
     return Rule(f"reduce({kind})", (tuple(op),), (tuple(f for d, f in enumerate(op) if d not in axes),),
                 n.sizes, reductions={op[d][0]: kind for d in axes})
@@ -132,7 +128,7 @@ def reduction(eqn: Eqn) -> Rule:
 
 def dot_general(eqn: Eqn) -> Rule:
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    ls, rs = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    ls, rs = shape_of(eqn.invars[0]), shape_of(eqn.invars[1])
     n = FactorNames()
     lhs = [(n.new(s),) for s in ls]
     rhs: list = [None] * len(rs)
@@ -159,7 +155,7 @@ def iota(eqn: Eqn) -> Rule:
 def along_axis(eqn: Eqn) -> Rule:
     """Ops that need their axis whole (sort) and pass the other dims through."""
     axis = eqn.params.get("axis", eqn.params.get("dimension"))
-    shape = _shape(eqn.invars[0])
+    shape = shape_of(eqn.invars[0])
     n = FactorNames()
     dims = tuple((n.new(s),) for s in shape)
     axis %= len(shape)
@@ -170,13 +166,13 @@ def along_axis(eqn: Eqn) -> Rule:
 def cumulative(eqn: Eqn) -> Rule:
     """cumsum & co: every dim passes through; a split scan axis is fixed up by the hook (shard totals)."""
     n = FactorNames()
-    dims = tuple((n.new(s),) for s in _shape(eqn.invars[0]))
+    dims = tuple((n.new(s),) for s in shape_of(eqn.invars[0]))
     return Rule("cumulative", (dims,), (dims,), n.sizes)
 
 
 def top_k(eqn: Eqn) -> Rule:
     """The top-k dim is a reduction-like factor (candidates combined by the hook); k stays whole."""
-    shape = _shape(eqn.invars[0])
+    shape = shape_of(eqn.invars[0])
     axis = eqn.params.get("axis", -1) % len(shape)
     n = FactorNames()
     dims = [(n.new(s),) for s in shape]
@@ -211,12 +207,12 @@ def _windowed(eqn: Eqn, operand_shape, result_shape, whole: Sequence[bool], extr
 
 
 def dynamic_slice_rule(eqn: Eqn) -> Rule:
-    shape, out = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    shape, out = shape_of(eqn.invars[0]), shape_of(eqn.outvars[0])
     return _windowed(eqn, shape, out, [a == b for a, b in zip(shape, out)], len(eqn.invars) - 1)
 
 
 def dynamic_update_slice_rule(eqn: Eqn) -> Rule:
-    shape, upd = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    shape, upd = shape_of(eqn.invars[0]), shape_of(eqn.invars[1])
     n = FactorNames()
     op, up, rep = _paired_dims(n, shape, upd, [True] * len(shape))
     idx = tuple(() for _ in eqn.invars[2:])
@@ -225,7 +221,7 @@ def dynamic_update_slice_rule(eqn: Eqn) -> Rule:
 
 def stack_rule(eqn: Eqn) -> Rule:
     """jnp.stack: the pieces' dims pass through; the new axis (one entry per piece) stays whole."""
-    shape = _shape(eqn.outvars[0])
+    shape = shape_of(eqn.outvars[0])
     axis = eqn.params["axis"] % len(shape)
     n = FactorNames()
     dims = [(n.new(s),) for s in shape]
@@ -235,7 +231,7 @@ def stack_rule(eqn: Eqn) -> Rule:
 
 def unstack_rule(eqn: Eqn) -> Rule:
     """The inverse of stack: the unstacked axis stays whole, the other dims pass through to every piece."""
-    shape = _shape(eqn.invars[0])
+    shape = shape_of(eqn.invars[0])
     axis = eqn.params["axis"] % len(shape)
     n = FactorNames()
     dims = [(n.new(s),) for s in shape]
@@ -252,7 +248,7 @@ def gather_rule(eqn: Eqn) -> Rule:
     """
     dn = eqn.params["dimension_numbers"]
     sizes_ = eqn.params["slice_sizes"]
-    os, is_, out_shape = _shape(eqn.invars[0]), _shape(eqn.invars[1]), _shape(eqn.outvars[0])
+    os, is_, out_shape = shape_of(eqn.invars[0]), shape_of(eqn.invars[1]), shape_of(eqn.outvars[0])
     n = FactorNames()
     out: list = [None] * len(out_shape)
     idx: list = [None] * len(is_)
@@ -288,7 +284,7 @@ def gather_rule(eqn: Eqn) -> Rule:
 def scatter_rule(eqn: Eqn) -> Optional[Rule]:
     """scatter-add: update batch dims may split (a partial sum); indexed dims of size-1 windows may split."""
     dn = eqn.params["dimension_numbers"]
-    os, is_, us = (_shape(x) for x in eqn.invars[:3])
+    os, is_, us = (shape_of(x) for x in eqn.invars[:3])
     n = FactorNames()
     op: list = [(n.new(s),) for s in os]
     idx: list = [None] * len(is_)
@@ -327,7 +323,7 @@ def scatter_rule(eqn: Eqn) -> Optional[Rule]:
 
 def random_bits_rule(eqn: Eqn) -> Optional[Rule]:
     """Partitionable threefry bits are a function of the global position: every dim may split (hook)."""
-    if _shape(eqn.invars[0]) != () or not jax.config.jax_threefry_partitionable:
+    if shape_of(eqn.invars[0]) != () or not jax.config.jax_threefry_partitionable:
         return None
     if "fry" not in str(eqn.invars[0].aval.dtype):
         return None
@@ -338,12 +334,12 @@ def random_bits_rule(eqn: Eqn) -> Optional[Rule]:
 
 def trailing(eqn: Eqn) -> Rule:
     """Leading dims shared by operand and result; trailing extra dims (key words, split counts) kept whole."""
-    a, b = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    a, b = shape_of(eqn.invars[0]), shape_of(eqn.outvars[0])
     n = FactorNames()
     common = min(len(a), len(b))
     shared = [(n.new(s),) for s in a[:common]]
     ea = [(n.new(s),) for s in a[common:]]
     eb = [(n.new(s),) for s in b[common:]]
     rep = frozenset(f for (f,) in ea + eb)
-    extra = tuple(_shape(x) and tuple(shared[: len(_shape(x))]) or () for x in eqn.invars[1:])
+    extra = tuple(shape_of(x) and tuple(shared[: len(shape_of(x))]) or () for x in eqn.invars[1:])
     return Rule(eqn.name, (tuple(shared + ea),) + extra, (tuple(shared + eb),), n.sizes, replicated=rep)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from .cost import Collective
 from .factors import FactorNames, Rule
 from .halo import Halo, exchange, gather_collectives, gather_rows, pad_value
-from .program import Eqn, Value
+from .program import Eqn, Value, shape_of
 from .reshard import linear_axis_index
 
 CONV = "conv_general_dilated"
@@ -38,10 +38,6 @@ GENERIC = "reduce_window"  # lax.reduce_window with any computation: (operands..
 def _input(eqn: Eqn) -> int:
     """The operand whose rows the windows read."""
     return 1 if eqn.name == SCATTER else 0
-
-
-def _shape(x) -> tuple[int, ...]:
-    return tuple(x.aval.shape)
 
 
 # --------------------------------------------------------------------------- rules
@@ -65,12 +61,12 @@ class Spatial:
 
 def spatial_dims(eqn: Eqn) -> list[Spatial]:
     p = eqn.params
-    x = _shape(eqn.invars[_input(eqn)])
-    out = _shape(eqn.invars[0] if eqn.name == SCATTER else eqn.outvars[0])
+    x = shape_of(eqn.invars[_input(eqn)])
+    out = shape_of(eqn.invars[0] if eqn.name == SCATTER else eqn.outvars[0])
     n = len(x)
     ones = (1,) * n
     if eqn.name == CONV:
-        dn, w = p["dimension_numbers"], _shape(eqn.invars[1])
+        dn, w = p["dimension_numbers"], shape_of(eqn.invars[1])
         dims = [(a, r, o, w[r]) for a, r, o in zip(dn.lhs_spec[2:], dn.rhs_spec[2:], dn.out_spec[2:])]
         strides, pads, base, dil = p["window_strides"], p["padding"], p["lhs_dilation"], p["rhs_dilation"]
     elif eqn.name == "pad":  # a window of 1 over the input dilated by interior+1 and padded
@@ -104,7 +100,7 @@ def conv_rule(eqn: Eqn) -> Rule:
     tied to the output rows or, for a kernel gradient, to the contracted window rows."""
     p = eqn.params
     dn = p["dimension_numbers"]
-    xs, ws, os_ = _shape(eqn.invars[0]), _shape(eqn.invars[1]), _shape(eqn.outvars[0])
+    xs, ws, os_ = shape_of(eqn.invars[0]), shape_of(eqn.invars[1]), shape_of(eqn.outvars[0])
     fg, bg = p["feature_group_count"], p["batch_group_count"]
     n = FactorNames()
     lhs: list = [None] * len(xs)
