@@ -19,7 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import gshard_jax as gs  # noqa: E402
-from gshard_jax import schedules as S  # noqa: E402
+from gshard_jax.pipelines import schedules as S  # noqa: E402
 
 
 def layer(w, h):

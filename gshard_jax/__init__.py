@@ -19,7 +19,7 @@ from .partitioner.cost import HardwareProfile
 from .partitioner.hlo import collective_stats
 from .partitioner.report import Report
 from .partitioner.sharding import Sharding
-from .pipelining import pipeline, pipeline_value_and_grad
+from .pipelines import pipeline, pipeline_value_and_grad
 
 __all__ = ["make_mesh", "replicate", "split", "shard", "manual", "partition", "explain", "Report", "Sharding",
            "HardwareProfile", "collective_stats", "pipeline", "pipeline_value_and_grad", "plan"]

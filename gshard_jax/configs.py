@@ -78,7 +78,7 @@ def data_defaults() -> ConfigDict:
 def pipeline_defaults() -> ConfigDict:
     """The pipeline section: how the layer stack runs over mesh.stage stages (train.microbatches per step)."""
     return ConfigDict(dict(
-        schedule="gpipe",  # "gpipe", "circular", "1f1b" or "interleaved_1f1b" (gshard_jax/schedules.py)
+        schedule="gpipe",  # "gpipe", "circular", "1f1b" or "interleaved_1f1b" (gshard_jax/pipelines/schedules.py)
         repeats=1,  # layer chunks per stage for "circular" and "interleaved_1f1b" (bubble / repeats)
     ))
 

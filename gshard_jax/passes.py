@@ -12,13 +12,14 @@ an auto-partitioner).
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
 import jax
 from jax.interpreters import partial_eval as pe
 
-from . import annotations as A, pipelining as PL, sources as SRC, specs as S
+from . import annotations as A, sources as SRC, specs as S
 from .partitioner import lower as L, subaxes as SUB
 from .partitioner.cost import HardwareProfile
 from .partitioner.fold import fold_constant_reductions, fold_pads, merge_common, static_slices
@@ -28,6 +29,10 @@ from .partitioner.report import Report, ValueInfo
 from .partitioner.roll import fold_rolls
 from .partitioner.sharding import Sharding
 from .partitioner.strategy import StrategyCache
+
+# The pipeline schedules traced while a partitioned program is built (gshard_jax/pipelines appends them, and
+# explain() reports them).
+TRACED: contextvars.ContextVar = contextvars.ContextVar("gshard_jax_pipelines", default=None)
 
 
 @dataclasses.dataclass
@@ -66,7 +71,7 @@ def trace(fn: Callable, mesh, in_shardings, out_shardings, placements: tuple, ar
         return fn(*a, **kw)
 
     traced_pipelines: list = []
-    token = PL.TRACED.set(traced_pipelines)
+    token = TRACED.set(traced_pipelines)
     try:
         def make(*flat):  # an attempt traced again (sources.trace_in_context) starts with no pipelines
             traced_pipelines.clear()
@@ -75,7 +80,7 @@ def trace(fn: Callable, mesh, in_shardings, out_shardings, placements: tuple, ar
         with A.active(mesh, "gshard"):
             closed, out_shape = SRC.trace_in_context(make, flat_args, mesh if context is None else context)
     finally:
-        PL.TRACED.reset(token)
+        TRACED.reset(token)
     # Plan the program XLA will run: values nothing uses (e.g. the forward loss inside jax.grad) are
     # dropped first, so no collective is planned or reported for them, and there is less to partition.
     jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)

@@ -143,3 +143,11 @@ class Mlp(nn.Module):
             raise ValueError(f"ffn activation={self.activation!r}; expected 'relu', 'gelu' or 'swiglu'")
         wo = weight(self, "wo", (F, D), ("mlp", "embed"), r, self.dtype)
         return constrain(jnp.einsum("BLF,FD->BLD", h_BLF, wo), ("batch", "seq", "embed"), r)
+
+
+def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array, weights_BL: Optional[jax.Array] = None):
+    """Mean next-token cross-entropy over weighted positions."""
+    logz = jax.nn.logsumexp(logits_BLV, axis=-1)
+    gold = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
+    w = jnp.ones_like(logz) if weights_BL is None else weights_BL.astype(logz.dtype)
+    return jnp.sum((logz - gold) * w) / jnp.maximum(jnp.sum(w), 1.0)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gshard_jax as gs
-from gshard_jax import schedules as S
+from gshard_jax.pipelines import schedules as S
 
 from .sharding import mesh_spec
 
@@ -108,7 +108,7 @@ def _specs(stack: nn.Module, init: Callable):
     return params, state
 
 
-def _setup(stack: nn.Module, n: int, x, enc, mask):
+def _setup(stack: nn.Module, n: int, x, enc, mask, periods: Callable):
     """(stacked params as [stages] or [repeats, stages] chunks, stage function, state, specs)."""
     c, pc = stack.cfg, stack.cfg.pipeline
     check(pc, n)
@@ -117,7 +117,7 @@ def _setup(stack: nn.Module, n: int, x, enc, mask):
     args = (c, stack.causal, stack.cross, stack.train)
 
     def init(rng):  # the scanned stack's params in layer order, stored in the pipeline's order
-        w = T.scanned_periods(c, n)(*args).init({"params": rng}, x, enc, mask)["params"]
+        w = periods(c, n)(*args).init({"params": rng}, x, enc, mask)["params"]
         return reorder(w, jax.tree.map(lambda _: True, w), order_key(None), order_key(pc))
 
     param_specs, state_specs = _specs(stack, init)
@@ -126,7 +126,7 @@ def _setup(stack: nn.Module, n: int, x, enc, mask):
     w = jax.tree.map(lambda a: a.reshape(p, chunk, *a.shape[1:]) if r == 1 else
                      a.reshape(p, r, chunk, *a.shape[1:]).swapaxes(0, 1), w)
     state = {k: v for k, v in (("x", x), ("enc", enc), ("mask", mask)) if v is not None}
-    body = T.scanned_periods(c, chunk)(*args)
+    body = periods(c, chunk)(*args)
 
     def stage(w, s):
         y, metrics = body.apply({"params": w}, s["x"], s.get("enc"), s.get("mask"))
@@ -137,21 +137,23 @@ def _setup(stack: nn.Module, n: int, x, enc, mask):
     return w, stage, state, param_specs, state_specs
 
 
-def pipelined(stack: nn.Module, n: int, x, enc, mask):
-    """The Stack's period factory for pipelines (forward; autodiff's backward): (x, metrics)."""
+def pipelined(stack: nn.Module, n: int, x, enc, mask, periods: Callable):
+    """The Stack's period factory for pipelines (forward; autodiff's backward): (x, metrics). periods(cfg,
+    length): the model's `length` layer periods as one scanned module (transformer.scanned_periods)."""
     pc = stack.cfg.pipeline
-    w, stage, state, param_specs, state_specs = _setup(stack, n, x, enc, mask)
+    w, stage, state, param_specs, state_specs = _setup(stack, n, x, enc, mask, periods)
     forward = {"1f1b": "gpipe", "interleaved_1f1b": "circular"}.get(pc.schedule, pc.schedule)
     y, metrics = gs.pipeline(stage, w, state, num_microbatches=pc.microbatches, schedule=forward,
                              repeats=pc.repeats, has_aux=True, x_spec=state_specs, param_specs=param_specs)
     return y["x"], jax.tree.map(lambda a: a / pc.microbatches, metrics)
 
 
-def pipelined_loss(stack: nn.Module, n: int, x, head: Callable, head_params, targets, aux_weights: dict):
+def pipelined_loss(stack: nn.Module, n: int, x, head: Callable, head_params, targets, aux_weights: dict,
+                   periods: Callable):
     """The mean over microbatches of head(head_params, y_mb, targets_mb) + the weighted MoE losses, for the
     schedules that own their backward pass: (loss, metrics including "cross_entropy")."""
     pc = stack.cfg.pipeline
-    w, stage, state, param_specs, state_specs = _setup(stack, n, x, None, None)
+    w, stage, state, param_specs, state_specs = _setup(stack, n, x, None, None, periods)
     m = pc.microbatches
 
     def run(w, state, head_params, targets):
@@ -186,5 +188,3 @@ def pipelined_loss(stack: nn.Module, n: int, x, head: Callable, head_params, tar
 def _zero_cotangent(t):
     return jnp.zeros(t.shape, jax.dtypes.float0) if not jnp.issubdtype(t.dtype, jnp.inexact) else jnp.zeros_like(t)
 
-
-from . import transformer as T  # noqa: E402  (transformer.py imports this module's names first)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from . import layers
+from .layers import cross_entropy
 from .moe import MoeConfig, MoeFFN
 from .pipelined import PipelineConfig, pipelined, pipelined_loss
 from .sharding import DEFAULT_RULES, Rules, constrain, sequence_parallel
@@ -198,7 +199,11 @@ def _scanned(stack: "Stack", n: int, x, enc, mask):
 
 # How a Stack runs its periods (MaxText's decoders.py swaps its pipeline in the same way): each takes the
 # Stack, the period count and (x, encoder output, encoder mask) and returns (x, summed metrics).
-PERIOD_FACTORIES = {"loop": _looped, "scan": _scanned, "pipeline": pipelined}
+def _pipelined(stack: "Stack", n: int, x, enc, mask):
+    return pipelined(stack, n, x, enc, mask, periods=scanned_periods)
+
+
+PERIOD_FACTORIES = {"loop": _looped, "scan": _scanned, "pipeline": _pipelined}
 
 
 class Stack(nn.Module):
@@ -215,7 +220,7 @@ class Stack(nn.Module):
         owns its backward pass, (loss, metrics) from models/pipelined.py's pipelined_loss."""
         c = self.cfg
         if head is not None:
-            return pipelined_loss(self, self.num_layers // c.period, x_BLD, *head)
+            return pipelined_loss(self, self.num_layers // c.period, x_BLD, *head, periods=scanned_periods)
         how = "pipeline" if c.pipeline is not None else "scan" if c.scan else "loop"
         return PERIOD_FACTORIES[how](self, self.num_layers // c.period, x_BLD, enc_BTD, enc_mask_BT)
 
@@ -311,14 +316,6 @@ class EncoderDecoder(nn.Module):
                                                                  ("embed", "vocab"), r, dt))
         logits = constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"), r)
         return logits, _metrics(enc_metrics, dec_metrics)
-
-
-def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array, weights_BL: Optional[jax.Array] = None):
-    """Mean next-token cross-entropy over weighted positions."""
-    logz = jax.nn.logsumexp(logits_BLV, axis=-1)
-    gold = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
-    w = jnp.ones_like(logz) if weights_BL is None else weights_BL.astype(logz.dtype)
-    return jnp.sum((logz - gold) * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
 def loss_fn(model: nn.Module, params, batch: dict, rng: Optional[jax.Array] = None):

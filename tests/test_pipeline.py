@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import gshard_jax as gs
-from gshard_jax import schedules as S
 from gshard_jax.partitioner.hlo import collective_stats
+from gshard_jax.pipelines import schedules as S
 from helpers import assert_per_step_matches_hlo, assert_report_matches_hlo, hlo_stats
 
 L, D, B = 8, 16, 16
@@ -182,15 +182,15 @@ def test_aux_weights_enter_the_gradient():
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_nan_in_bubble_inputs_cannot_leak(schedule, monkeypatch):
     """Bubble slots start from NaN instead of zeros: the loss and gradients are finite and unchanged."""
-    from gshard_jax import pipelining as PL
+    from gshard_jax.pipelines import common as PL
     W, x, H, t = _problem()
     clean = _piped(schedule, 4, 1, 4)(W, x, H, t)
-    real = PL._Run.state
+    real = PL.Run.state
 
     def poisoned(self, tree):
         return real(self, jax.tree.map(lambda a: jnp.where(jnp.isfinite(a) & (a == 0), jnp.nan, a), tree))
 
-    monkeypatch.setattr(PL._Run, "state", poisoned)
+    monkeypatch.setattr(PL.Run, "state", poisoned)
     dirty = _piped(schedule, 4, 1, 4)(W, x, H, t)
     for a, b in zip(jax.tree.leaves(clean), jax.tree.leaves(dirty)):
         assert np.all(np.isfinite(b))

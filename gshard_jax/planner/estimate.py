@@ -17,8 +17,8 @@ import functools
 import math
 from typing import NamedTuple, Optional, Sequence
 
-from .. import schedules as SC
 from ..partitioner.cost import latency_steps, moved_bytes
+from ..pipelines import schedules as SC
 from .hardware import Hardware, axes_bandwidth
 from .space import Candidate, ModelShape
 

@@ -14,7 +14,7 @@ from typing import Iterator, Optional, Sequence
 
 import ml_collections
 
-from .. import schedules as SC
+from ..pipelines import schedules as SC
 
 AXES = ("stage", "data", "z", "expert", "y", "x")  # the config's mesh section, outermost first
 REMATS = ("none", "dots", "full")

@@ -15,25 +15,25 @@ import jax
 import jax.numpy as jnp
 
 from . import schedules as S
-from .pipelining import (
-    _aux_zeros,
-    _axis,
-    _chunk,
-    _f32,
-    _from_stage,
-    _one,
-    _put,
-    _put_rows,
-    _rows,
-    _Run,
-    _shard,
-    _stacked,
-    _trace,
-    _weights_like,
-    _where,
-    _zero_unless,
+from .common import (
+    Run,
+    aux_zeros,
+    chunk,
+    f32,
+    from_stage,
     microbatches,
+    one_shape,
+    put,
+    put_rows,
+    record,
+    rows,
+    shard_leading,
+    stacked,
+    stage_axis,
     unmicrobatch,
+    weights_like,
+    where,
+    zero_unless,
 )
 from .residuals import Residuals
 
@@ -43,26 +43,27 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
     """pipeline_value_and_grad's 1F1B and interleaved 1F1B: warmup (forward wave), steady (both waves, the
     loss at the last stage between them) and cooldown (backward wave), each a scan over the schedule's rows."""
     sc = S.make(schedule, p, m, r)
-    _trace(sc)
-    ax = _axis(axis, p)
-    run = _Run(stage_fn, has_aux, sc, ax, x_spec)
+    record(sc)
+    ax = stage_axis(axis, p)
+    run = Run(stage_fn, has_aux, sc, ax, x_spec)
     ids = run.stage_ids
-    params_rp = _stacked(params, r, p, ax, param_specs)
+    params_rp = stacked(params, r, p, ax, param_specs)
     xs, ts = microbatches(x, m), microbatches(targets, m)
     res = Residuals(run.vmap, run.call,
                     jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params_rp),
-                    jax.tree.map(lambda a: jax.ShapeDtypeStruct((p,) + _one(a), a.dtype), xs))
-    zeros_state = run.state(jax.tree.map(lambda a: jnp.zeros((p,) + _one(a), a.dtype), xs))
-    aux0 = _aux_zeros(run, params_rp, zeros_state)
+                    jax.tree.map(lambda a: jax.ShapeDtypeStruct((p,) + one_shape(a), a.dtype), xs))
+    zeros_state = run.state(jax.tree.map(lambda a: jnp.zeros((p,) + one_shape(a), a.dtype), xs))
+    aux0 = aux_zeros(run, params_rp, zeros_state)
     weights = jax.tree.map(lambda a, w: jnp.broadcast_to(jnp.asarray(w, a.dtype), a.shape[1:]), aux0,
-                           _weights_like(aux0, aux_weights))
+                           weights_like(aux0, aux_weights))
     carry = {
         "f": zeros_state,  # activations moving up a stage per tick
         "b": zeros_state,  # their gradients moving down
         "stash": [jnp.zeros((p, sc.stash) + tuple(a.shape), a.dtype) for a in res.stashed],
         "loss": jnp.zeros((p,), jnp.float32),
         "aux": aux0,
-        "dw": _shard(jax.tree.map(lambda a: jnp.zeros(a.shape, _acc_dtype(a)), params_rp), (None, ax), param_specs, ax),
+        "dw": shard_leading(jax.tree.map(lambda a: jnp.zeros(a.shape, _acc_dtype(a)), params_rp), (None, ax),
+                            param_specs, ax),
         "dl": jax.tree.map(lambda a: jnp.zeros((p,) + jnp.shape(a), _acc_dtype(a)), loss_params),
         "dx": jax.tree.map(lambda a: jnp.zeros((p,) + a.shape, a.dtype), xs),
     }
@@ -73,35 +74,35 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
         inp = run.inject(xs, c["f"], mb, rep)
 
         def stage(w, u, ok):
-            (y, a), vjp = jax.vjp(run.call, w, _zero_unless(ok, u))
-            return y, _zero_unless(ok, a), res.split(jax.tree.leaves(vjp))
+            (y, a), vjp = jax.vjp(run.call, w, zero_unless(ok, u))
+            return y, zero_unless(ok, a), res.split(jax.tree.leaves(vjp))
 
-        y, a, saved = run.vmap(stage)(_chunk(params_rp, rep, r), inp, valid)
+        y, a, saved = run.vmap(stage)(chunk(params_rp, rep, r), inp, valid)
         c = dict(c, f=run.roll(y, 1), aux=jax.tree.map(jnp.add, c["aux"], a),
-                 stash=_put(c["stash"], slot, saved, valid))
+                 stash=put(c["stash"], slot, saved, valid))
         return c, y, valid & (ids == p - 1) & (rep == r - 1), mb
 
     def loss(c, y, last, mb):
         def one(lp, y, t, ok):
             value, vjp = jax.vjp(lambda lp, y: loss_fn(lp, y, t), lp, y)
             dl, dy = vjp(jnp.ones_like(value))
-            return jnp.where(ok, value, 0).astype(jnp.float32), _zero_unless(ok, _f32(dl)), _zero_unless(ok, dy)
+            return jnp.where(ok, value, 0).astype(jnp.float32), zero_unless(ok, f32(dl)), zero_unless(ok, dy)
 
-        value, dl, dy = run.vmap(one, in_axes=(None, 0, 0, 0))(loss_params, y, _rows(ts, mb), last)
+        value, dl, dy = run.vmap(one, in_axes=(None, 0, 0, 0))(loss_params, y, rows(ts, mb), last)
         return dict(c, loss=c["loss"] + value, dl=jax.tree.map(jnp.add, c["dl"], dl)), dy
 
     def backward(c, row, fresh=None, roll=True):
         mb, rep, slot = row
         valid = mb >= 0
-        g = c["b"] if fresh is None else _where(valid & (ids == p - 1) & (rep == r - 1), fresh, c["b"])
+        g = c["b"] if fresh is None else where(valid & (ids == p - 1) & (rep == r - 1), fresh, c["b"])
 
         def stage(recomputed, saved, g, ok):
             vjp = res.rebuild(recomputed, saved)
-            dw, dx = vjp((_zero_unless(ok, g), _zero_unless(ok, weights)))
-            return _zero_unless(ok, _f32(dw)), _zero_unless(ok, dx)
+            dw, dx = vjp((zero_unless(ok, g), zero_unless(ok, weights)))
+            return zero_unless(ok, f32(dw)), zero_unless(ok, dx)
 
         saved = [jax.vmap(lambda b, i: b[i])(a, jnp.maximum(slot, 0)) for a in c["stash"]]
-        dw, dx = run.vmap(stage)(res.recompute(_chunk(params_rp, rep, r)), saved, g, valid)
+        dw, dx = run.vmap(stage)(res.recompute(chunk(params_rp, rep, r)), saved, g, valid)
         if r == 1:
             acc = jax.tree.map(lambda G, d: G + d[None].astype(G.dtype), c["dw"], dw)
         else:
@@ -109,7 +110,7 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
                                                      in_axes=(1, 0, 0), out_axes=1)(G, jnp.maximum(rep, 0), d),
                                c["dw"], dw)
         first = valid & (ids == 0) & (rep == 0)
-        return dict(c, b=run.roll(dx, -1) if roll else c["b"], dw=acc, dx=_put_rows(c["dx"], mb, dx, first))
+        return dict(c, b=run.roll(dx, -1) if roll else c["b"], dw=acc, dx=put_rows(c["dx"], mb, dx, first))
 
     def warm(c, row):
         return forward(c, row)[0], None
@@ -143,8 +144,8 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
     aux = jax.tree.map(lambda a: a.sum(0), carry["aux"])
     d_params = jax.tree.map(lambda a: a[0], carry["dw"]) if r == 1 else carry["dw"]
     d_loss_params = jax.tree.map(lambda a: a.sum(0), carry["dl"])
-    d_x = unmicrobatch(_from_stage(carry["dx"], 0))
-    return (carry["loss"].sum(), aux), (d_params, _f32(d_x), d_loss_params)
+    d_x = unmicrobatch(from_stage(carry["dx"], 0))
+    return (carry["loss"].sum(), aux), (d_params, f32(d_x), d_loss_params)
 
 
 def _acc_dtype(a):
