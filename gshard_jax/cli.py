@@ -276,7 +276,7 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--devices", type=int, required=True, metavar="N", help="devices to plan for")
     q.add_argument("--hardware", default="cpu-simulation", metavar="PROFILE", help="a built-in profile (cpu-"
                    "simulation, h100-8, perlmutter-a100, tpu-v3, aurora-pvc) or a JSON file of "
-                   "gshard_jax.planner.hardware.Hardware's fields")
+                   "gshard_jax.partitioner.hardware.Hardware's fields")
     q.add_argument("--memory-gb", type=float, default=None, metavar="M", help="memory budget per device in GiB "
                    "(default: the profile's device memory)")
     q.add_argument("--top", type=int, default=5, metavar="K", help="candidates to show")

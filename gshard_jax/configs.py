@@ -25,9 +25,10 @@ from .models.gating import GatingConfig
 from .models.moe import MoeConfig
 from .models.pipelined import PipelineConfig
 from .models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
-from .training import data
 
 ConfigDict = ml_collections.ConfigDict
+HELD_OUT = 0.05  # default fraction of files held out (data.held_out)
+MAX_BYTES = 8 << 20  # default corpus size cap, the standard library sources (data.max_bytes)
 
 
 def train_defaults() -> ConfigDict:
@@ -53,7 +54,7 @@ def train_defaults() -> ConfigDict:
         async_checkpoints=True,  # write checkpoints in the background
         checkpoint_replica_parallel=True,  # replicated arrays written 1/R by each of their R replicas (scattered)
         checkpoint_single_read=True,  # arrays replicated over host groups read by group 0 and broadcast
-        hardware="cpu-simulation",  # the planner's hardware profile (planner/hardware.py) whose peak mfu uses
+        hardware="cpu-simulation",  # the planner's hardware profile (partitioner/hardware.py) whose peak mfu uses
         peak_flops=0.0,  # flop/s of one device for the mfu metric (0: the hardware profile's peak_flops)
         goldfish_k=0,  # goldfish loss: drop ~1/k of target tokens from the loss (0 or 1: off; AxoNN uses 2)
         goldfish_h=13,  # goldfish loss: tokens of context hashed to choose the dropped ones
@@ -70,8 +71,8 @@ def data_defaults() -> ConfigDict:
         dir="",  # prepared token shards ("": WORKDIR/data, prepared on first use)
         source="",  # directory of text files to prepare from ("": the Python standard library's sources)
         tokenizer="",  # tokenizer.json to use ("": train a byte-level BPE of model.vocab_size on the corpus)
-        held_out=data.HELD_OUT,  # fraction of files held out for eval_loss
-        max_bytes=data.MAX_BYTES,  # default corpus: at most this many bytes of source
+        held_out=HELD_OUT,  # fraction of files held out for eval_loss
+        max_bytes=MAX_BYTES,  # default corpus: at most this many bytes of source
     ))
 
 
@@ -251,3 +252,17 @@ def load(path: str) -> ConfigDict:
     if not hasattr(mod, "get_config"):
         raise ValueError(f"{path} defines no get_config(); an experiment file returns its ConfigDict from it")
     return mod.get_config()
+
+
+def flops_per_token(active_params: int, layers: int, d_model: int, seq: int) -> float:
+    """Model flops per trained token (forward and backward): 6 per active parameter plus attention's
+    12 L d S (Narayanan et al.; what MFU divides by peak). layers: every layer (an encoder-decoder's both
+    stacks)."""
+    return 6 * active_params + 12 * layers * d_model * seq
+
+
+def model_flops_per_token(cfg: ConfigDict) -> float:
+    """flops_per_token of a config's model at its train.seq_len."""
+    m = cfg.model
+    layers = m.num_layers * (2 if m.kind == "encoder_decoder" else 1)
+    return flops_per_token(count_params(m)["active_params"], layers, m.d_model, cfg.train.seq_len)

@@ -38,3 +38,81 @@ def test_the_code_passes_the_ruff_config():
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:]
+
+
+# Layers, lowest first: each imports only from those before it (gshard_jax/__init__.py, the facade, is outside).
+LAYERS = [
+    ("partitioner", ["gshard_jax.partitioner"]),
+    ("api", ["gshard_jax.annotations", "gshard_jax.passes", "gshard_jax.api", "gshard_jax.sources",
+             "gshard_jax.specs", "gshard_jax.manual", "gshard_jax.mesh"]),
+    ("pipeline", ["gshard_jax.pipelines"]),
+    ("models", ["gshard_jax.models"]),
+    ("configs", ["gshard_jax.configs"]),
+    ("training", ["gshard_jax.training"]),
+    ("planner", ["gshard_jax.planner"]),
+    ("cli", ["gshard_jax.cli"]),
+]
+INSTALLED_AS = {"gshard_jax": "gshard_jax", "partitioner": "gshard_jax.partitioner", "models": "gshard_jax.models"}
+
+
+def _modules() -> dict:
+    """{module name as installed: path} of the package's sources."""
+    out = {}
+    for top, name in INSTALLED_AS.items():
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if f.endswith(".py"):
+                    parts = [name] + os.path.relpath(os.path.join(folder, f), os.path.join(ROOT, top)).split(os.sep)
+                    parts[-1] = parts[-1][:-3]
+                    out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = os.path.join(folder, f)
+    return out
+
+
+def _layer(module: str):
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    return None
+
+
+def _imports(module: str, path: str):
+    """(imported module, line) for every import in the file, at any depth (a function-level one too)."""
+    import ast
+    package = module.split(".") if path.endswith("__init__.py") else module.split(".")[:-1]
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+            yield base, node.lineno
+            for a in node.names:
+                yield f"{base}.{a.name}", node.lineno
+
+
+def test_every_layer_imports_only_from_the_layers_before_it():
+    """partitioner -> API -> pipeline -> models -> configs -> training -> planner -> cli, read from every
+    import in the sources, function-level ones included (none dodges the order)."""
+    modules = _modules()
+    assert all(_layer(m) is not None for m in modules if m != "gshard_jax"), \
+        [m for m in modules if m != "gshard_jax" and _layer(m) is None]
+    upward = []
+    for module, path in sorted(modules.items()):
+        mine = _layer(module)
+        for target, line in _imports(module, path):
+            theirs = _layer(target) if target in modules else None
+            if mine is not None and theirs is not None and theirs > mine:
+                upward.append(f"{module} ({LAYERS[mine][0]}) imports {target} ({LAYERS[theirs][0]}), line {line}")
+    assert not sorted(set(upward)), "\n".join(sorted(set(upward)))
+
+
+def test_the_layering_check_sees_an_upward_import(tmp_path):
+    """The check reads function-level imports: a configs module importing training inside a function is caught."""
+    path = tmp_path / "configs.py"
+    path.write_text("def f():\n    from .training import train\n")
+    found = [t for t, _ in _imports("gshard_jax.configs", str(path))]
+    assert "gshard_jax.training" in found and _layer("gshard_jax.training") > _layer("gshard_jax.configs")

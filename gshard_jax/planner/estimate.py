@@ -17,9 +17,10 @@ import functools
 import math
 from typing import NamedTuple, Optional, Sequence
 
+from .. import configs
 from ..partitioner.cost import latency_steps, moved_bytes
+from ..partitioner.hardware import Hardware, axes_bandwidth
 from ..pipelines import schedules as SC
-from .hardware import Hardware, axes_bandwidth
 from .space import Candidate, ModelShape
 
 GiB = 1024 ** 3
@@ -178,10 +179,9 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
 
 
 def model_flops_per_token(shape: ModelShape) -> float:
-    """Model flops per trained token (forward and backward): 6 per active parameter plus attention's
-    12 L d S (Narayanan et al.; what MFU divides by peak)."""
+    """configs.flops_per_token of the shape (the formula the training run's mfu uses)."""
     layers = shape.layers * (2 if shape.kind == "encoder_decoder" else 1)
-    return 6 * shape.active_params + 12 * layers * shape.d_model * shape.seq
+    return configs.flops_per_token(shape.active_params, layers, shape.d_model, shape.seq)
 
 
 def flops(shape: ModelShape, c: Candidate) -> float:

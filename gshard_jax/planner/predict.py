@@ -19,9 +19,9 @@ from jax.sharding import AbstractMesh, AxisType
 
 from ..partitioner import overlap as OV
 from ..partitioner.cost import HardwareProfile, default_profile
+from ..partitioner.hardware import Hardware
 from . import estimate as E, space as SP
 from .estimate import Comm
-from .hardware import Hardware
 from .space import AXES, Candidate
 
 

@@ -16,8 +16,8 @@ from typing import Optional, Sequence
 
 import ml_collections
 
+from ..partitioner.hardware import Hardware, scaled
 from . import axonn, estimate as E, space as SP
-from .hardware import Hardware, scaled
 from .workers import Workers
 
 GiB = 1024 ** 3

@@ -6,9 +6,9 @@ import concurrent.futures
 import multiprocessing
 import os
 
+from ..partitioner.hardware import Hardware
 from ..training.faults import die_with_parent
 from . import predict as PR
-from .hardware import Hardware
 
 
 class Workers:

@@ -20,11 +20,11 @@ from typing import Optional
 
 import numpy as np
 
+from ..configs import HELD_OUT, MAX_BYTES  # the data section's defaults
+
 PAD, EOS = "<pad>", "<|endoftext|>"  # id 0 is padding (never in text), then end of document
 SHARD_TOKENS = 1 << 24  # tokens per .npy shard
 META = "meta.json"
-HELD_OUT = 0.05  # default fraction of files held out
-MAX_BYTES = 8 << 20  # default corpus size cap (the standard library sources)
 
 
 def stdlib_files(max_bytes: int) -> list[str]:

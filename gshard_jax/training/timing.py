@@ -11,6 +11,9 @@ from typing import Callable, Mapping
 import jax
 import ml_collections
 
+from .. import configs
+from ..partitioner import hardware
+
 
 def median_times(fns: Mapping[str, Callable[[], object]], steps: int, warmup: int = 0) -> dict[str, float]:
     """{name: median seconds of fn()} over `steps` rounds after `warmup` untimed ones; the order within a
@@ -29,14 +32,12 @@ def peak_flops(cfg: ml_collections.ConfigDict) -> float:
     """Flop/s of one device for the mfu metric: train.peak_flops, else the hardware profile's."""
     if cfg.train.peak_flops:
         return float(cfg.train.peak_flops)
-    from ..planner import hardware
     return hardware.get(cfg.train.hardware).peak_flops
 
 
 def model_flops_per_token(cfg: ml_collections.ConfigDict) -> float:
-    """The model's flops per trained token (the planner's formula: 6 per active parameter plus attention)."""
-    from ..planner import estimate, space
-    return estimate.model_flops_per_token(space.model_shape(cfg))
+    """The model's flops per trained token (6 per active parameter plus attention; the planner's too)."""
+    return configs.model_flops_per_token(cfg)
 
 
 class Clock:

@@ -134,7 +134,7 @@ def get(name_or_path: str) -> Hardware:
     if name_or_path.endswith(".json"):
         return from_json(name_or_path)
     raise ValueError(f"hardware profile {name_or_path!r}: expected one of {sorted(PROFILES)} or a .json file "
-                     f"with the fields of gshard_jax.planner.hardware.Hardware")
+                     f"with the fields of gshard_jax.partitioner.hardware.Hardware")
 
 
 def scaled(hw: Hardware, factor: float) -> Hardware:
