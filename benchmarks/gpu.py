@@ -106,7 +106,7 @@ def child(args) -> dict:
 
     cfg = configure(args.child, jax.device_count(), args.hardware, args.set)
     with tempfile.TemporaryDirectory() as workdir:
-        trainer, state, batch = train.first_step(cfg, workdir)
+        trainer, state, batch = train.step_inputs(cfg, workdir)
     compiled, memory, losses, ops = {}, {}, {}, {}
     for backend in ("gshard", "xla"):
         compiled[backend] = trainer.partitioned("train", backend).lower(state, batch).compile()

@@ -31,8 +31,8 @@ import jax.numpy as jnp  # noqa: E402
 
 import gshard_jax as gs  # noqa: E402
 from gshard_jax.models.gating import GatingConfig  # noqa: E402
+from gshard_jax.models.logical import DEFAULT_RULES  # noqa: E402
 from gshard_jax.models.moe import MoeConfig, MoeFFN  # noqa: E402
-from gshard_jax.models.sharding import DEFAULT_RULES  # noqa: E402
 from gshard_jax.training.timing import median_times  # noqa: E402
 
 # (name, experts, k, d_model, expert d_ff, activation): a GShard-like top-2 layer and an OLMoE-like top-8 one.

@@ -44,8 +44,8 @@ import gshard_jax as gs  # noqa: E402
 from gshard_jax import configs  # noqa: E402
 from gshard_jax.models import cnn, lm  # noqa: E402
 from gshard_jax.models.gating import GatingConfig  # noqa: E402
+from gshard_jax.models.logical import DEFAULT_RULES  # noqa: E402
 from gshard_jax.models.moe import MoeConfig, MoeFFN, expert_einsums  # noqa: E402
-from gshard_jax.models.sharding import DEFAULT_RULES  # noqa: E402
 from gshard_jax.models.transformer import loss_fn  # noqa: E402
 from gshard_jax.partitioner.hlo import collective_stats  # noqa: E402
 from gshard_jax.training import data  # noqa: E402

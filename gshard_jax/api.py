@@ -76,8 +76,8 @@ def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardw
     """
     def global_fn(*args, **kwargs):
         with _gc_paused():
-            t = P.trace(fn, mesh, in_shardings, out_shardings, placements, args, kwargs, given)
-            lowering, runs_on = P.plan_and_lower(t, mesh, profile, report, collective_matmul)
+            t, lowering, runs_on = P.partition_program(fn, mesh, in_shardings, out_shardings, placements, args,
+                                                       kwargs, given, profile, report, collective_matmul)
             in_specs, out_specs = P.entry_specs(lowering)
             per_device = jax.shard_map(lambda *xs: tuple(lowering.run(*xs)), mesh=runs_on, in_specs=in_specs,
                                        out_specs=out_specs, check_vma=False)
@@ -240,7 +240,7 @@ def explain(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, out_shard
                               collective_matmul, given))(*args, **kwargs)
         return report
     with _gc_paused():
-        t = P.trace(fn, mesh, in_shardings, out_shardings, placements, args, kwargs, given)
-        P.plan_and_lower(t, mesh, profile, report, collective_matmul)[0].cost()
+        P.partition_program(fn, mesh, in_shardings, out_shardings, placements, args, kwargs, given, profile,
+                            report, collective_matmul)[1].cost()
         SUB.name_whole_axes(report)
     return report

@@ -105,7 +105,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace) -> int:
     cfg = _setup(args)
     from .training import train
-    trainer, state, batch = train.first_step(cfg, args.workdir)
+    trainer, state, batch = train.step_inputs(cfg, args.workdir)
     report = trainer.explain(state, batch)
     print(report.to_json() if args.json else (report.table() if args.table else report))
     return 0

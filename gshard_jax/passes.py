@@ -1,11 +1,12 @@
 """The partitioner's stages for one global function, each a function of the one before:
 
     trace(fn, ...)  -> Traced: the program (folded) and its seeds (in/out shardings, committed placements)
-    propagate(...)  -> Plan: a sharding for every value (partitioner/propagation.py)
-    lower(...)      -> Lowering: the per-device program; .run() on local shards inside shard_map, or .cost()
+    propagate(...)  -> Assignment: a sharding for every value (partitioner/propagation.py)
+    lower_traced(...)      -> Lowering: the per-device program; .run() on local shards inside shard_map, or .cost()
                        to decide and report it without arrays
     plan_and_lower  -> the two above, on the mesh or on one with sub-axes (partitioner/subaxes.py), whichever
                        the cost model prefers
+    partition_program -> all of it: the one driver partition() and explain() call
 
 A planner adds shardings (seeds) and reads the costs; it never rewrites the program (Shardy's contract for
 an auto-partitioner).
@@ -24,7 +25,7 @@ from .partitioner import lower as L, subaxes as SUB
 from .partitioner.cost import HardwareProfile
 from .partitioner.fold import fold_constant_reductions, fold_pads, merge_common, static_slices
 from .partitioner.program import Program, Value, from_jaxpr
-from .partitioner.propagation import Plan, propagate
+from .partitioner.propagation import Assignment, propagate
 from .partitioner.report import Report, ValueInfo
 from .partitioner.roll import fold_rolls
 from .partitioner.sharding import Sharding
@@ -81,7 +82,7 @@ def trace(fn: Callable, mesh, in_shardings, out_shardings, placements: tuple, ar
             closed, out_shape = SRC.trace_in_context(make, flat_args, mesh if context is None else context)
     finally:
         TRACED.reset(token)
-    # Plan the program XLA will run: values nothing uses (e.g. the forward loss inside jax.grad) are
+    # Assignment the program XLA will run: values nothing uses (e.g. the forward loss inside jax.grad) are
     # dropped first, so no collective is planned or reported for them, and there is less to partition.
     jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
     closed = jax.extend.core.ClosedJaxpr(jaxpr, closed.consts)
@@ -127,7 +128,7 @@ def _without_uneven(s: Sharding, shape, mesh_shape) -> Sharding:
     return Sharding(tuple(() if d in bad else ax for d, ax in enumerate(s.dims)))
 
 
-def boundary(t: Traced, plan: Plan, mesh_shape: dict) -> tuple[list[Sharding], list[Sharding]]:
+def boundary(t: Traced, plan: Assignment, mesh_shape: dict) -> tuple[list[Sharding], list[Sharding]]:
     """How each input (then constant) enters and each output leaves the per-device program: evenly, over whole
     mesh axes."""
     values = list(t.program.invars) + [v for v, _ in t.program.consts]
@@ -138,7 +139,7 @@ def boundary(t: Traced, plan: Plan, mesh_shape: dict) -> tuple[list[Sharding], l
     return entry, exit_
 
 
-def lower(t: Traced, plan: Plan, mesh, profile: HardwareProfile, report: Optional[Report],
+def lower_traced(t: Traced, plan: Assignment, mesh, profile: HardwareProfile, report: Optional[Report],
           collective_matmul: str = "auto", cache: Optional[StrategyCache] = None) -> L.Lowering:
     """The per-device program of a traced, planned function (the report's header filled when there is one)."""
     entry, exit_ = boundary(t, plan, dict(mesh.shape))
@@ -186,12 +187,22 @@ def plan_and_lower(t: Traced, mesh, profile: HardwareProfile, report: Optional[R
         scores = []
         for (o, m), plan in zip(options, plans):
             trial = Report(dict(mesh.shape), profile)
-            lower(o, plan, m, profile, trial, collective_matmul).cost()
+            lower_traced(o, plan, m, profile, trial, collective_matmul).cost()
             moved = sum(t["moved_bytes"] for t in trial.totals(dynamic=True).values())
             scores.append((moved, trial.comm_time + trial.compute_time))
         best = min(range(len(scores)), key=lambda i: (scores[i], i))
     o, m = options[best]
-    return lower(o, plans[best], m, profile, report, collective_matmul), m
+    return lower_traced(o, plans[best], m, profile, report, collective_matmul), m
+
+
+def partition_program(fn: Callable, mesh, in_shardings, out_shardings, placements: tuple, args: tuple,
+                      kwargs: dict, given, profile: HardwareProfile, report: Optional[Report],
+                      collective_matmul: str = "auto") -> tuple[Traced, L.Lowering, Any]:
+    """The one driver partition() and explain() share: fn traced for these arguments, planned and lowered.
+    Returns (the traced program, its lowering, the mesh the per-device program runs on)."""
+    t = trace(fn, mesh, in_shardings, out_shardings, placements, args, kwargs, given)
+    lowering, runs_on = plan_and_lower(t, mesh, profile, report, collective_matmul)
+    return t, lowering, runs_on
 
 
 def entry_specs(lowering: L.Lowering) -> tuple[Sequence, Sequence]:

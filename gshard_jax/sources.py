@@ -80,7 +80,7 @@ def check_context(mesh) -> None:
 def trace_in_context(make: Callable, args: Sequence, mesh):
     """make(*args) under tracing_context(mesh). A jax.shard_map in fn over another mesh fails JAX's own check
     against a context mesh we set; it is traced again without one, so the manual region's check names both
-    meshes (partitioner/manual.py). A context the user set stays: JAX's error is theirs under jax.jit too."""
+    meshes (partitioner/manual_regions.py). A context the user set stays: JAX's error is theirs under jax.jit too."""
     ours = jax.sharding.get_abstract_mesh().empty
     try:
         with tracing_context(mesh):

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .sharding import Rules, constrain
+from .logical import Rules, constrain
 
 # Logical axis -> mesh axes. The mesh is {"data": ..., "model": ...}.
 DATA_PARALLEL: Rules = (("batch", ("data", "model")), ("depth", None), ("height", None), ("width", None),

@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .sharding import Rules, constrain
+from .logical import Rules, constrain
 
 
 def _init(fan_in_axes: tuple[int, ...]):

@@ -26,7 +26,7 @@ import gshard_jax as gs
 
 from . import dropless as D, gating
 from .grouped import IMPLS
-from .sharding import Rules, axes_of, constrain, mesh_spec
+from .logical import Rules, axes_of, constrain, mesh_spec
 
 
 @dataclasses.dataclass(frozen=True)

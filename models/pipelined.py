@@ -31,7 +31,7 @@ import numpy as np
 import gshard_jax as gs
 from gshard_jax.pipelines import schedules as S
 
-from .sharding import mesh_spec
+from .logical import mesh_spec
 
 
 @dataclasses.dataclass(frozen=True)

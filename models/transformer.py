@@ -21,9 +21,9 @@ import jax.numpy as jnp
 
 from . import layers
 from .layers import cross_entropy
+from .logical import DEFAULT_RULES, Rules, constrain, sequence_parallel
 from .moe import MoeConfig, MoeFFN
 from .pipelined import PipelineConfig, pipelined, pipelined_loss
-from .sharding import DEFAULT_RULES, Rules, constrain, sequence_parallel
 
 REMAT_POLICIES = {
     "none": None,  # no checkpointing

@@ -36,7 +36,7 @@ from . import (
     deferral as DF,
     factors as F,
     hooks as H,
-    manual as M,
+    manual_regions as M,
     registry as REG,
     reshard as RS,
 )
@@ -44,7 +44,7 @@ from .cost import Collective, HardwareProfile, compute_time, on_the_wire, platfo
 from .jax_compat import convert_constvars_jaxpr
 from .partial_sums import PartialSums
 from .program import Const, Eqn, Program, Value
-from .propagation import Plan
+from .propagation import Assignment
 from .report import Operand, Report, Result, Row
 from .sharding import Sharding
 from .strategy import Choice, Strategy, StrategyCache
@@ -76,7 +76,7 @@ class Lowering(Strategy, PartialSums):
 
     _new_token = staticmethod(lambda: Token())
 
-    def __init__(self, program: Program, plan: Plan, mesh: jax.sharding.Mesh, profile: HardwareProfile,
+    def __init__(self, program: Program, plan: Assignment, mesh: jax.sharding.Mesh, profile: HardwareProfile,
                  report: Optional[Report] = None, entry: Optional[Sequence[Sharding]] = None,
                  exit: Optional[Sequence[Sharding]] = None, in_names: Sequence[str] = (),
                  out_names: Sequence[str] = (), collective_matmul: str = "auto",

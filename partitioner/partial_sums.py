@@ -12,7 +12,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from . import control_flow as CF, deferral as DF, manual as M, reshard as RS
+from . import control_flow as CF, deferral as DF, manual_regions as M, reshard as RS
 from .cost import Collective
 from .program import Eqn, Value
 from .sharding import Sharding

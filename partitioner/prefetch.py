@@ -37,7 +37,7 @@ def disabled():
 def targets(lo, eqn: "Eqn") -> dict[int, Sharding]:
     """Stacked input j of scan `eqn` -> the sharding every reader in its body needs it in, where that is an
     all-gather of the slice as planned (and nothing else): the gathers a pipelined loop issues a trip ahead."""
-    from . import manual as M  # manual imports the program view, which imports the forms and this module
+    from . import manual_regions as M  # manual imports the program view, which imports the forms and this module
     if not ENABLED.get() or eqn.params["length"] < 2:
         return {}
     body = eqn.subs["body"]

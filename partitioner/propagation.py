@@ -23,13 +23,13 @@ import dataclasses
 import math
 from typing import Callable, Mapping, Optional, Sequence
 
-from . import control_flow as CF, factors as F, manual as M, registry as REG
+from . import control_flow as CF, factors as F, manual_regions as M, registry as REG
 from .program import Eqn, Program, Value
 from .sharding import Sharding, splittable
 
 
 @dataclasses.dataclass
-class Plan:
+class Assignment:
     """A sharding and its provenance for every value, and a rule for every equation."""
 
     shardings: dict[Value, Sharding]
@@ -137,7 +137,7 @@ def _repeats(c: Constraint, readers: dict) -> bool:
 
 
 def propagate(program: Program, mesh_shape: Mapping[str, int],
-              seeds: Mapping[Value, tuple[Sharding, str]], max_passes: int = 50) -> Plan:
+              seeds: Mapping[Value, tuple[Sharding, str]], max_passes: int = 50) -> Assignment:
     """Propagate from the seeds (value -> (sharding, origin)) to every value of the program."""
     shardings: dict[Value, Sharding] = {}
     origins: dict[Value, str] = {}
@@ -370,4 +370,4 @@ def propagate(program: Program, mesh_shape: Mapping[str, int],
         if whole:
             why = "; ".join(f"dim {d} whole: {w}" for d, w in sorted(whole.items()))
             origins[v] = f"replicated: {why}" if shardings[v].is_replicated else f"{origins[v]}; {why}"
-    return Plan(shardings, origins, rules)
+    return Assignment(shardings, origins, rules)

@@ -91,8 +91,8 @@ OPS: dict[str, Op] = {
     "roll": Op(RL.roll_rule, RL.roll_hook, RL.roll_collectives),
     "scatter": _SCATTER,
     "scatter-add": _SCATTER,
-    "select_and_gather_add": Op(W.gather_rule, W.gather_hook, W.collectives, W.received_keys),
-    "select_and_scatter_add": Op(W.scatter_rule, W.scatter_hook, W.collectives, W.received_keys),
+    "select_and_gather_add": Op(W.select_gather_rule, W.select_gather_hook, W.collectives, W.received_keys),
+    "select_and_scatter_add": Op(W.select_scatter_rule, W.select_scatter_hook, W.collectives, W.received_keys),
     # our annotations, and every JAX spelling of one (gshard_jax/sources.py rewrites with_sharding_constraint,
     # reshard, device_put and Explicit out_shardings to it before planning): resolved by the plan
     "sharding_annotation": Op(R.elementwise, H.identity_hook),

@@ -373,7 +373,7 @@ def slice_hook(ctx, ins, params, bind):
     return [_keep_blocks(ctx, y, keep) if keep else y]
 
 
-def gather_rule(eqn: Eqn) -> Rule:
+def select_gather_rule(eqn: Eqn) -> Rule:
     """select_and_gather_add: tangent and operand share every factor; windowed dims tie them to the output
     (a base-dilated one is kept whole instead)."""
     base = pool_rule(eqn)
@@ -384,7 +384,7 @@ def gather_rule(eqn: Eqn) -> Rule:
                 replicated=frozenset(whole), ties=ties)
 
 
-def gather_hook(ctx, ins, params, bind):
+def select_gather_hook(ctx, ins, params, bind):
     """Both inputs get the same halo rows; rows outside the operand are never selected."""
     tangent, operand = ins
     never = pad_value("max" if params["select_prim"] is jax.lax.ge_p else "min", operand.dtype)
@@ -400,7 +400,7 @@ def gather_hook(ctx, ins, params, bind):
     return bind(*windows, **dict(params, padding=tuple(padding)))
 
 
-def scatter_rule(eqn: Eqn) -> Rule:
+def select_scatter_rule(eqn: Eqn) -> Rule:
     """select_and_scatter_add: the operand's and the result's rows are one factor, tied to the source's rows
     in windowed dims."""
     n = FactorNames()
@@ -417,7 +417,7 @@ def scatter_rule(eqn: Eqn) -> Rule:
     return Rule("select_and_scatter", (tuple(src), tuple(op)), (tuple(op),), n.sizes, ties=ties)
 
 
-def scatter_hook(ctx, ins, params, bind):
+def select_scatter_hook(ctx, ins, params, bind):
     """Select within each device's operand window (halo rows received), scatter onto that window, then send
     the rows that belong to the neighbours back (the transpose of the exchange) and add them."""
     source, operand = ins

@@ -35,7 +35,7 @@ def model_and_batch(name, **overrides):
         params = model.init(jax.random.key(2), batch["source"], batch["inputs"])
     else:
         params = model.init(jax.random.key(2), batch["inputs"])
-    return model, nn.unbox(params), batch  # the arrays; their logical axes are what gshard_jax.training.state reads
+    return model, nn.unbox(params), batch  # the arrays; their logical axes are what gshard_jax.training.layout reads
 
 
 def mesh_of(name):
@@ -123,7 +123,7 @@ def test_initial_cross_entropy_is_near_uniform(name):
 
 def test_rules_table_splits_experts_first_and_groups_take_what_is_left():
     """docs/models.md: batch over every data-like axis; [E, G, C, M] splits E first, G takes what E leaves."""
-    from gshard_jax.models.sharding import DEFAULT_RULES, mesh_spec
+    from gshard_jax.models.logical import DEFAULT_RULES, mesh_spec
     assert mesh_spec(("batch", "length", "embed"), DEFAULT_RULES, ("data", "expert", "model")) == \
         (("data", "expert"), None, None)
     assert mesh_spec(("expert", "group", None, "embed"), DEFAULT_RULES, ("data", "expert")) == \

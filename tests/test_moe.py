@@ -12,8 +12,8 @@ import pytest
 import gshard_jax as gs
 from gshard_jax.models.gating import GatingConfig
 from gshard_jax.models.grouped import block_rows, grouped_matmul
+from gshard_jax.models.logical import DEFAULT_RULES
 from gshard_jax.models.moe import MoeConfig, MoeFFN
-from gshard_jax.models.sharding import DEFAULT_RULES
 from helpers import assert_close, assert_report_matches_hlo, hlo_stats
 
 RULES = DEFAULT_RULES  # the models' own table: axes these meshes lack drop out of it

@@ -7,7 +7,7 @@ import pytest
 from test_sharded_state import assert_same_run, batches, make, run
 from test_step_reductions import _report
 
-from gshard_jax.models.sharding import DEFAULT_RULES, mesh_spec, sequence_parallel
+from gshard_jax.models.logical import DEFAULT_RULES, mesh_spec, sequence_parallel
 from gshard_jax.planner import search, space
 
 

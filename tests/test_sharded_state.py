@@ -1,4 +1,4 @@
-"""Sharded training state (gshard_jax/training/state.py): ZeRO stages 0-3, EPSO, AxoNN's x/y/z layout, gradient
+"""Sharded training state (gshard_jax/training/layout.py): ZeRO stages 0-3, EPSO, AxoNN's x/y/z layout, gradient
 accumulation, bf16 master weights, and memory in explain(), on 8 simulated devices.
 
 Every sharded run is compared with the same train step run unpartitioned (one device, annotations off)."""
@@ -13,7 +13,7 @@ import pytest
 
 from gshard_jax import configs
 from gshard_jax.partitioner.hlo import collectives
-from gshard_jax.training import state as S, train
+from gshard_jax.training import layout as S, train
 from gshard_jax.training.checkpoints import Checkpoints
 from helpers import assert_report_matches_hlo, hlo_stats
 

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import gshard_jax as gs
-from gshard_jax.models.sharding import DEFAULT_RULES, for_mesh, mesh_spec
+from gshard_jax.models.logical import DEFAULT_RULES, for_mesh, mesh_spec
 from helpers import assert_close, assert_report_matches_hlo, get_mesh, hlo_stats
 
 MESH = get_mesh("2x4")
@@ -420,7 +420,7 @@ def test_readme_bring_your_own_model(capsys):
 
 @pytest.mark.slow  # two partitions and compiles of a 4-layer LM (~30 s on 2 cores)
 def test_our_own_model_spelled_the_flax_way_partitions_the_same(monkeypatch):
-    """models/ annotates with gs.shard through models.sharding.constrain; spelled instead with Flax's
+    """models/ annotates with gs.shard through models.logical.constrain; spelled instead with Flax's
     nn.with_logical_constraint under nn.logical_axis_rules of the same table, the LM's train step (params in
     and gradients out in the table's layout, as the trainer gives them) has the same collectives and values."""
     import os

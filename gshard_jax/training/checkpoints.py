@@ -32,7 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
-from ..models.sharding import axes_of
+from ..models.logical import axes_of
 
 log = logging.getLogger("gshard_jax")
 

@@ -20,7 +20,7 @@ def train_step(cfg: ml_collections.ConfigDict, workdir: str, steps: int = 5) -> 
     """One row per backend: collectives {kind: count} and payload bytes per device per step (`_per_step`: loops
     times their trip counts) and as listed once (`_static`), step ms (median), and the loss difference from the
     unpartitioned step."""
-    trainer, state, batch = train.first_step(cfg, workdir)
+    trainer, state, batch = train.step_inputs(cfg, workdir)
     ref = float(jax.jit(trainer.train_step)(state, batch)[1]["loss"])
     compiled = {}
     for backend in ("gshard", "xla"):

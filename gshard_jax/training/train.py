@@ -28,9 +28,9 @@ import gshard_jax as gs
 
 from .. import configs
 from ..models import layers, pipelined
-from ..models.sharding import axes_of, mesh_spec
+from ..models.logical import axes_of, mesh_spec
 from ..models.transformer import loss_fn
-from . import checkpoints, cluster, data, faults, metrics, optim, state as sharded, timing
+from . import checkpoints, cluster, data, faults, layout as state_layout, metrics, optim, timing
 from .checkpoints import Checkpoints
 from .faults import Faults, Preempted
 
@@ -163,12 +163,12 @@ class Trainer:
                              f"divide by the {shards} batch shards of mesh {dict(self.mesh.shape)}, and the "
                              f"batch by the {jax.process_count()} processes")
         example = configs.example_inputs(cfg.model, 1, t.seq_len)
-        self.layout, self.param_shapes = sharded.of_model(self.init_model, example, dict(self.mesh.shape),
+        self.layout, self.param_shapes = state_layout.of_model(self.init_model, example, dict(self.mesh.shape),
                                                           t.zero_stage, t.epso)
         # bf16 models keep bf16 params (forward, backward and gradient collectives in bf16) and float32
         # master weights beside AdamW's moments in the optimizer state (seed 001's 16 bytes per parameter).
         self.mixed = self.model.cfg.compute_dtype != jnp.float32
-        opt_specs = sharded.optimizer_specs(self.opt, jax.eval_shape(self.opt.init, self.param_shapes),
+        opt_specs = state_layout.optimizer_specs(self.opt, jax.eval_shape(self.opt.init, self.param_shapes),
                                             self.layout.optimizer)
         if self.mixed:
             opt_specs = {"master": self.layout.optimizer, "adam": opt_specs}
@@ -253,7 +253,7 @@ class Trainer:
             probe_B = jnp.zeros(b["inputs"].shape[:1], jnp.float32)
             (value, m), (g, rows_B) = jax.value_and_grad(loss, (0, 1), has_aux=True)(params, probe_B, b, key)
             if specs is not None:  # in the microbatch scan the partitioner reduces the sum once, after it
-                g = sharded.constrain(g, specs)
+                g = state_layout.constrain(g, specs)
             bad_S = faults.nonfinite_per_shard(rows_B, self.shards)
             return value, m, jax.tree.map(lambda x: x.astype(jnp.float32), g), bad_S
 
@@ -270,11 +270,11 @@ class Trainer:
             return jax.tree.map(jnp.add, acc, (tuple(out), bad_S)), None
 
         zeros = (jnp.zeros([], jnp.float32), {n: jnp.zeros([], jnp.float32) for n in METRICS},
-                 sharded.constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), acc_specs))
+                 state_layout.constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), acc_specs))
         init = (zeros, jnp.zeros([self.shards], jnp.int32))
         (value, m, g), bad_S = jax.lax.scan(body, init, (jnp.arange(k), micro))[0]
         value, m, g = jax.tree.map(lambda x: x / k, (value, m, g))
-        return value, m, sharded.constrain(g, lo.gradients), bad_S
+        return value, m, state_layout.constrain(g, lo.gradients), bad_S
 
     def update(self, state: dict, grads: Any) -> dict:
         """The optimizer step as a function of its own (the "update" partitioned function)."""
@@ -291,10 +291,10 @@ class Trainer:
             params = jax.tree.map(lambda p: p.astype(self.model.cfg.compute_dtype), master)
             opt_state = {"master": master, "adam": inner}
         else:
-            held = sharded.constrain(state["params"], lo.optimizer)  # this device's slice: no communication
+            held = state_layout.constrain(state["params"], lo.optimizer)  # this device's slice: no communication
             updates, opt_state = self.opt.update(grads, state["opt_state"], held)
             params = optax.apply_updates(held, updates)
-        return {"params": sharded.constrain(params, lo.stored), "opt_state": opt_state, "step": state["step"] + 1}
+        return {"params": state_layout.constrain(params, lo.stored), "opt_state": opt_state, "step": state["step"] + 1}
 
     def train_step(self, state: dict, batch: dict) -> tuple[dict, dict]:
         t, step = self.cfg.train, state["step"] + 1
@@ -405,7 +405,7 @@ def prepare_data(cfg: ml_collections.ConfigDict, workdir: str) -> data.TokenData
     return tokens
 
 
-def first_step(cfg: ml_collections.ConfigDict, workdir: str) -> tuple[Trainer, dict, dict]:
+def step_inputs(cfg: ml_collections.ConfigDict, workdir: str) -> tuple[Trainer, dict, dict]:
     """A trainer with a fresh state and the first train batch: the arguments explain and compare use."""
     trainer = Trainer(cfg, workdir)
     return trainer, trainer.fresh_state(), trainer.batch(prepare_data(cfg, workdir), "train", 1)

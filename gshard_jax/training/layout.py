@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import gshard_jax as gs
 
-from ..models.sharding import Rules, axes_of, mesh_spec
+from ..models.logical import Rules, axes_of, mesh_spec
 
 ZERO_STAGES = (0, 1, 2, 3)
 STORAGE_AXES = ("z",)  # weights are stored split over these and gathered where used (FSDP)

@@ -32,7 +32,7 @@ Rules = Sequence[tuple[str, MeshAxes]]
 # One table serves every layout: axes a mesh lacks (or has of size 1) drop out, so the same entries give data
 # and expert parallelism, Megatron (y alone), AxoNN's 3D layout (x, y, z) and any mix (docs/models.md has
 # the table of combinations). `model` is another name for `y`. Where weights are *stored* is not here:
-# z, and the data axes under ZeRO-3, are storage axes added by gshard_jax/training/state.py.
+# z, and the data axes under ZeRO-3, are storage axes added by gshard_jax/training/layout.py.
 DEFAULT_RULES: Rules = (
     # activations
     ("batch", ("data", "z", "expert")),  # the batch: over every data-parallel axis (z is FSDP's depth axis)
