@@ -212,7 +212,8 @@ class Trainer:
         if self.mixed:
             opt_state = {"master": params, "adam": opt_state}
             params = jax.tree.map(lambda p: p.astype(self.model.cfg.compute_dtype), params)
-        return self._stored({"params": params, "opt_state": opt_state, "step": jnp.zeros([], jnp.int32)})
+        return self._opt_to({"params": params, "opt_state": opt_state, "step": jnp.zeros([], jnp.int32)},
+                            jax.memory.Space.Host)
 
     def in_memory(self, state: Any) -> Any:
         """Abstract state (ShapeDtypeStructs, jax.eval_shape's) with the offloaded optimizer state's leaves in
@@ -224,16 +225,10 @@ class Trainer:
                            is_leaf=lambda x: isinstance(x, NamedSharding))
         return dict(state, opt_state=opt)
 
-    def _loaded(self, state: dict) -> dict:
-        """The state with its optimizer state in device memory (from host memory under offload_optimizer): the
-        step streams it through the device."""
-        return dict(state, opt_state=jax.device_put(state["opt_state"], jax.memory.Space.Device)) \
-            if self.offload else state
-
-    def _stored(self, state: dict) -> dict:
-        """The state as it is kept between steps: the optimizer state back in host memory under offload."""
-        return dict(state, opt_state=jax.device_put(state["opt_state"], jax.memory.Space.Host)) \
-            if self.offload else state
+    def _opt_to(self, state: dict, space: jax.memory.Space) -> dict:
+        """Under offload_optimizer, the state with its optimizer state moved to `space`: Device at a step's start
+        (the step streams it through the device), Host at its end (where it is kept between steps)."""
+        return dict(state, opt_state=jax.device_put(state["opt_state"], space)) if self.offload else state
 
     def gradients(self, params: Any, batch: dict, step: jax.Array) -> tuple[jax.Array, dict, Any, jax.Array]:
         """(loss, metrics, float32 gradients reduced to the layout's gradient spec, non-finite rows per batch
@@ -278,7 +273,7 @@ class Trainer:
 
     def update(self, state: dict, grads: Any) -> dict:
         """The optimizer step as a function of its own (the "update" partitioned function)."""
-        return self._stored(self._update(self._loaded(state), grads))
+        return self._opt_to(self._update(self._opt_to(state, jax.memory.Space.Device), grads), jax.memory.Space.Host)
 
     def _update(self, state: dict, grads: Any) -> dict:
         """The optimizer step: float32 gradients (in the layout's gradient spec) -> the next state. The moments
@@ -302,14 +297,14 @@ class Trainer:
             batch = dict(batch, weights=optim.goldfish_weights(batch["inputs"], t.goldfish_k, t.goldfish_h))
         value, m, grads, bad_S = self.gradients(state["params"], batch, step)
         grad_norm = optax.tree.norm(grads)
-        state = self._loaded(state)
+        state = self._opt_to(state, jax.memory.Space.Device)
         new = self._update(state, grads)
         ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
         if t.nan_policy == "skip":
             new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, dict(state, step=step))
         out = {"loss": value, "grad_norm": grad_norm, "learning_rate": self.schedule(step - 1), "finite": ok,
                "nonfinite_rows": bad_S, **m}
-        return self._stored(new), out
+        return self._opt_to(new, jax.memory.Space.Host), out
 
     def eval_step(self, params: Any, batch: dict) -> jax.Array:
         return loss_fn(self.eval_model, params, batch)[1]["cross_entropy"]
