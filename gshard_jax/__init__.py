@@ -15,14 +15,15 @@ from .annotations import replicate, shard, split
 from .api import explain, partition
 from .manual import manual
 from .mesh import make_mesh
-from .partitioner.cost import HardwareProfile
+from .partitioner import hardware
+from .partitioner.hardware import Hardware
 from .partitioner.hlo import collective_stats
 from .partitioner.report import Report
 from .partitioner.sharding import Sharding
 from .pipelines import pipeline, pipeline_value_and_grad
 
 __all__ = ["make_mesh", "replicate", "split", "shard", "manual", "partition", "explain", "Report", "Sharding",
-           "HardwareProfile", "collective_stats", "pipeline", "pipeline_value_and_grad", "plan"]
+           "Hardware", "hardware", "collective_stats", "pipeline", "pipeline_value_and_grad", "plan"]
 
 
 def __getattr__(name: str):

@@ -12,7 +12,8 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 from . import annotations as A, passes as P, sources as SRC, specs as S
 from .partitioner import subaxes as SUB
 from .partitioner.collective_matmul import check_mode
-from .partitioner.cost import HardwareProfile, default_profile, platform_of
+from .partitioner.cost import platform_of
+from .partitioner.hardware import Hardware, default_for
 from .partitioner.report import Report
 
 BACKENDS = ("gshard", "xla")
@@ -67,7 +68,7 @@ def _validate(specs, mesh: Mesh, what: str) -> None:
             S.named(entry, mesh, what)
 
 
-def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: HardwareProfile,
+def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardware,
            report: Optional[Report], placements: tuple, collective_matmul: str = "auto", given=None) -> Callable:
     """The global function: trace fn, plan, and call the per-device program under shard_map (passes.py).
 
@@ -103,8 +104,9 @@ def _on(mesh, xs: list, shardings) -> list:
         return list(jax.shard_map(lambda *a: a, mesh=mesh, in_specs=specs, out_specs=specs, check_vma=False)(*xs))
 
 
-def _default_profile(mesh) -> HardwareProfile:
-    return default_profile(platform_of(mesh))
+def _placed(profile: Optional[Hardware], mesh) -> Hardware:
+    """The profile (default: the mesh's platform's) placed on the mesh, so collectives cost by placement."""
+    return (profile or default_for(platform_of(mesh))).placed(mesh.shape)
 
 
 def _placements(fn: Callable, mesh: Mesh, args, kwargs) -> tuple:
@@ -120,7 +122,7 @@ class Partitioned:
     do; one jax.jit is kept per distinct set of placements.
     """
 
-    def __init__(self, fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: HardwareProfile,
+    def __init__(self, fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardware,
                  collective_matmul: str = "auto", given=None):
         self._fn, self._mesh, self._given = fn, mesh, given
         self._in, self._out, self._profile = in_shardings, out_shardings, profile
@@ -183,7 +185,7 @@ class _InMesh:
 
 
 def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings: Any = None,
-              backend: str = "gshard", profile: Optional[HardwareProfile] = None,
+              backend: str = "gshard", profile: Optional[Hardware] = None,
               collective_matmul: str = "auto") -> Callable:
     """Partition an annotated global-view function over `mesh`; returns a jax.jit-like function.
 
@@ -196,8 +198,9 @@ def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings:
     backend="gshard" uses this project's partitioner; backend="xla" turns the
     annotations into sharding constraints and lets XLA's SPMD partitioner do
     the work. A mesh with Explicit axes is used as the same mesh with Auto axes.
-    profile: the HardwareProfile the cost model uses (default: the CPU simulation's on CPU devices, which
-    does not overlap communication with compute, else a generic accelerator's). collective_matmul: "auto"
+    profile: the machine (gs.Hardware, or a planner profile: gs.hardware.get("h100-8")) the cost model decides
+    on; default gs.hardware.default_for the mesh's platform: a generic accelerator's figures, without overlap
+    of communication and compute on CPU devices. collective_matmul: "auto"
     (a dot_general's all-gather or reduce-scatter becomes a ring of collective-permutes overlapped with the
     matmul where the cost model, crediting overlap only where the profile has it, says it is faster), "off",
     or "unidirectional" / "bidirectional" (the ring wherever the plan has such a collective).
@@ -215,12 +218,12 @@ def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings:
         jitted = jax.jit(xla_fn, **kw)
         explicit = isinstance(given, Mesh) and AxisType.Explicit in given.axis_types
         return _InMesh(jitted, given) if explicit else jitted
-    return Partitioned(fn, mesh, in_shardings, out_shardings, profile or _default_profile(mesh), collective_matmul,
+    return Partitioned(fn, mesh, in_shardings, out_shardings, _placed(profile, mesh), collective_matmul,
                        given)
 
 
 def explain(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, out_shardings: Any = None,
-            profile: Optional[HardwareProfile] = None, collective_matmul: str = "auto",
+            profile: Optional[Hardware] = None, collective_matmul: str = "auto",
             trace_per_device: bool = True, **kwargs) -> Report:
     """What partition() decides for these arguments (arrays or ShapeDtypeStructs): one row per op, and totals.
 
@@ -232,7 +235,7 @@ def explain(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, out_shard
     check_mode(collective_matmul)
     _validate(in_shardings, mesh, "in_shardings")
     _validate(out_shardings, mesh, "out_shardings")
-    profile = profile or _default_profile(mesh)
+    profile = _placed(profile, mesh)
     report = Report(dict(mesh.shape), profile)
     placements = _placements(fn, mesh, args, kwargs)
     if trace_per_device:

@@ -22,8 +22,8 @@ from jax.interpreters import partial_eval as pe
 
 from . import annotations as A, sources as SRC, specs as S
 from .partitioner import lower as L, subaxes as SUB
-from .partitioner.cost import HardwareProfile
 from .partitioner.fold import fold_constant_reductions, fold_pads, merge_common, static_slices
+from .partitioner.hardware import Hardware
 from .partitioner.program import Program, Value, from_jaxpr
 from .partitioner.propagation import Assignment, propagate
 from .partitioner.report import Report, ValueInfo
@@ -139,7 +139,7 @@ def boundary(t: Traced, plan: Assignment, mesh_shape: dict) -> tuple[list[Shardi
     return entry, exit_
 
 
-def lower_traced(t: Traced, plan: Assignment, mesh, profile: HardwareProfile, report: Optional[Report],
+def lower_traced(t: Traced, plan: Assignment, mesh, profile: Hardware, report: Optional[Report],
           collective_matmul: str = "auto", cache: Optional[StrategyCache] = None) -> L.Lowering:
     """The per-device program of a traced, planned function (the report's header filled when there is one)."""
     entry, exit_ = boundary(t, plan, dict(mesh.shape))
@@ -170,7 +170,7 @@ def refined(t: Traced, factoring: SUB.Factoring) -> Traced:
         placed=[ref(s) for s in t.placed], leaving={k: ref(s) for k, s in t.leaving.items()}, factoring=dict(factoring))
 
 
-def plan_and_lower(t: Traced, mesh, profile: HardwareProfile, report: Optional[Report],
+def plan_and_lower(t: Traced, mesh, profile: Hardware, report: Optional[Report],
                    collective_matmul: str = "auto") -> tuple[L.Lowering, Any]:
     """Propagate and lower t; returns the lowering and the mesh its per-device program runs on.
 
@@ -196,7 +196,7 @@ def plan_and_lower(t: Traced, mesh, profile: HardwareProfile, report: Optional[R
 
 
 def partition_program(fn: Callable, mesh, in_shardings, out_shardings, placements: tuple, args: tuple,
-                      kwargs: dict, given, profile: HardwareProfile, report: Optional[Report],
+                      kwargs: dict, given, profile: Hardware, report: Optional[Report],
                       collective_matmul: str = "auto") -> tuple[Traced, L.Lowering, Any]:
     """The one driver partition() and explain() share: fn traced for these arguments, planned and lowered.
     Returns (the traced program, its lowering, the mesh the per-device program runs on)."""

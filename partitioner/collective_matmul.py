@@ -13,7 +13,7 @@ each way, halving each step's bytes on a bidirectional link.
 This is a strategy of lower.py's one choice, not an engine of its own: it is
 offered only where a candidate's plan already has exactly that all-gather or
 reduce-scatter, and costed against it. The cost credits overlap of a step's
-permute with its matmul only where the HardwareProfile says the platform
+permute with its matmul only where the Hardware says the platform
 overlaps communication with compute. The ring is a loop of n - 1 trips (a
 known trip count, one permute per direction a trip), and its gradient is
 differentiated through it: a ppermute transposes to a ppermute, so the
@@ -28,9 +28,10 @@ from typing import Callable, Mapping, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from .cost import Collective, HardwareProfile
+from .cost import Collective
 from .factors import Rule
 from .halo import ppermute
+from .hardware import Hardware
 from .reshard import Step, linear_axis_index
 from .sharding import Axes, Sharding
 
@@ -115,7 +116,7 @@ def collectives(ring: Ring, piece_shape: tuple, dtype) -> list[Collective]:
             for s in range(ring.streams)]
 
 
-def time(ring: Ring, permutes: Sequence[Collective], compute: float, profile: HardwareProfile) -> float:
+def time(ring: Ring, permutes: Sequence[Collective], compute: float, profile: Hardware) -> float:
     """Ring time: a step's permutes (both directions at once) against its block of the matmul.
 
     With overlap, each of the n - 1 steps costs the longer of the two and the last block runs alone;

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Optional
+from typing import Optional
+
+from .hardware import GENERIC, Hardware
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -29,52 +31,17 @@ def moved_bytes(kind: str, payload: int, group: int) -> float:
     raise KeyError(kind)
 
 
-@dataclasses.dataclass(frozen=True)
-class HardwareProfile:
-    """Bandwidth (bytes/s) and latency per mesh axis, and compute rate, of the target machine.
-
-    Axes that cross nodes get AxoNN's hierarchical bandwidth: name them in
-    ``axis_bandwidth`` with the inter-node figure divided as eq. 7 says.
-    """
-
-    name: str = "generic-accelerator"
-    bandwidth: float = 100e9
-    latency: float = 5e-6
-    flops: float = 100e12
-    axis_bandwidth: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    # Whether a collective runs while a matmul computes (GPU/TPU: separate streams or DMA engines). Only then
-    # does a collective matmul's ring hide its permutes behind the matmul's blocks.
-    overlap: bool = True
-    # Whether device memory is a concern: then a windowed op (convolution, pooling, pad, slice) never gathers
-    # a split dim where a halo exchange can keep it split, however few bytes the gather would save time on.
-    memory_matters: bool = True
-    # The backend whose wire format collectives are counted in on a mesh without devices (an AbstractMesh):
-    # "cpu" sends bf16 as f32 (WIDENED_ON); a mesh of devices uses its devices' platform.
-    platform: str = ""
-
-    def bandwidth_of(self, axes) -> float:
-        """The slowest link among `axes` (a sub-axis "model:(1)2" has its axis's)."""
-        from .subaxes import parent_of  # subaxes imports the program view, which needs nothing of this module
-        return min((self.axis_bandwidth.get(a, self.axis_bandwidth.get(parent_of(a), self.bandwidth))
-                    for a in axes), default=self.bandwidth)
+# Names the partitioner's modules knew the machine by before hardware.Hardware was the one model.
+HardwareProfile = Hardware
+DEFAULT_PROFILE = GENERIC
 
 
-DEFAULT_PROFILE = HardwareProfile()
-# Simulated CPU devices: the same figures, but XLA:CPU runs a collective and a matmul one after the other.
-CPU_PROFILE = dataclasses.replace(DEFAULT_PROFILE, name="cpu-simulation", overlap=False, platform="cpu")
-
-
-def platform_of(mesh, profile: Optional[HardwareProfile] = None) -> str:
+def platform_of(mesh, profile: Optional[Hardware] = None) -> str:
     """The platform of a mesh's devices; for an AbstractMesh (no devices) the profile's."""
     from jax.sharding import Mesh
     if isinstance(mesh, Mesh):
         return mesh.devices.flat[0].platform
     return profile.platform if profile is not None else ""
-
-
-def default_profile(platform: str) -> HardwareProfile:
-    """The profile a mesh of `platform` devices gets when none is given."""
-    return CPU_PROFILE if platform == "cpu" else DEFAULT_PROFILE
 
 
 def latency_steps(kind: str, group: int) -> int:
@@ -97,14 +64,14 @@ class Collective:
     def moved(self) -> float:
         return moved_bytes(self.kind, self.payload, self.group)
 
-    def time(self, profile: Optional[HardwareProfile] = None) -> float:
+    def time(self, profile: Optional[Hardware] = None) -> float:
         """Launch + latency of a tree/recursive-doubling schedule + ring bandwidth term.
 
         The latency term grows with log2 of the group (what collective
         libraries achieve for small messages); the launch term makes two
         collectives cost more than one with the same bytes.
         """
-        profile = profile or DEFAULT_PROFILE
+        profile = profile or GENERIC
         if self.group <= 1:
             return 0.0
         return latency_steps(self.kind, self.group) * profile.latency + self.moved / profile.bandwidth_of(self.axes)
@@ -131,8 +98,8 @@ def on_the_wire(c: Collective, platform: str) -> Collective:
     return dataclasses.replace(c, payload=c.payload * 2, dtype=wide, note=f"{c.note}; {note}" if c.note else note)
 
 
-def compute_time(work: float, profile: Optional[HardwareProfile] = None) -> float:
-    return work / (profile or DEFAULT_PROFILE).flops
+def compute_time(work: float, profile: Optional[Hardware] = None) -> float:
+    return work / (profile or GENERIC).flops
 
 
 def _fmt_bytes(n: float) -> str:

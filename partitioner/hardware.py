@@ -1,4 +1,6 @@
-"""Hardware profiles the planner costs a configuration on: compute peak, memory, and bandwidth by level.
+"""The one model of the machine: compute peak, memory, and bandwidth by level and placement. explain() costs
+and decides a program on one (its default: `default_for` the mesh's platform), the planner ranks candidates on
+one, and training's MFU divides by its peak.
 
 Communication follows AxoNN's hierarchical model, generalised. Mesh axes are laid out over the devices
 outermost first, so an axis's devices are `stride` apart, where `stride` is the product of the sizes of the
@@ -13,7 +15,9 @@ import dataclasses
 import functools
 import json
 import math
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
+
+from .subaxes import parent_of
 
 GB = 1e9
 
@@ -40,6 +44,42 @@ class Hardware:
     source: str = ""  # where the figures come from
     host_bandwidth: float = 25 * GB  # bytes/s one device moves to or from host memory (PCIe): offloaded state
     host_memory_gib: float = 0.0  # host memory per device for offloaded optimizer state (0: no offload)
+    # Whether device memory is a concern to the partitioner: then a windowed op (convolution, pooling, pad,
+    # slice) never gathers a split dim where a halo exchange keeps it split, however much time a gather saves.
+    memory_matters: bool = True
+    # The mesh the profile is placed on, axes outermost first (`placed`): what bandwidth_of reads placement from.
+    order: tuple = ()
+
+    @classmethod
+    def uniform(cls, name: str, bandwidth: float, flops: float, latency: float = 5e-6, overlap: bool = True,
+                platform: str = "", memory_gib: float = 16.0) -> "Hardware":
+        """A one-level machine: every collective at `bandwidth` bytes/s per device, compute at `flops`."""
+        return cls(name, platform, devices_per_node=1 << 30, peak_flops=flops, efficiency=1.0,
+                   memory_gib=memory_gib, intra_bandwidth=bandwidth, inter_bandwidth=bandwidth, latency=latency,
+                   overlap=overlap, source="uniform")
+
+    @property
+    def flops(self) -> float:
+        """flop/s a device computes at in a step: peak x efficiency (the partitioner's compute time)."""
+        return self.peak_flops * self.efficiency
+
+    def placed(self, mesh_shape: Mapping[str, int]) -> "Hardware":
+        """This profile with the mesh's axes laid over its devices, outermost first."""
+        return dataclasses.replace(self, order=tuple(mesh_shape.items()))
+
+    @functools.cached_property
+    def _bandwidths(self) -> dict:
+        return {}
+
+    def bandwidth_of(self, axes: Sequence[str]) -> float:
+        """bytes/s per device of a collective over `axes` of the placed mesh (a sub-axis "model:(1)2" at its
+        axis's placement); a profile placed on no mesh gives its intra-node bandwidth."""
+        key = tuple(axes)
+        got = self._bandwidths.get(key)
+        if got is None:
+            got = axes_bandwidth(self, self.order, tuple(dict.fromkeys(parent_of(a) for a in key)))
+            got = self._bandwidths[key] = self.intra_bandwidth if got == math.inf else got
+        return got
 
     def table_bandwidth(self, ip: int, size: int) -> Optional[float]:
         """bytes/s the table gives a group of `size` devices `ip` apart, None without an entry."""
@@ -56,7 +96,7 @@ class Hardware:
         return self.inter_bandwidth / min(self.devices_per_node, max(ip, 1))
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "order"}
 
 
 def placement(order: Sequence[tuple[str, int]]) -> dict[str, tuple[int, int]]:
@@ -81,9 +121,24 @@ def axes_bandwidth(hw: Hardware, order: tuple[tuple[str, int], ...], axes: tuple
     return hw.group_bandwidth(size, inner, span)
 
 
+# explain()'s profiles when none is given: a generic accelerator's ratios of bandwidth, latency and compute,
+# which decide the partition. Simulated CPU devices decide with the same ratios, so tests partition the
+# programs an accelerator runs; only overlap differs (XLA:CPU runs a collective between ops).
+GENERIC = dataclasses.replace(Hardware.uniform("generic-accelerator", bandwidth=100 * GB, flops=100e12),
+                              source="explain()'s default: one level at 100 GB/s, 5 us, 100 TFLOP/s, overlapped")
+GENERIC_CPU = dataclasses.replace(GENERIC, name="generic-cpu", platform="cpu", overlap=False,
+                                  source="explain()'s default on CPU meshes: the generic ratios, no overlap")
+
+
+def default_for(platform: str) -> Hardware:
+    """The profile a program on `platform` devices is decided and costed on when none is given."""
+    return GENERIC_CPU if platform == "cpu" else dataclasses.replace(GENERIC, platform=platform)
+
+
 # Nominal figures from vendor data sheets and the papers the planner reproduces (seed 001: Aurora; seed 003:
 # AxoNN's Perlmutter table; GShard: TPU v3). Measure yours and pass a JSON profile (`from_json`).
 PROFILES: dict[str, Hardware] = {h.name: h for h in (
+    GENERIC, GENERIC_CPU,
     Hardware("cpu-simulation", "cpu", devices_per_node=8, peak_flops=50e9, efficiency=0.5, memory_gib=2.0,
              intra_bandwidth=10 * GB, inter_bandwidth=10 * GB, latency=20e-6, overlap=False,
              source="this project's simulated CPU devices: one host, collectives run between matmuls",
@@ -115,7 +170,7 @@ def from_json(path: str) -> Hardware:
     """A user profile: a JSON object with Hardware's fields (name, platform, devices_per_node, ...)."""
     with open(path) as f:
         raw = json.load(f)
-    fields = {f.name for f in dataclasses.fields(Hardware)}
+    fields = {f.name for f in dataclasses.fields(Hardware)} - {"order"}
     unknown = sorted(set(raw) - fields)
     if unknown:
         raise ValueError(f"hardware profile {path}: unknown fields {unknown}; expected {sorted(fields)}")

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cost import Collective, HardwareProfile
+from .cost import Collective
 from .halo import ppermute
+from .hardware import Hardware
 from .reshard import linear_axis_index, mesh_order_index
 
 
@@ -90,7 +91,7 @@ class Relayout:
 
 
 def relayout(k: int, src_block: Sequence[int], dst_block: Sequence[int], segments: Sequence[tuple],
-             row_bytes: int, axes: tuple, profile: HardwareProfile) -> Relayout:
+             row_bytes: int, axes: tuple, profile: Hardware) -> Relayout:
     """The moves that build each target block, and how they travel. segments: (a, a0, b, b0, n), target b's
     global rows [b0, b0 + n) are source a's rows [a0, a0 + n); rows of no segment (a target's padding) are
     left unset. row_bytes: the bytes of one row of a block."""

@@ -23,7 +23,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from . import overlap as OV
-from .cost import KINDS, Collective, HardwareProfile, _fmt_bytes
+from .cost import KINDS, Collective, _fmt_bytes
+from .hardware import Hardware
 from .sharding import Sharding
 
 WIDTH = 100
@@ -141,7 +142,7 @@ def _itemsize(dtype: str) -> int:
 @dataclasses.dataclass
 class Report:
     mesh: dict
-    profile: HardwareProfile
+    profile: Hardware
     rows: list[Row] = dataclasses.field(default_factory=list)
     inputs: list[ValueInfo] = dataclasses.field(default_factory=list)
     outputs: list[ValueInfo] = dataclasses.field(default_factory=list)
@@ -241,7 +242,7 @@ class Report:
 
     def to_json(self, **kw) -> str:
         return json.dumps({
-            "mesh": self.mesh, "profile": dataclasses.asdict(self.profile),
+            "mesh": self.mesh, "profile": self.profile.to_dict(),
             "inputs": [v.to_dict() for v in self.inputs], "outputs": [v.to_dict() for v in self.outputs],
             "notes": self.notes, "rows": [dict(r.to_dict(), **self._overlap_dict(o)) for r, o in
                                           zip(self.rows, self.overlap())], "totals": self.totals(),

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import assert_close, assert_report_matches_hlo, gs, hlo_stats, randn
 
-GPU_LIKE = gs.HardwareProfile(name="overlapping-accelerator", bandwidth=50e9, latency=5e-6, flops=10e12,
+GPU_LIKE = gs.Hardware.uniform("overlapping-accelerator", bandwidth=50e9, latency=5e-6, flops=10e12,
                               overlap=True)
 
 
@@ -178,7 +178,8 @@ def test_auto_takes_the_ring_only_where_the_profile_overlaps():
     assert not _rings(gs.explain(_sp, mesh, x, w1, profile=dataclasses_replace(GPU_LIKE, overlap=False)))
     assert len(_rings(gs.explain(_sp, mesh, x, w1, profile=GPU_LIKE))) == 1
     # Where a step's permute outlasts its block of the matmul, halves each way are faster.
-    (ring,) = _rings(gs.explain(_sp, mesh, x, w1, profile=dataclasses_replace(GPU_LIKE, bandwidth=10e9)))
+    slow_links = dataclasses_replace(GPU_LIKE, intra_bandwidth=10e9, inter_bandwidth=10e9)
+    (ring,) = _rings(gs.explain(_sp, mesh, x, w1, profile=slow_links))
     assert "bidirectional" in ring
     # Small operands: seven permute latencies cost more than one all-gather, even with overlap.
     small = (jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((32, 64), jnp.float32))
@@ -190,7 +191,7 @@ def test_auto_ring_runs_and_equals_unpartitioned():
     mesh = gs.make_mesh({"model": 8})
     rng = np.random.default_rng(5)
     x, w1 = randn(rng, 512, 256), randn(rng, 256, 512)
-    cheap_compute = gs.HardwareProfile(name="slow-matmul", bandwidth=1e9, latency=1e-7, flops=1e9, overlap=True)
+    cheap_compute = gs.Hardware.uniform("slow-matmul", bandwidth=1e9, latency=1e-7, flops=1e9, overlap=True)
     f = gs.partition(_sp, mesh, profile=cheap_compute)
     assert_close(f(x, w1), _sp(x, w1), rtol=1e-5, atol=1e-4)
     stats = hlo_stats(f, x, w1)

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import gshard_jax as gs
 from gshard_jax.partitioner import overlap as OV
-from gshard_jax.partitioner.cost import DEFAULT_PROFILE
+from gshard_jax.partitioner.hardware import GENERIC
 
 AR = "all-reduce"  # a collective of 1 s (comm_time below)
 
@@ -82,7 +82,7 @@ def test_regions(prim, body):
 
 
 # ------------------------------------------------------------------ explain() on a real program
-GPU_LIKE = dataclasses.replace(DEFAULT_PROFILE, name="slow-matmul", flops=1e10, overlap=True)
+GPU_LIKE = dataclasses.replace(GENERIC, name="slow-matmul", peak_flops=1e10, overlap=True)
 
 
 def _megatron_mlp_grad():

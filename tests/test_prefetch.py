@@ -3,6 +3,7 @@ pipelined loop against jax.jit and the compiled HLO, its structure (no compute o
 or reads it) and its memory cost."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -13,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import gshard_jax as gs
 from gshard_jax.partitioner import prefetch as PF
-from gshard_jax.partitioner.cost import DEFAULT_PROFILE
+from gshard_jax.partitioner.hardware import GENERIC
 from helpers import assert_per_step_matches_hlo, assert_report_matches_hlo
 
 L, B, D = 4, 16, 64
@@ -132,7 +133,7 @@ def test_the_gather_overlaps_the_trips_compute():
     """On a profile with asynchronous collectives, the in-loop gather is hidden behind the trip's matmul
     (overlap.py); the one before the loop is exposed. (Collective matmul off: on such a profile "auto" may run
     the matmul as a ring instead, another way of hiding the gather.)"""
-    profile = DEFAULT_PROFILE.__class__(**{**DEFAULT_PROFILE.__dict__, "flops": 1e8, "overlap": True})
+    profile = dataclasses.replace(GENERIC, peak_flops=1e8, overlap=True)
     report = gs.explain(jax.grad(stack), MESH, *_args(), in_shardings=Z_SPLIT, out_shardings=OUTS[1],
                         profile=profile, collective_matmul="off")
     timing = {r.primitive: o for r, o in zip(report.rows, report.overlap()) if r.primitive.endswith("prefetch")}
@@ -175,7 +176,7 @@ def test_a_trainers_scanned_fsdp_stack_prefetches_and_trains_as_before(remat):
 def test_a_trips_weight_gradient_reduce_scatter_hides_behind_its_input_gradient_matmul():
     """The backward trip reduce-scatters layer i's weight gradient while it computes the gradient of layer i's
     input, which does not read it (AxoNN's overlapped reduce-scatter, from the program's dependencies)."""
-    profile = DEFAULT_PROFILE.__class__(**{**DEFAULT_PROFILE.__dict__, "flops": 1e8, "overlap": True})
+    profile = dataclasses.replace(GENERIC, peak_flops=1e8, overlap=True)
     report = gs.explain(jax.grad(stack), MESH, *_args(), in_shardings=Z_SPLIT, out_shardings=OUTS[1],
                         profile=profile, collective_matmul="off")
     (row, o), = [(r, o) for r, o in zip(report.rows, report.overlap())

@@ -18,8 +18,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 from ..partitioner import overlap as OV
-from ..partitioner.cost import HardwareProfile, default_profile
-from ..partitioner.hardware import Hardware
+from ..partitioner.hardware import Hardware, default_for
 from . import estimate as E, space as SP
 from .estimate import Comm
 from .space import AXES, Candidate
@@ -40,12 +39,6 @@ def apply(cfg: ml_collections.ConfigDict, c: Candidate) -> ml_collections.Config
     if c.schedule != "none":
         out.pipeline.schedule, out.pipeline.repeats = c.schedule, c.repeats
     return out
-
-
-def partitioner_profile(hw: Hardware) -> HardwareProfile:
-    """The cost profile the run itself uses on hw's platform (so the plan's choices are the run's), with
-    hw's platform for the wire format of collectives."""
-    return dataclasses.replace(default_profile(hw.platform), platform=hw.platform)
 
 
 def abstract_mesh(c: Candidate) -> AbstractMesh:
@@ -77,9 +70,11 @@ def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware, trace_pe
         state = jax.eval_shape(trainer.init_state, jax.random.key(0))
     state = trainer.in_memory(state)
     batch = abstract_batch(run)
+    # decided on the profile the run itself gets on hw's platform, so the plan's choices are the run's; the
+    # planner costs the result on hw (plan_one, exposed)
     report = gs.explain(trainer.train_step, trainer.mesh, state, batch,
                         in_shardings=(trainer.state_specs, trainer.batch_spec),
-                        out_shardings=trainer.step_outs, profile=partitioner_profile(hw),
+                        out_shardings=trainer.step_outs, profile=default_for(hw.platform),
                         trace_per_device=trace_per_device)
     report.kind_of = state_kind
     return report
