@@ -63,10 +63,10 @@ def _train(args: argparse.Namespace) -> int:
     if args.plan:  # the plan's choice first: explicit overrides on the command line still win
         args.overrides = _plan_overrides(args.plan) + list(args.overrides)
     cfg = _setup(args)
-    from .training import train
+    from .training import settle, train
     try:
         summary = train.train(cfg, args.workdir, progress=not args.no_progress)
-    except train.NonFiniteStep as e:
+    except settle.NonFiniteStep as e:
         print(f"gshard-jax train: halted: {e}", file=sys.stderr)
         return EXIT_HALTED
     print(json.dumps(summary))

@@ -33,21 +33,11 @@ from ..models.transformer import loss_fn
 from . import checkpoints, cluster, data, faults, layout as state_layout, metrics, optim, timing
 from .checkpoints import Checkpoints
 from .faults import Faults, Preempted
+from .settle import Settler
 
 log = logging.getLogger("gshard_jax")
 NAN_POLICIES = ("halt", "skip")
 METRICS = ("cross_entropy", "aux_loss", "z_loss", "dropped", "router_confidence")  # per step, from loss_fn
-
-
-class NonFiniteStep(RuntimeError):
-    """A step's loss or gradient norm was NaN or infinite under nan_policy="halt"; `culprits` are the batch
-    shards whose rows went non-finite, with their devices and processes (faults.name_shards)."""
-
-    def __init__(self, step: int, loss: float, grad_norm: float, culprits: list[dict]):
-        self.step, self.culprits = step, culprits
-        super().__init__(f"step {step}: non-finite loss {loss} or gradient norm {grad_norm}; "
-                         f"{faults.describe(culprits)}; stopped before any checkpoint at or after step {step} "
-                         f"(train.nan_policy='halt'; 'skip' drops such steps)")
 
 
 # XLA:GPU flags that let a step's collectives run beside its compute, as MaxText sets them: the latency-hiding
@@ -438,46 +428,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -
     if progress and main:
         from tqdm import tqdm
         bar = tqdm(total=t.num_steps, initial=start, unit="step", dynamic_ncols=True)
-    skipped, summary = 0, {"start_step": start}
     clock = timing.Clock(t, jax.device_count(), timing.peak_flops(cfg), timing.model_flops_per_token(cfg))
-    pending = None  # (step, metrics still on the device): read after the next step is dispatched
-
-    def settle(step: int, m: dict) -> None:
-        """One step's metrics on the host: the NaN check, the logged row, the progress bar."""
-        nonlocal skipped
-        bad_S = np.asarray(m["nonfinite_rows"])
-        host = {k: float(v) for k, v in m.items() if k != "nonfinite_rows"}
-        finite = bool(host.pop("finite"))
-        row = {}
-        if not finite:
-            culprits = faults.name_shards(bad_S, trainer.batch_sharding, (t.batch_size, trainer.length))
-            row["nonfinite_processes"] = sorted({p for c in culprits for p in c["processes"]})
-            if t.nan_policy == "halt":
-                writer.write(step, {"loss": host["loss"], "grad_norm": host["grad_norm"], "halted": True, **row})
-                faults.report_soft_failure(step, culprits)
-                raise NonFiniteStep(step, host["loss"], host["grad_norm"], culprits)
-            skipped += 1
-            log.warning("step %d: non-finite loss or gradient norm; %s; update skipped (%d so far)", step,
-                        faults.describe(culprits), skipped)
-        row.update(host, skipped_steps=skipped)
-        clock.step_done(step > start + 1)  # the first step also compiles: throughput is timed from its end
-        if step % t.log_every == 0 or step == t.num_steps:
-            row.update(clock.window())
-        if step % t.eval_every == 0 or step == t.num_steps:
-            row["eval_loss"] = trainer.evaluate(tokens, state["params"])
-            clock.pause()  # eval time is not training throughput
-        if "tokens_per_s" in row or "eval_loss" in row or not finite:  # a skipped step's row says whose NaN
-            writer.write(step, row)
-            summary.update(step=step, **{k: row[k] for k in ("loss", "eval_loss") if k in row})
-        if bar is not None:
-            bar.update(1)
-            post = {"loss": f"{host['loss']:.3f}", "aux": f"{host['aux_loss']:.3f}",
-                    "dropped": f"{host['dropped']:.3f}"}
-            if "tokens_per_s" in row:
-                post["tok/s"] = f"{row['tokens_per_s']:,.0f}"
-                post["mfu"] = f"{row['mfu']:.1%}"
-            bar.set_postfix(post, refresh=False)
-
+    settler = Settler(t, start, writer, clock, bar, lambda params: trainer.evaluate(tokens, params),
+                      trainer.batch_sharding, (t.batch_size, trainer.length))
     node_faults = Faults(cfg.debug)
     try:
         for step in range(start + 1, t.num_steps + 1):
@@ -485,25 +438,20 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -
             with clock.waiting("data_wait_s"):
                 batch = trainer.batch(tokens, "train", step)
             state, m = trainer.step_fn(state, batch)
-            if pending is not None:  # the previous step's metrics, while this one runs on the device
-                settle(*pending)
-                pending = None
+            settler.flush(state["params"])  # the previous step's metrics, while this one runs on the device
             # A step whose state is evaluated or saved is settled first: its metrics are written before its
             # checkpoint (a resume never loses a row) and a NaN halts before it is saved.
             if (step % t.eval_every == 0 or step == t.num_steps or ckpt.should_save(step)):
-                settle(step, m)
+                settler.settle(step, m, state["params"])
             else:
-                pending = (step, m)
+                settler.defer(step, m)
             with clock.waiting("checkpoint_s"):
                 ckpt.save(step, state, force=step == t.num_steps)
             if step < t.num_steps and node_faults.preempted(step):
-                if pending is not None:
-                    settle(*pending)
-                    pending = None
+                settler.flush(state["params"])
                 ckpt.save_now(step, state)
                 raise Preempted(step)
-        if pending is not None:
-            settle(*pending)
+        settler.flush(state["params"])
     finally:
         node_faults.close()
         ckpt.wait()
@@ -511,7 +459,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -
         writer.close()
         if bar is not None:
             bar.close()
-    summary["skipped_steps"] = skipped
+    summary = dict(settler.summary, skipped_steps=settler.skipped)
     if main:
         summary["plot"] = metrics.plot([workdir], os.path.join(workdir, "loss.png"))
     return summary
