@@ -28,6 +28,7 @@ RUNS = {
                     "gpipe"),
     "planned_mfu.py": (["--cases", "gpt_20b_32", "--verify", "1"], "gpt_20b_32"),
     "planner.py": (TINY + ["--devices", "8", "--verify", "1"], "planned comm"),
+    "ring_attention.py": (["--seq", "256"], "| ring |"),
     "sharded_state.py": (TINY + ["--steps", "1"] + SMALL_MODEL, "EPSO"),
     "step_reductions.py": (["--no-xla"], "interleaved_1f1b"),
 }
