@@ -3,8 +3,9 @@
 Each form says three things about a primitive with bodies: which bodies it
 has (program.py turns them into sub-programs), how values flow between the
 caller and the bodies (propagation.py turns these into identity links), and
-how to run it on local shards (lower.py). Adding a loop form means adding a
-row here, never touching the three passes. A pipeline is a scan over its
+how to run it on local shards (lower_regions.py). Adding a loop form means
+adding a row here and an entry in registry.py that points to it, never
+touching the three passes. A pipeline is a scan over its
 schedule table (gshard_jax/pipeline.py), so it needs no row of its own.
 
 Links are (a, b, tag, stacked, stacked_b): a's sharding flows to b; stacked=1
@@ -13,7 +14,7 @@ gives the stacked side (a, or b if stacked_b) an extra leading dim kept whole.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax.numpy as jnp
 
@@ -42,6 +43,11 @@ class Form:
     carries: Callable[[Any], tuple] = lambda e: (None, (), (), None)
     # eqn -> (body, the body's per-trip results, the eqn's stacked outputs): a summand an outer loop may defer
     stacked: Callable[[Any], tuple] = lambda e: (None, (), ())
+    # eqn -> the index of its first carry among its operands (a loop's)
+    first_carry: Optional[Callable[[Any], int]] = None
+    # eqn -> how many leading operands its body reads as its leading inputs, unchanged every trip (a scan's
+    # consts: fold.py follows known constants into the body through them)
+    consts: Optional[Callable[[Any], int]] = None
 
 
 # ---------------------------------------------------------------------------------------------------- scan
@@ -140,8 +146,15 @@ def _scan_carries(e):
 
 def carry_offset(e) -> int:
     """The index of a scan's or while loop's first carry among its operands."""
-    if e.name == "scan":
-        return e.params["num_consts"]
+    first = FORMS[e.name].first_carry
+    return first(e) if first is not None else 0
+
+
+def _scan_consts(e) -> int:
+    return e.params["num_consts"]
+
+
+def _while_first_carry(e) -> int:
     return e.params["cond_nconsts"] + e.params["body_nconsts"]
 
 
@@ -225,8 +238,9 @@ def _cond_lower(lo, eqn, env, log):
 
 
 FORMS: dict[str, Form] = {
-    "scan": Form(lambda p: {"body": p["jaxpr"]}, _scan_links, _scan_lower, _scan_carries, _scan_stacked),
+    "scan": Form(lambda p: {"body": p["jaxpr"]}, _scan_links, _scan_lower, _scan_carries, _scan_stacked,
+                 first_carry=_scan_consts, consts=_scan_consts),
     "while": Form(lambda p: {"cond": p["cond_jaxpr"], "body": p["body_jaxpr"]}, _while_links, _while_lower,
-                  _while_carries),
+                  _while_carries, first_carry=_while_first_carry),
     "cond": Form(lambda p: {f"branch{i}": b for i, b in enumerate(p["branches"])}, _cond_links, _cond_lower),
 }

@@ -26,6 +26,9 @@ exactly one use and the op can absorb it exactly:
 - reduce_window_{sum,max,min} and the input of a convolution, when the pad
   value is the op's own (0, or the identity of max/min) and the op's base
   dilation is 1 wherever the pad has interior padding.
+
+Which op is a pad, a cut, a windowed op with its pad value, a broadcast, a conversion and so on is the
+registry's (registry.Fold on each op's entry): nothing here reads an op's name.
 """
 from __future__ import annotations
 
@@ -37,8 +40,21 @@ from jax import lax
 
 from .program import Const, Eqn, Program, Value
 
-_IDENTITY = {"reduce_window_sum": 0.0, "reduce_window_max": -math.inf, "reduce_window_min": math.inf,
-             "conv_general_dilated": 0.0}
+
+def _registry():
+    from . import registry  # (not at the top: the registry's entries import roll.py, which imports this module)
+    return registry
+
+
+def _op(e: Eqn):
+    """e's registry entry (None: it has none)."""
+    return _registry().op_for(e.name)
+
+
+def _fold(e: Eqn):
+    """What e's registry entry lets the rewrites do with it."""
+    op = _op(e)
+    return op.fold if op is not None else _registry().Fold()
 
 
 def _uses(program: Program) -> dict:
@@ -68,14 +84,15 @@ def _merged(pad: Eqn, user: Eqn) -> Optional[dict]:
     """The user's params with the pad folded in, or None if it cannot absorb it exactly."""
     cfg = pad.params["padding_config"]
     p = user.params
-    if user.name == "slice":
+    folds = _fold(user)
+    if folds.cut:
         if any(s != 1 for s in (p.get("strides") or ())):
             return None
         size = pad.outvars[0].shape
         new = tuple((lo - a, hi - (n - b), i) for (lo, hi, i), a, b, n in
                     zip(cfg, p["start_indices"], p["limit_indices"], size))
         return {"padding_config": new}
-    if user.name == "pad":
+    if folds.pad:
         if _value(pad.invars[1]) is None or _value(pad.invars[1]) != _value(user.invars[1]):
             return None
         inner = user.params["padding_config"]
@@ -83,17 +100,14 @@ def _merged(pad: Eqn, user: Eqn) -> Optional[dict]:
             return None
         return {"padding_config": tuple((lo1 + lo2, hi1 + hi2, i1 + i2) for (lo1, hi1, i1), (lo2, hi2, i2)
                                         in zip(cfg, inner))}
-    if user.name not in _IDENTITY or user.invars[0] is not pad.outvars[0]:
+    if folds.window is None or user.invars[0] is not pad.outvars[0]:
         return None
-    if _value(pad.invars[1]) != _IDENTITY[user.name] or any(lo < 0 or hi < 0 for lo, hi, _ in cfg):
+    identity, spatial, base_key, untouched = folds.window(user)
+    if _value(pad.invars[1]) != identity or any(lo < 0 or hi < 0 for lo, hi, _ in cfg):
         return None
-    if user.name == "conv_general_dilated":
-        dn = p["dimension_numbers"]
-        spatial, base_key = list(dn.lhs_spec[2:]), "lhs_dilation"
-        if any(cfg[d] != (0, 0, 0) for d in dn.lhs_spec[:2]):
-            return None
-    else:
-        spatial, base_key = list(range(len(cfg))), "base_dilation"
+    if any(cfg[d] != (0, 0, 0) for d in untouched):
+        return None
+    spatial = list(range(len(cfg))) if spatial is None else list(spatial)
     padding, base = list(p["padding"]), list(p[base_key])
     for k, d in enumerate(spatial):
         lo, hi, interior = cfg[d]
@@ -127,7 +141,7 @@ def fold_pads(program: Program) -> Program:
     uses = _uses(program)
 
     def visit(p: Program) -> None:
-        producer = {e.outvars[0]: e for e in p.eqns if e.name in ("pad", "slice")}
+        producer = {e.outvars[0]: e for e in p.eqns if _fold(e).pad or _fold(e).cut}
         dropped = set()
         for e in p.eqns:
             for sub in e.subs.values():
@@ -136,29 +150,27 @@ def fold_pads(program: Program) -> Program:
             pad = producer.get(x) if isinstance(x, Value) else None
             if pad is None or id(pad) in dropped or uses.get(x) != 1 or not isinstance(pad.invars[0], Value):
                 continue
-            if pad.name == "slice" and e.name != "pad":
+            cut, into_pad = _fold(pad).cut, _fold(e).pad
+            if cut and not into_pad:
                 continue
-            if pad.name == "slice":  # a cut followed by a pad: one pad
-                params = _slice_into_pad(pad, e) if e.name == "pad" else None
+            if cut:  # a cut followed by a pad: one pad
+                params = _slice_into_pad(pad, e) if into_pad else None
             else:
                 params = _merged(pad, e)
             if params is None:
                 continue
-            if e.name == "slice":  # the slice becomes the merged pad
+            if _fold(e).cut:  # the slice becomes the merged pad
                 e.prim, e.params = pad.prim, dict(pad.params, **params)
                 e.invars = [pad.invars[0], pad.invars[1]]
             else:
                 e.params = dict(e.params, **params)
                 e.invars = [pad.invars[0]] + list(e.invars[1:])
             dropped.add(id(pad))
-            if e.name in ("pad", "slice"):
+            if _fold(e).pad or _fold(e).cut:
                 producer[e.outvars[0]] = e
         p.eqns[:] = [e for e in p.eqns if id(e) not in dropped]
     visit(program)
     return program
-
-
-_NEVER_MERGED = ("callback", "print", "rng_uniform", "random_seed")  # effects or fresh randomness
 
 
 def _operand_key(x):
@@ -176,7 +188,7 @@ def static_slices(program: Program) -> Program:
         for e in p.eqns:
             for sub in e.subs.values():
                 visit(sub)
-            if e.name != "dynamic_slice" or not all(isinstance(x, Const) and np.ndim(x.val) == 0
+            if not _fold(e).static_starts or not all(isinstance(x, Const) and np.ndim(x.val) == 0
                                                     for x in e.invars[1:]):
                 continue
             shape, sizes = e.invars[0].shape, e.params["slice_sizes"]
@@ -188,31 +200,30 @@ def static_slices(program: Program) -> Program:
     return program
 
 
-_FOLDED_REDUCTIONS = {"reduce_sum": lambda c, n: c * n, "reduce_max": lambda c, n: c, "reduce_min": lambda c, n: c,
-                      "reduce_and": lambda c, n: c, "reduce_or": lambda c, n: c}
-
-
 def fold_constant_reductions(program: Program) -> Program:
     """Reductions (through conversions) of a scalar broadcast to a shape become that broadcast's result: a
     broadcast of the reduced value (in place; sums only where the product is exact in the dtype)."""
     def visit(p: Program, known: dict) -> None:  # known: Value -> the scalar every element of it holds
         for e in p.eqns:
             ins = [known.get(x) if isinstance(x, Value) else None for x in e.invars]
+            op = _op(e)
+            form = op.form if op is not None else None
             for sub in e.subs.values():  # a scan's constants are known in its body
                 inner = {}
-                if e.name == "scan":
-                    inner = {b: k for b, k in zip(sub.invars[:e.params["num_consts"]], ins) if k is not None}
+                if form is not None and form.consts is not None:
+                    inner = {b: k for b, k in zip(sub.invars[:form.consts(e)], ins) if k is not None}
                 visit(sub, inner)
-            if e.name == "broadcast_in_dim" and isinstance(e.invars[0], Const) and len(e.invars) == 1:
+            folds = op.fold if op is not None else _registry().Fold()
+            if folds.spreads_scalar and isinstance(e.invars[0], Const) and len(e.invars) == 1:
                 known[e.outvars[0]] = np.asarray(e.invars[0].val)
-            elif e.name in ("sharding_annotation", "reshard", "copy") and ins[0] is not None:
+            elif folds.identity and ins[0] is not None:
                 known[e.outvars[0]] = ins[0]  # identities of the global view
-            elif e.name == "convert_element_type" and ins[0] is not None:
+            elif folds.convert and ins[0] is not None:
                 known[e.outvars[0]] = np.asarray(ins[0]).astype(e.outvars[0].dtype)
-            elif e.name in _FOLDED_REDUCTIONS and len(e.invars) == 1 and ins[0] is not None:
+            elif folds.reduce is not None and len(e.invars) == 1 and ins[0] is not None:
                 n = math.prod(e.invars[0].shape[d] for d in e.params["axes"])
                 out = e.outvars[0]
-                exact = _FOLDED_REDUCTIONS[e.name](ins[0].item(), n)
+                exact = folds.reduce(ins[0].item(), n)
                 value = np.asarray(exact).astype(out.dtype)
                 if value.item() != exact:
                     continue
@@ -223,35 +234,35 @@ def fold_constant_reductions(program: Program) -> Program:
     return program
 
 
-def _constant(e: Eqn, same: dict, pointwise: frozenset) -> bool:
+def _constant(e: Eqn, same: dict) -> bool:
     """A constant: a broadcast literal, an iota, or a pointwise op or broadcast of constants only (optax's
     norms square a broadcast zero, each leaf's imaginary part, for every parameter). Free to make in whatever
     layout each use wants, so never merged: one merged constant would take one use's split and be re-laid for
     the others (optax's lamb and adafactor broadcast the same ones for every parameter of a shape, row- and
     column-split alike), or, read by differently split values, carry one's split to the other (a tied
     embedding's gradient split as the MLP kernel of its shape is, through their shared squared zero)."""
-    if e.name in ("broadcast_in_dim", "iota") and not any(isinstance(x, Value) for x in e.invars):
+    folds = _fold(e)
+    if folds.generator and not any(isinstance(x, Value) for x in e.invars):
         return True
     ops = [x for x in e.invars if isinstance(x, Value)]
-    return (len(e.outvars) == 1 and bool(ops) and all(x in same for x in ops)
-            and (e.name in pointwise or e.name == "broadcast_in_dim"))
+    return len(e.outvars) == 1 and bool(ops) and all(x in same for x in ops) and folds.keeps_constant
 
 
 def merge_common(program: Program) -> Program:
     """The program with repeated computations merged (in place; each sub-program on its own)."""
-    from .registry import POINTWISE  # (not at the top: the registry's ops import this module)
-
     def visit(p: Program, rename: dict, merge: bool) -> None:
         seen: dict = {}
         kept = []
         same: dict = {}  # a constant's value -> what it is: ops on equal constants merge, as XLA's CSE merges them
         for e in p.eqns:
             e.invars = [rename.get(x, x) if isinstance(x, Value) else x for x in e.invars]
+            op = _op(e)
+            checkpoint = op is not None and op.checkpoint
             for sub in e.subs.values():  # a checkpointed region keeps its recomputation: nothing merged in it
-                if e.name == "remat2":  # its inputs are the caller's values (program.py): renamed with them
+                if checkpoint:  # its inputs are the caller's values (program.py): renamed with them
                     sub.invars[:] = [rename.get(x, x) if isinstance(x, Value) else x for x in sub.invars]
-                visit(sub, rename, merge and e.name != "remat2")
-            constant = merge and _constant(e, same, POINTWISE) and len(e.outvars) == 1
+                visit(sub, rename, merge and not checkpoint)
+            constant = merge and _constant(e, same) and len(e.outvars) == 1
             if constant:
                 try:
                     k = ("constant", e.prim, tuple(e.params.items()),
@@ -261,7 +272,7 @@ def merge_common(program: Program) -> Program:
                     same[e.outvars[0]] = k
                 except TypeError:
                     pass
-            if not merge or e.subs or any(word in e.name for word in _NEVER_MERGED) or constant:
+            if not merge or e.subs or not _registry().mergeable(e.name) or constant:
                 kept.append(e)
                 continue
             try:

@@ -377,28 +377,35 @@ def _identity(kind: str, dtype):
     raise AssertionError(kind)
 
 
-def _masked_factors(ctx: OpContext) -> dict[str, str]:
-    """Factors whose padding an op would read, and the identity kind that neutralises it."""
-    name = ctx.eqn.name
-    if name in CUMULATIVE:
-        f = ctx.rule.operands[0][ctx.eqn.params["axis"]][0]
-        return {f: {"cumsum": "sum", "cumprod": "prod"}.get(name, name)}
-    if name == "gather":  # only valid rows are ever indexed
-        return {}
+# Which factors' padding an op would read, and the identity kind that neutralises it (registry.Op.padding).
+def reduced_padding(ctx: OpContext) -> dict[str, str]:
+    """An op reads the padding of the factors it reduces over (most ops)."""
     return dict(ctx.rule.reductions)
 
 
-def mask_padding(ctx: OpContext, ins: list) -> list:
-    """Replace the padding of uneven split dims that the op reduces over by the op's identity."""
+def no_padding(ctx: OpContext) -> dict[str, str]:
+    """An op that reads no padding (gather: only valid rows are ever indexed)."""
+    return {}
+
+
+def scan_padding(kind: str, ctx: OpContext) -> dict[str, str]:
+    """A cumulative op reads the padding along its axis: neutralised by its own identity (`kind`)."""
+    return {ctx.rule.operands[0][ctx.eqn.params["axis"]][0]: kind}
+
+
+def mask_padding(ctx: OpContext, ins: list, padding=reduced_padding, operands: Optional[Sequence[int]] = None) -> list:
+    """Replace the padding of uneven split dims that the op reduces over by the op's identity. padding: ctx ->
+    the factors whose padding the op reads and their identity kinds; operands: the only operands masked (None:
+    all; a scatter-add masks its updates, whose indices then add zeros)."""
     if not any(n.padded for n in ctx.need):
         return ins
-    kinds = _masked_factors(ctx)
+    kinds = padding(ctx)
     out = list(ins)
     for i, (x, need, tf) in enumerate(zip(ins, ctx.need, ctx.rule.operands)):
         if not need.padded or not hasattr(x, "ndim"):
             continue
-        if ctx.eqn.name in ("scatter-add", "scatter_add") and i != 2:
-            continue  # only the updates are masked; their indices then add zeros
+        if operands is not None and i not in operands:
+            continue
         for d in need.padded:
             (f,) = tf[d]
             if f not in kinds:

@@ -23,21 +23,15 @@ from .halo import gather_collectives, gather_rows, ppermute
 from .program import Const, Eqn, shape_of
 from .relayout import Relayout, relayout, relayout_collectives, run_relayout
 from .reshard import linear_axis_index
+from .rules import pieces_rule
 
 
 def concat_rule(eqn: Eqn) -> Rule:
     """Other dims shared; along the concatenated dim each piece's rows are tied to the result's rows (not
     propagated: the plan decides each side), and a split result reads its rows from the pieces' shards."""
     d = eqn.params["dimension"]
-    out = shape_of(eqn.outvars[0])
-    n = FactorNames()
-    dims = [(n.new(s),) for s in out]
-    pieces, ties = [], {}
-    for x in eqn.invars:
-        f = n.new(shape_of(x)[d])
-        ties[f] = dims[d][0]
-        pieces.append(tuple(dims[:d]) + ((f,),) + tuple(dims[d + 1:]))
-    return Rule("concatenate", tuple(pieces), (tuple(dims),), n.sizes, ties=ties, ties_propagate=False)
+    return pieces_rule("concatenate", shape_of(eqn.outvars[0]), d, [shape_of(x)[d] for x in eqn.invars], True,
+                       ties_propagate=False)
 
 
 def split_rule(eqn: Eqn) -> Rule:
@@ -46,14 +40,7 @@ def split_rule(eqn: Eqn) -> Rule:
     shards (`relayout`)."""
     shape = shape_of(eqn.invars[0])
     d = eqn.params["axis"] % len(shape)
-    n = FactorNames()
-    dims = [(n.new(s),) for s in shape]
-    pieces, ties = [], {}
-    for v in eqn.outvars:
-        f = n.new(shape_of(v)[d])
-        ties[f] = dims[d][0]
-        pieces.append(tuple(dims[:d]) + ((f,),) + tuple(dims[d + 1:]))
-    return Rule("split", (tuple(dims),), tuple(pieces), n.sizes, ties=ties)
+    return pieces_rule("split", shape, d, [shape_of(v)[d] for v in eqn.outvars], False)
 
 
 def _row_bytes(ctx, i: int, dim: int) -> int:

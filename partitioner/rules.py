@@ -219,24 +219,37 @@ def dynamic_update_slice_rule(eqn: Eqn) -> Rule:
     return Rule(eqn.name, (op, up) + idx, (op,), n.sizes, replicated=frozenset(rep))
 
 
+def pieces_rule(kind: str, whole: Sequence[int], axis: int, pieces: Sequence[Optional[int]], whole_is_result: bool,
+                **policy) -> Rule:
+    """A rule between one whole array and its pieces along `axis` (concatenate and split, stack and unstack),
+    every other dim shared. A piece with rows along the axis (its length there) has a factor of its own, tied to
+    the whole's (a split of the whole's rows is the pieces' split); a piece without (None) lacks the axis, and
+    the whole keeps that axis whole (one entry per piece). policy: the Rule's other fields (ties_propagate)."""
+    n = FactorNames()
+    dims = [(n.new(s),) for s in whole]
+    parts, ties = [], {}
+    for rows in pieces:
+        if rows is None:
+            parts.append(tuple(dims[:axis] + dims[axis + 1:]))
+        else:
+            f = n.new(rows)
+            ties[f] = dims[axis][0]
+            parts.append(tuple(dims[:axis]) + ((f,),) + tuple(dims[axis + 1:]))
+    replicated = frozenset(dims[axis]) if None in pieces else frozenset()
+    sides = (tuple(parts), (tuple(dims),)) if whole_is_result else ((tuple(dims),), tuple(parts))
+    return Rule(kind, *sides, n.sizes, replicated=replicated, ties=ties, **policy)
+
+
 def stack_rule(eqn: Eqn) -> Rule:
     """jnp.stack: the pieces' dims pass through; the new axis (one entry per piece) stays whole."""
     shape = shape_of(eqn.outvars[0])
-    axis = eqn.params["axis"] % len(shape)
-    n = FactorNames()
-    dims = [(n.new(s),) for s in shape]
-    piece = tuple(dims[:axis] + dims[axis + 1:])
-    return Rule("stack", (piece,) * len(eqn.invars), (tuple(dims),), n.sizes, replicated=frozenset(dims[axis]))
+    return pieces_rule("stack", shape, eqn.params["axis"] % len(shape), [None] * len(eqn.invars), True)
 
 
 def unstack_rule(eqn: Eqn) -> Rule:
     """The inverse of stack: the unstacked axis stays whole, the other dims pass through to every piece."""
     shape = shape_of(eqn.invars[0])
-    axis = eqn.params["axis"] % len(shape)
-    n = FactorNames()
-    dims = [(n.new(s),) for s in shape]
-    piece = tuple(dims[:axis] + dims[axis + 1:])
-    return Rule("unstack", (tuple(dims),), (piece,) * len(eqn.outvars), n.sizes, replicated=frozenset(dims[axis]))
+    return pieces_rule("unstack", shape, eqn.params["axis"] % len(shape), [None] * len(eqn.outvars), False)
 
 
 def gather_rule(eqn: Eqn) -> Rule:
