@@ -219,8 +219,13 @@ def pipeline_config(cfg: ConfigDict, stages: int) -> Optional[PipelineConfig]:
 
 def example_inputs(model: ConfigDict, batch: int = 1, length: int = 8) -> tuple:
     """Token arrays with the right structure for init (shapes only matter)."""
+    return example_tokens(model.kind, batch, length)
+
+
+def example_tokens(kind: str, batch: int = 1, length: int = 8) -> tuple:
+    """example_inputs of a model kind ("decoder_lm" or "encoder_decoder")."""
     tokens = jnp.zeros((batch, length), jnp.int32)
-    return (tokens, tokens) if model.kind == "encoder_decoder" else (tokens,)
+    return (tokens, tokens) if kind == "encoder_decoder" else (tokens,)
 
 
 EXPERT_WEIGHTS = ("wi", "wi_gate", "wi_up", "wo")

@@ -1,8 +1,8 @@
 """Training and evaluation of an experiment config, partitioned by our partitioner.
 
-One train step is one ``gs.partition``-ed function of (state, batch): loss and
-gradients, a finiteness check of the loss and the gradient norm, the optimiser
-update. A non-finite step never reaches a checkpoint: with ``nan_policy="halt"``
+One train step is one ``gs.partition``-ed function of (state, batch) (steps.train_step, its static
+config bound by Trainer): loss and gradients, a finiteness check of the loss and the gradient norm, the
+optimiser update. A non-finite step never reaches a checkpoint: with ``nan_policy="halt"``
 the run stops before saving and names the step; with ``"skip"`` the step's
 update is dropped inside the step (old params and optimiser state kept) and
 counted. Steps are numbered from 1: checkpoint N holds the state after N
@@ -11,12 +11,12 @@ updates, and ``debug.nan_at_step = N`` poisons the N-th update.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
 from typing import Any, Optional
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -27,17 +27,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import gshard_jax as gs
 
 from .. import configs
-from ..models import layers, pipelined
+from ..models import pipelined
 from ..models.logical import axes_of, mesh_spec
-from ..models.transformer import loss_fn
-from . import checkpoints, cluster, data, faults, layout as state_layout, metrics, optim, timing
+from . import checkpoints, cluster, data, faults, layout as state_layout, metrics, optim, steps, timing
 from .checkpoints import Checkpoints
 from .faults import Faults, Preempted
 from .settle import Settler
 
 log = logging.getLogger("gshard_jax")
 NAN_POLICIES = ("halt", "skip")
-METRICS = ("cross_entropy", "aux_loss", "z_loss", "dropped", "router_confidence")  # per step, from loss_fn
 
 
 # XLA:GPU flags that let a step's collectives run beside its compute, as MaxText sets them: the latency-hiding
@@ -172,6 +170,16 @@ class Trainer:
         self.step_outs = (self.state_specs, P())  # the train step's: the metrics replicated, read by every process
         self.batch_spec = P(*batch_spec)
         self.shards = shards  # the batch's shards: soft failures are counted per shard
+        self.step_config = steps.StepConfig(
+            model=self.model, eval_model=self.eval_model, init_model=self.init_model, kind=cfg.model.kind,
+            opt=self.opt, schedule=self.schedule, layout=self.layout, layer_order=self.layer_order, train=t,
+            nan_at_step=cfg.debug.nan_at_step, pipeline=self.pipeline, shards=shards, mixed=self.mixed,
+            offload=self.offload)
+        # The step functions with their static config bound: what partition, explain and jit take.
+        self.init_state = functools.partial(steps.init_state, c=self.step_config)
+        self.train_step = functools.partial(steps.train_step, c=self.step_config)
+        self.update = functools.partial(steps.update, c=self.step_config)
+        self.eval_step = functools.partial(steps.eval_step, c=self.step_config)
         self.step_fn = self.partitioned("train")
         self.eval_fn = self.partitioned("eval")
         self.init_fn = self.partitioned("init")
@@ -194,17 +202,6 @@ class Trainer:
             report.attach_compiled(self.step_fn.lower(state, batch).compile())
         return report
 
-    # ------------------------------------------------------------------ the partitioned functions
-    def init_state(self, key: jax.Array) -> dict:
-        params = nn.unbox(self.init_model.init(key, *configs.example_inputs(self.cfg.model, 1, self.cfg.train.seq_len)))
-        params = pipelined.reorder(params, self.layout.stacked, pipelined.order_key(None), self.layer_order)
-        opt_state = self.opt.init(params)
-        if self.mixed:
-            opt_state = {"master": params, "adam": opt_state}
-            params = jax.tree.map(lambda p: p.astype(self.model.cfg.compute_dtype), params)
-        return self._opt_to({"params": params, "opt_state": opt_state, "step": jnp.zeros([], jnp.int32)},
-                            jax.memory.Space.Host)
-
     def in_memory(self, state: Any) -> Any:
         """Abstract state (ShapeDtypeStructs, jax.eval_shape's) with the offloaded optimizer state's leaves in
         host memory, as the step receives them."""
@@ -214,90 +211,6 @@ class Trainer:
                            self.state_specs["opt_state"], state["opt_state"],
                            is_leaf=lambda x: isinstance(x, NamedSharding))
         return dict(state, opt_state=opt)
-
-    def _opt_to(self, state: dict, space: jax.memory.Space) -> dict:
-        """Under offload_optimizer, the state with its optimizer state moved to `space`: Device at a step's start
-        (the step streams it through the device), Host at its end (where it is kept between steps)."""
-        return dict(state, opt_state=jax.device_put(state["opt_state"], space)) if self.offload else state
-
-    def gradients(self, params: Any, batch: dict, step: jax.Array) -> tuple[jax.Array, dict, Any, jax.Array]:
-        """(loss, metrics, float32 gradients reduced to the layout's gradient spec, non-finite rows per batch
-        shard), summed over train.microbatches in a scan (the accumulator sharded as the optimizer state from
-        zero_stage 2 on). The rows are watched where they are embedded (faults.watch_rows)."""
-        t, lo = self.cfg.train, self.layout
-        poison = jnp.where(step == self.cfg.debug.nan_at_step, jnp.nan, 1.0)
-        rng = jax.random.fold_in(jax.random.key(t.seed), step)
-
-        def loss(p, probe_B, b, key):
-            fault_B = b["soft_fail"][:, 0] if "soft_fail" in b else None
-            with nn.intercept_methods(faults.row_watcher(layers.Embed, probe_B, fault_B)):
-                value, m = loss_fn(self.model, p, b, key)
-            return value * poison, {k: m[k] for k in METRICS}
-
-        def one(b, key, specs):
-            probe_B = jnp.zeros(b["inputs"].shape[:1], jnp.float32)
-            (value, m), (g, rows_B) = jax.value_and_grad(loss, (0, 1), has_aux=True)(params, probe_B, b, key)
-            if specs is not None:  # in the microbatch scan the partitioner reduces the sum once, after it
-                g = state_layout.constrain(g, specs)
-            bad_S = faults.nonfinite_per_shard(rows_B, self.shards)
-            return value, m, jax.tree.map(lambda x: x.astype(jnp.float32), g), bad_S
-
-        k = 1 if self.pipeline is not None else t.microbatches  # a pipeline runs the microbatches itself
-        if k == 1:
-            return one(batch, rng, lo.gradients)
-        # Rows i, i + k, ... form microbatch i: each device's rows split evenly, with no data movement.
-        micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
-        acc_specs = lo.gradients if t.zero_stage >= 2 else lo.stored
-
-        def body(acc, xs):
-            i, b = xs
-            *out, bad_S = one(b, jax.random.fold_in(rng, i), None)
-            return jax.tree.map(jnp.add, acc, (tuple(out), bad_S)), None
-
-        zeros = (jnp.zeros([], jnp.float32), {n: jnp.zeros([], jnp.float32) for n in METRICS},
-                 state_layout.constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), acc_specs))
-        init = (zeros, jnp.zeros([self.shards], jnp.int32))
-        (value, m, g), bad_S = jax.lax.scan(body, init, (jnp.arange(k), micro))[0]
-        value, m, g = jax.tree.map(lambda x: x / k, (value, m, g))
-        return value, m, state_layout.constrain(g, lo.gradients), bad_S
-
-    def update(self, state: dict, grads: Any) -> dict:
-        """The optimizer step as a function of its own (the "update" partitioned function)."""
-        return self._opt_to(self._update(self._opt_to(state, jax.memory.Space.Device), grads), jax.memory.Space.Host)
-
-    def _update(self, state: dict, grads: Any) -> dict:
-        """The optimizer step: float32 gradients (in the layout's gradient spec) -> the next state. The moments
-        (and master weights) are updated where they are sharded; the new params are gathered to their spec."""
-        lo = self.layout
-        if self.mixed:
-            master, inner = state["opt_state"]["master"], state["opt_state"]["adam"]
-            updates, inner = self.opt.update(grads, inner, master)
-            master = optax.apply_updates(master, updates)
-            params = jax.tree.map(lambda p: p.astype(self.model.cfg.compute_dtype), master)
-            opt_state = {"master": master, "adam": inner}
-        else:
-            held = state_layout.constrain(state["params"], lo.optimizer)  # this device's slice: no communication
-            updates, opt_state = self.opt.update(grads, state["opt_state"], held)
-            params = optax.apply_updates(held, updates)
-        return {"params": state_layout.constrain(params, lo.stored), "opt_state": opt_state, "step": state["step"] + 1}
-
-    def train_step(self, state: dict, batch: dict) -> tuple[dict, dict]:
-        t, step = self.cfg.train, state["step"] + 1
-        if t.goldfish_k > 1:
-            batch = dict(batch, weights=optim.goldfish_weights(batch["inputs"], t.goldfish_k, t.goldfish_h))
-        value, m, grads, bad_S = self.gradients(state["params"], batch, step)
-        grad_norm = optax.tree.norm(grads)
-        state = self._opt_to(state, jax.memory.Space.Device)
-        new = self._update(state, grads)
-        ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
-        if t.nan_policy == "skip":
-            new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, dict(state, step=step))
-        out = {"loss": value, "grad_norm": grad_norm, "learning_rate": self.schedule(step - 1), "finite": ok,
-               "nonfinite_rows": bad_S, **m}
-        return self._opt_to(new, jax.memory.Space.Host), out
-
-    def eval_step(self, params: Any, batch: dict) -> jax.Array:
-        return loss_fn(self.eval_model, params, batch)[1]["cross_entropy"]
 
     # ------------------------------------------------------------------ host side
     def batch(self, tokens: data.TokenData, split: str, step: int) -> dict:

@@ -1,0 +1,158 @@
+"""The step functions: pure, module-level functions of their arrays and a static StepConfig.
+
+As nanodo and Flax's lm1b example do, the train step is one function of (state, batch) whose other inputs
+(the built models and optimizer, the state's layout, the config's fields) are bound once with
+``functools.partial(train_step, c=...)`` and partitioned; it reads nothing else, so what it computes is
+visible from its arguments. ``Trainer`` builds the StepConfig and holds the partitioned functions.
+
+One train step: loss and gradients (summed over microbatches in a scan), a finiteness check of the loss and
+the gradient norm, the optimiser update (dropped under ``nan_policy="skip"`` when not finite). Steps are
+numbered from 1: the state's ``step`` counts the updates made, so the step running is ``state["step"] + 1``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from .. import configs
+from ..models import layers, pipelined
+from ..models.transformer import loss_fn
+from . import faults, layout as state_layout, optim
+
+METRICS = ("cross_entropy", "aux_loss", "z_loss", "dropped", "router_confidence")  # per step, from loss_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """What the step functions read besides their array arguments, built once by Trainer (never traced)."""
+    model: nn.Module  # the train-mode model (its stack pipelined over the stage axis when there is one)
+    eval_model: nn.Module  # the same model in eval mode
+    init_model: nn.Module  # the model unpipelined: params are initialised and laid out as without stages
+    kind: str  # model.kind: which example inputs init traces the model with
+    opt: optax.GradientTransformation  # AdamW after post-warmup clipping (optim.optimizer)
+    schedule: optax.Schedule  # the learning rate by update, reported with each step
+    layout: state_layout.Layout  # where params, gradients and the optimizer state are sharded
+    layer_order: dict  # the storage order of a scanned stack's layers (pipelined.order_key)
+    train: Any  # the train section: seed, microbatches, zero_stage, nan_policy, goldfish_k and goldfish_h
+    nan_at_step: int  # debug.nan_at_step: the step whose loss is poisoned with NaN (-1: never)
+    pipeline: Optional[pipelined.PipelineConfig]  # the model's pipeline (it runs the microbatches itself)
+    shards: int  # the batch's shards: non-finite rows are counted per shard
+    mixed: bool  # a low-precision model: its params in compute_dtype, float32 master weights in the opt state
+    offload: bool  # train.offload_optimizer: the optimizer state kept in host memory between steps
+
+    @property
+    def compute_dtype(self) -> Any:
+        return self.model.cfg.compute_dtype
+
+
+def opt_to(state: dict, space: jax.memory.Space, c: StepConfig) -> dict:
+    """Under offload_optimizer, the state with its optimizer state moved to `space`: Device at a step's start
+    (the step streams it through the device), Host at its end (where it is kept between steps)."""
+    return dict(state, opt_state=jax.device_put(state["opt_state"], space)) if c.offload else state
+
+
+def init_state(key: jax.Array, *, c: StepConfig) -> dict:
+    """A fresh state: params (in the stack's storage order), optimizer state (with master weights when
+    mixed), step 0."""
+    params = nn.unbox(c.init_model.init(key, *configs.example_tokens(c.kind, 1, c.train.seq_len)))
+    params = pipelined.reorder(params, c.layout.stacked, pipelined.order_key(None), c.layer_order)
+    opt_state = c.opt.init(params)
+    if c.mixed:
+        opt_state = {"master": params, "adam": opt_state}
+        params = jax.tree.map(lambda p: p.astype(c.compute_dtype), params)
+    return opt_to({"params": params, "opt_state": opt_state, "step": jnp.zeros([], jnp.int32)},
+                  jax.memory.Space.Host, c)
+
+
+def gradients(params: Any, batch: dict, step: jax.Array, *, c: StepConfig
+              ) -> tuple[jax.Array, dict, Any, jax.Array]:
+    """(loss, metrics, float32 gradients reduced to the layout's gradient spec, non-finite rows per batch
+    shard), summed over train.microbatches in a scan (the accumulator sharded as the optimizer state from
+    zero_stage 2 on). The rows are watched where they are embedded (faults.watch_rows)."""
+    t, lo = c.train, c.layout
+    poison = jnp.where(step == c.nan_at_step, jnp.nan, 1.0)
+    rng = jax.random.fold_in(jax.random.key(t.seed), step)
+
+    def loss(p, probe_B, b, key):
+        fault_B = b["soft_fail"][:, 0] if "soft_fail" in b else None
+        with nn.intercept_methods(faults.row_watcher(layers.Embed, probe_B, fault_B)):
+            value, m = loss_fn(c.model, p, b, key)
+        return value * poison, {k: m[k] for k in METRICS}
+
+    def one(b, key, specs):
+        probe_B = jnp.zeros(b["inputs"].shape[:1], jnp.float32)
+        (value, m), (g, rows_B) = jax.value_and_grad(loss, (0, 1), has_aux=True)(params, probe_B, b, key)
+        if specs is not None:  # in the microbatch scan the partitioner reduces the sum once, after it
+            g = state_layout.constrain(g, specs)
+        bad_S = faults.nonfinite_per_shard(rows_B, c.shards)
+        return value, m, jax.tree.map(lambda x: x.astype(jnp.float32), g), bad_S
+
+    k = 1 if c.pipeline is not None else t.microbatches  # a pipeline runs the microbatches itself
+    if k == 1:
+        return one(batch, rng, lo.gradients)
+    # Rows i, i + k, ... form microbatch i: each device's rows split evenly, with no data movement.
+    micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
+    acc_specs = lo.gradients if t.zero_stage >= 2 else lo.stored
+
+    def body(acc, xs):
+        i, b = xs
+        *out, bad_S = one(b, jax.random.fold_in(rng, i), None)
+        return jax.tree.map(jnp.add, acc, (tuple(out), bad_S)), None
+
+    zeros = (jnp.zeros([], jnp.float32), {n: jnp.zeros([], jnp.float32) for n in METRICS},
+             state_layout.constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), acc_specs))
+    init = (zeros, jnp.zeros([c.shards], jnp.int32))
+    (value, m, g), bad_S = jax.lax.scan(body, init, (jnp.arange(k), micro))[0]
+    value, m, g = jax.tree.map(lambda x: x / k, (value, m, g))
+    return value, m, state_layout.constrain(g, lo.gradients), bad_S
+
+
+def apply_update(state: dict, grads: Any, *, c: StepConfig) -> dict:
+    """The optimizer step: float32 gradients (in the layout's gradient spec) -> the next state. The moments
+    (and master weights) are updated where they are sharded; the new params are gathered to their spec."""
+    lo = c.layout
+    if c.mixed:
+        master, inner = state["opt_state"]["master"], state["opt_state"]["adam"]
+        updates, inner = c.opt.update(grads, inner, master)
+        master = optax.apply_updates(master, updates)
+        params = jax.tree.map(lambda p: p.astype(c.compute_dtype), master)
+        opt_state = {"master": master, "adam": inner}
+    else:
+        held = state_layout.constrain(state["params"], lo.optimizer)  # this device's slice: no communication
+        updates, opt_state = c.opt.update(grads, state["opt_state"], held)
+        params = optax.apply_updates(held, updates)
+    return {"params": state_layout.constrain(params, lo.stored), "opt_state": opt_state, "step": state["step"] + 1}
+
+
+def update(state: dict, grads: Any, *, c: StepConfig) -> dict:
+    """The optimizer step as a function of its own (Trainer's "update" partitioned function), the optimizer
+    state streamed through the device under offload_optimizer."""
+    return opt_to(apply_update(opt_to(state, jax.memory.Space.Device, c), grads, c=c), jax.memory.Space.Host, c)
+
+
+def train_step(state: dict, batch: dict, *, c: StepConfig) -> tuple[dict, dict]:
+    """(next state, metrics): the gradients of the batch, their norm, and the update, which nan_policy="skip"
+    drops when the loss or the norm is not finite (the step still counts)."""
+    t, step = c.train, state["step"] + 1
+    if t.goldfish_k > 1:
+        batch = dict(batch, weights=optim.goldfish_weights(batch["inputs"], t.goldfish_k, t.goldfish_h))
+    value, m, grads, bad_S = gradients(state["params"], batch, step, c=c)
+    grad_norm = optax.tree.norm(grads)
+    state = opt_to(state, jax.memory.Space.Device, c)
+    new = apply_update(state, grads, c=c)
+    ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
+    if t.nan_policy == "skip":
+        new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, dict(state, step=step))
+    out = {"loss": value, "grad_norm": grad_norm, "learning_rate": c.schedule(step - 1), "finite": ok,
+           "nonfinite_rows": bad_S, **m}
+    return opt_to(new, jax.memory.Space.Host, c), out
+
+
+def eval_step(params: Any, batch: dict, *, c: StepConfig) -> jax.Array:
+    """The held-out cross-entropy of a batch under the eval-mode model."""
+    return loss_fn(c.eval_model, params, batch)[1]["cross_entropy"]
