@@ -3,8 +3,9 @@
 One program per variant, each the forward and the gradient w.r.t. q, k, v (``jax.vjp`` with a fixed
 cotangent) of causal attention over [batch, S, heads, head_dim] with S split over `context`:
 
-- ``ring``: models/ring_attention.py (a gs.manual region: K/V rotate by collective-permute, online softmax,
-  custom_vjp ring backward), the sequence in zigzag order (permuted on the host, as a model does once);
+- ``ring, tile t``: models/ring_attention.py (a gs.manual region: K/V rotate by collective-permute, online
+  softmax, custom_vjp ring backward) with key tiles of t positions (``block_size``; a chunk of S/2n no larger
+  than t is one tile), the sequence in zigzag order (permuted on the host, as a model does once);
 - ``gathered``: plain attention (``reference_attention``) with q, k, v and the results annotated split on
   `context`, partitioned by ours (gs.partition);
 - ``xla``: the same annotated function through XLA's SPMD partitioner (``backend="xla"``).
@@ -17,6 +18,7 @@ and the max |difference| of the output and of the gradients from the unsplit fun
 the natural order). Run:
 
     python benchmarks/ring_attention.py [--seq 8192] [--heads 4] [--head-dim 32] [--batch 1] [--devices 8]
+        [--block-sizes 512,128] [--non-causal]
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--non-causal", action="store_true", help="full attention (default: causal)")
+    p.add_argument("--block-sizes", default="512,128", help="ring variants: comma-separated key tiles")
     return p.parse_args(argv)
 
 
@@ -86,9 +89,11 @@ def main():
     zz = lambda x: np.asarray(R.zigzag(x, n)) if causal else x
     unzz = lambda x: np.asarray(R.unzigzag(x, n)) if causal else x
     layout = "zigzag" if causal else "contiguous"
-    ring = gs.partition(step_of(lambda *a: R.ring_attention(*a, causal=causal, layout=layout)), mesh,
-                        in_shardings=SPLIT, out_shardings=SPLIT)
-    rows = [figures("ring", ring, [zz(x) for x in (q, k, v, w)], want, unzz)]
+    rows = []
+    for tile in map(int, ARGS.block_sizes.split(",")):
+        attn = lambda *a, tile=tile: R.ring_attention(*a, causal=causal, layout=layout, block_size=tile)
+        ring = gs.partition(step_of(attn), mesh, in_shardings=SPLIT, out_shardings=SPLIT)
+        rows.append(figures(f"ring, tile {tile}", ring, [zz(x) for x in (q, k, v, w)], want, unzz))
     for name, backend in (("gathered", "gshard"), ("xla", "xla")):
         fn = gs.partition(step_of(annotated(causal)), mesh, in_shardings=SPLIT, out_shardings=SPLIT,
                           backend=backend)

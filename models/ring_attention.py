@@ -131,19 +131,38 @@ def _grouped(q_BLHD, kv_heads):
     return q_BLHD.reshape(B, L, kv_heads, H // kv_heads, D)
 
 
-def _logits(q_BLKGD, k_BTKD, kind, scale):
-    """Scaled logits [B, Hkv, G, L, T] in float32, the diagonal block's upper triangle masked."""
+def _logits(q_BLKGD, k_BTKD, kind, scale, offset=0):
+    """Scaled logits [B, Hkv, G, L, T] in float32; in a diagonal block (its keys starting at `offset` within
+    the query chunk) the keys after each query masked."""
     s = jnp.einsum("BLKGD,BTKD->BKGLT", q_BLKGD, k_BTKD, preferred_element_type=jnp.float32) * scale
     if kind == DIAG:
         L, T = s.shape[-2:]
-        s = jnp.where(jnp.arange(L)[:, None] >= jnp.arange(T)[None, :], s, _MASKED)
+        s = jnp.where(jnp.arange(L)[:, None] >= offset + jnp.arange(T)[None, :], s, _MASKED)
     return s
 
 
-def _fold(state, q_BLKGD, k_BTKD, v_BTKD, kind, scale):
+def _tiles(fn, carry, k_BTKD, v_BTKD, tile):
+    """fn(carry, t, offset, k tile, v tile) over key tiles of `tile` positions: the logits in flight are
+    [.., chunk, tile], linear in the chunk."""
+    T = k_BTKD.shape[1]
+    if T <= tile:
+        return fn(carry, 0, 0, k_BTKD, v_BTKD)
+
+    def body(t, carry):
+        sl = lambda x: jax.lax.dynamic_slice_in_dim(x, t * tile, tile, axis=1)
+        return fn(carry, t, t * tile, sl(k_BTKD), sl(v_BTKD))
+    return jax.lax.fori_loop(0, T // tile, body, carry)
+
+
+def _fold(state, q_BLKGD, k_BTKD, v_BTKD, kind, scale, tile):
     """One block into a query chunk's online softmax: (max, sum [B,K,G,L], acc [B,K,G,L,D]) in float32."""
+    return _tiles(lambda st, t, off, k, v: _fold_tile(st, q_BLKGD, k, v, kind, scale, off), state,
+                  k_BTKD, v_BTKD, tile)
+
+
+def _fold_tile(state, q_BLKGD, k_BTKD, v_BTKD, kind, scale, offset):
     m, total, acc = state
-    s = _logits(q_BLKGD, k_BTKD, kind, scale)
+    s = _logits(q_BLKGD, k_BTKD, kind, scale, offset)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     p = jnp.exp(s - m_new[..., None])
     alpha = jnp.exp(m - m_new)
@@ -170,7 +189,7 @@ def _switch(branches, i, j, carry):
     return branches[0](carry) if len(branches) == 1 else jax.lax.switch(_case(i, j), branches, carry)
 
 
-def _forward(q_BLHD, k_BLKD, v_BLKD, axis, n, causal, layout, scale):
+def _forward(q_BLHD, k_BLKD, v_BLKD, axis, n, causal, layout, scale, tile):
     """(output [B, L, H, D] in q's dtype, log-sum-exp [B, Hkv, G, L] in float32) of the local queries."""
     slots, kvh = _slots(causal, layout), k_BLKD.shape[2]
     i = jax.lax.axis_index(axis)
@@ -182,7 +201,7 @@ def _forward(q_BLHD, k_BLKD, v_BLKD, axis, n, causal, layout, scale):
     def fold(carry, a, b, kind):
         states, ks, vs = carry
         states = list(states)
-        states[a] = _fold(states[a], qs[a], ks[b], vs[b], kind, scale)
+        states[a] = _fold(states[a], qs[a], ks[b], vs[b], kind, scale, tile)
         return tuple(states), ks, vs
 
     branches = _branches(fold, causal, layout)
@@ -203,7 +222,7 @@ def _forward(q_BLHD, k_BLKD, v_BLKD, axis, n, causal, layout, scale):
     return jnp.concatenate(outs, axis=1).astype(q_BLHD.dtype), jnp.concatenate(lses, axis=-1)
 
 
-def _backward(q_BLHD, k_BLKD, v_BLKD, o_BLHD, lse, do_BLHD, axis, n, causal, layout, scale):
+def _backward(q_BLHD, k_BLKD, v_BLKD, o_BLHD, lse, do_BLHD, axis, n, causal, layout, scale, tile):
     """(dq, dk, dv) of the local blocks: K/V ride the ring with their dK/dV, which return home after n hops."""
     slots, kvh = _slots(causal, layout), k_BLKD.shape[2]
     i = jax.lax.axis_index(axis)
@@ -214,15 +233,25 @@ def _backward(q_BLHD, k_BLKD, v_BLKD, o_BLHD, lse, do_BLHD, axis, n, causal, lay
                        _grouped(o_BLHD, kvh).astype(jnp.float32))
     lses, deltas = jnp.split(lse, slots, axis=-1), jnp.split(delta, slots, axis=-1)
 
+    def fold_tile(a, kind):
+        def run(carry, t, offset, k_BTKD, v_BTKD):
+            dq, dk, dv = carry
+            p = jnp.exp(_logits(qs[a], k_BTKD, kind, scale, offset) - lses[a][..., None])  # masked: exactly 0
+            dv_t = jnp.einsum("BKGLT,BLKGD->BTKD", p, dos[a].astype(jnp.float32))
+            dp = jnp.einsum("BLKGD,BTKD->BKGLT", dos[a], v_BTKD, preferred_element_type=jnp.float32)
+            ds = p * (dp - deltas[a][..., None]) * scale
+            dq = dq + jnp.einsum("BKGLT,BTKD->BLKGD", ds, k_BTKD.astype(jnp.float32))
+            dk_t = jnp.einsum("BKGLT,BLKGD->BTKD", ds, qs[a].astype(jnp.float32))
+            T = k_BTKD.shape[1]
+            add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(
+                acc, jax.lax.dynamic_slice_in_dim(acc, offset, T, axis=1) + x, offset, axis=1)
+            return dq, add(dk, dk_t), add(dv, dv_t)
+        return run
+
     def fold(carry, a, b, kind):
         dqs, ks, vs, dks, dvs = carry
         dqs, dks, dvs = list(dqs), list(dks), list(dvs)
-        p = jnp.exp(_logits(qs[a], ks[b], kind, scale) - lses[a][..., None])  # masked entries: exactly 0
-        dvs[b] = dvs[b] + jnp.einsum("BKGLT,BLKGD->BTKD", p, dos[a].astype(jnp.float32))
-        dp = jnp.einsum("BLKGD,BTKD->BKGLT", dos[a], vs[b], preferred_element_type=jnp.float32)
-        ds = p * (dp - deltas[a][..., None]) * scale
-        dqs[a] = dqs[a] + jnp.einsum("BKGLT,BTKD->BLKGD", ds, ks[b].astype(jnp.float32))
-        dks[b] = dks[b] + jnp.einsum("BKGLT,BLKGD->BTKD", ds, qs[a].astype(jnp.float32))
+        dqs[a], dks[b], dvs[b] = _tiles(fold_tile(a, kind), (dqs[a], dks[b], dvs[b]), ks[b], vs[b], tile)
         return tuple(dqs), ks, vs, tuple(dks), tuple(dvs)
 
     branches = _branches(fold, causal, layout)
@@ -249,18 +278,18 @@ def _backward(q_BLHD, k_BLKD, v_BLKD, o_BLHD, lse, do_BLHD, axis, n, causal, lay
 
 
 @functools.lru_cache(maxsize=None)
-def _ring(axis: str, n: int, causal: bool, layout: str, scale: float):
+def _ring(axis: str, n: int, causal: bool, layout: str, scale: float, tile: int):
     """The per-device ring as a custom_vjp: its residuals are the local q, k, v, output and log-sum-exp."""
     @jax.custom_vjp
     def ring(q, k, v):
-        return _forward(q, k, v, axis, n, causal, layout, scale)[0]
+        return _forward(q, k, v, axis, n, causal, layout, scale, tile)[0]
 
     def fwd(q, k, v):
-        o, lse = _forward(q, k, v, axis, n, causal, layout, scale)
+        o, lse = _forward(q, k, v, axis, n, causal, layout, scale, tile)
         return o, (q, k, v, o, lse)
 
     def bwd(res, do):
-        return _backward(*res, do, axis, n, causal, layout, scale)
+        return _backward(*res, do, axis, n, causal, layout, scale, tile)
 
     ring.defvjp(fwd, bwd)
     return ring
@@ -286,7 +315,7 @@ def reference_attention(q_BLHD: jax.Array, k_BLKD: jax.Array, v_BLKD: jax.Array,
 
 def ring_attention(q_BLHD: jax.Array, k_BLKD: jax.Array, v_BLKD: jax.Array, *, axis: str = "context",
                    causal: bool = True, layout: str = "zigzag", batch_axes: Sequence[str] = (),
-                   head_axes: Sequence[str] = ()) -> jax.Array:
+                   head_axes: Sequence[str] = (), block_size: int = 512) -> jax.Array:
     """Softmax attention of q over k, v, [B, L, H, D] -> [B, L, H, D], with L split over mesh axis `axis`.
 
     Call it inside a gs.partition'ed function; q, k, v are resharded to [batch_axes, axis, head_axes, -]
@@ -294,6 +323,8 @@ def ring_attention(q_BLHD: jax.Array, k_BLKD: jax.Array, v_BLKD: jax.Array, *, a
     query attention: q head h uses k/v head h // (H / Hkv)); with head_axes, both head counts must divide.
     layout="zigzag" (causal): the sequence is in ``zigzag`` order for n = the axis's size, and so is the
     output; layout="contiguous": the natural order (causal work then grows with the device index).
+    block_size: the key tile each chunk's logits are computed over (a chunk of S/(2n) or S/n keys larger than
+    it is folded in tiles), so the logits in flight are [heads, chunk, block_size]: memory linear in S/n.
     Outside a partition, or with a size-1 axis, it is the plain attention of the natural order.
     """
     _check_layout(layout)
@@ -310,7 +341,11 @@ def ring_attention(q_BLHD: jax.Array, k_BLKD: jax.Array, v_BLKD: jax.Array, *, a
         raise ValueError(f"ring_attention: length {L} must divide into {pieces} chunks over {axis!r}")
     batch_axes, head_axes = tuple(batch_axes), tuple(head_axes)
     spec = P(batch_axes or None, axis, head_axes or None, None)
-    ring = _ring(axis, n, causal, layout, float(D ** -0.5))
+    chunk = L // pieces
+    tile = min(block_size, chunk)
+    if chunk % tile:
+        raise ValueError(f"ring_attention: block_size {block_size} must divide the chunk of {chunk} positions")
+    ring = _ring(axis, n, causal, layout, float(D ** -0.5), tile)
     return gs.manual(ring, in_specs=(spec, spec, spec), out_specs=spec)(q_BLHD, k_BLKD, v_BLKD)
 
 

@@ -34,14 +34,15 @@ def weights():
     return np.asarray(np.random.default_rng(7).standard_normal((B, L, H, D)), np.float32)
 
 
-def ring_fns(mesh, causal, layout, batch_axes=()):
+def ring_fns(mesh, causal, layout, batch_axes=(), block_size=512):
     """(forward, grad w.r.t. q, k, v) partitioned, taking and giving the natural order (the zigzag permutation
     and its inverse applied outside, where a model enters and leaves context parallelism)."""
     n = dict(mesh.shape)["context"]
     zz = causal and layout == "zigzag"
     perm = (lambda x: R.zigzag(x, n)) if zz else (lambda x: x)
     inv = (lambda x: R.unzigzag(x, n)) if zz else (lambda x: x)
-    attn = lambda q, k, v: R.ring_attention(q, k, v, causal=causal, layout=layout, batch_axes=batch_axes)
+    attn = lambda q, k, v: R.ring_attention(q, k, v, causal=causal, layout=layout, batch_axes=batch_axes,
+                                            block_size=block_size)
     w = perm(weights())
     loss = lambda q, k, v: jnp.sum(attn(q, k, v) * w)
     fwd, grad = gs.partition(attn, mesh), gs.partition(jax.grad(loss, argnums=(0, 1, 2)), mesh)
@@ -56,16 +57,20 @@ def reference(causal, args):
     return jax.jit(attn)(*args), jax.jit(grad)(*args)
 
 
-CASES = [("context8", True, "zigzag", H), ("context8", False, "zigzag", H), ("context8", True, "contiguous", H),
-         ("data2xcontext4", True, "zigzag", H), ("data2xcontext4", False, "contiguous", H),
-         ("context8", True, "zigzag", 2), ("data2xcontext4", True, "contiguous", 1)]
+# (mesh, causal, layout, k/v heads, key tile): chunks are 8 positions on context8 under zigzag, 16 contiguous
+CASES = [("context8", True, "zigzag", H, 512), ("context8", False, "zigzag", H, 512),
+         ("context8", True, "contiguous", H, 512), ("data2xcontext4", True, "zigzag", H, 512),
+         ("data2xcontext4", False, "contiguous", H, 512), ("context8", True, "zigzag", 2, 512),
+         ("data2xcontext4", True, "contiguous", 1, 512), ("context8", True, "zigzag", H, 4),
+         ("context8", True, "contiguous", 2, 4), ("data2xcontext4", False, "contiguous", H, 8)]
 
 
-@pytest.mark.parametrize("mesh_name,causal,layout,kv_heads", CASES)
-def test_forward_and_gradients_equal_unsplit_attention(mesh_name, causal, layout, kv_heads):
+@pytest.mark.parametrize("mesh_name,causal,layout,kv_heads,block_size", CASES)
+def test_forward_and_gradients_equal_unsplit_attention(mesh_name, causal, layout, kv_heads, block_size):
     mesh = mesh_of(mesh_name)
     args = qkv(kv_heads=kv_heads)
-    fwd, grad, *_ = ring_fns(mesh, causal, layout, batch_axes=("data",) if "data" in mesh.shape else ())
+    fwd, grad, *_ = ring_fns(mesh, causal, layout, batch_axes=("data",) if "data" in mesh.shape else (),
+                             block_size=block_size)
     want_out, want_grads = reference(causal, args)
     assert_close(fwd(*args), want_out, rtol=1e-5, atol=1e-5)
     assert_close(grad(*args), want_grads, rtol=1e-5, atol=1e-5)
