@@ -31,11 +31,6 @@ def moved_bytes(kind: str, payload: int, group: int) -> float:
     raise KeyError(kind)
 
 
-# Names the partitioner's modules knew the machine by before hardware.Hardware was the one model.
-HardwareProfile = Hardware
-DEFAULT_PROFILE = GENERIC
-
-
 def platform_of(mesh, profile: Optional[Hardware] = None) -> str:
     """The platform of a mesh's devices; for an AbstractMesh (no devices) the profile's."""
     from jax.sharding import Mesh

@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core.primitives import threefry2x32_p
 
-from .cost import Collective, HardwareProfile
+from .cost import Collective
 from .factors import FactorSharding, Rule
+from .hardware import Hardware
 from .program import Eqn
 from .reshard import linear_axis_index
 from .sharding import Axes, Sharding
@@ -44,7 +45,7 @@ class OpContext:
     mesh_shape: Mapping[str, int]
     need: Sequence[Sharding] = ()
     cache: Optional[dict] = None  # the lowering's per-region cache: values already exchanged (XLA CSEs them)
-    profile: Optional[HardwareProfile] = None  # the lowering's, for hooks that choose between exchanges
+    profile: Optional[Hardware] = None  # the lowering's, for hooks that choose between exchanges
 
     def axes(self, factor: str) -> Axes:
         return tuple(a for a in self.fs.get(factor, ()) if self.mesh_shape[a] > 1)

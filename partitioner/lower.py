@@ -35,7 +35,8 @@ from typing import Any, Optional, Sequence
 import jax
 
 from . import deferral as DF, registry as REG
-from .cost import Collective, HardwareProfile, compute_time, platform_of
+from .cost import Collective, compute_time, platform_of
+from .hardware import Hardware
 from .local_shards import LocalShards, Token
 from .lower_regions import Regions, checkpoint_region
 from .lower_rows import ReportRows
@@ -54,7 +55,7 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
 
     _new_token = staticmethod(lambda: Token())
 
-    def __init__(self, program: Program, plan: Assignment, mesh: jax.sharding.Mesh, profile: HardwareProfile,
+    def __init__(self, program: Program, plan: Assignment, mesh: jax.sharding.Mesh, profile: Hardware,
                  report: Optional[Report] = None, entry: Optional[Sequence[Sharding]] = None,
                  exit: Optional[Sequence[Sharding]] = None, in_names: Sequence[str] = (),
                  out_names: Sequence[str] = (), collective_matmul: str = "auto",

@@ -91,6 +91,16 @@ CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_cal
          "custom_vjp_call": "call_jaxpr"}
 
 
+# Custom derivatives bound as they are where their bodies allow, so a per-device program differentiated
+# (jax.grad(gs.partition(f))) runs the region's own backward rule (ring attention's ring backward).
+CUSTOM = ("custom_jvp_call", "custom_vjp_call")
+
+
+def _jaxpr(e):
+    j = e.params[CALLS[e.primitive.name]]
+    return j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j
+
+
 def _uses_types(jaxpr) -> bool:
     """Whether a jaxpr (or one nested in it) binds a collective that only exists for varying-axes types."""
     return any(e.primitive.name in PLAIN or any(_uses_types(j) for j in jcore.jaxprs_in_params(e.params))
@@ -98,8 +108,9 @@ def _uses_types(jaxpr) -> bool:
 
 
 def _eval_plain(jaxpr, consts, args, where: str) -> list:
-    """eval_jaxpr with the varying-axes collectives bound as their plain forms; calls are evaluated inline
-    (custom derivative rules then differentiate through their primal body, as elsewhere in the lowering)."""
+    """eval_jaxpr with the varying-axes collectives bound as their plain forms; calls are evaluated inline, and
+    custom derivatives too where their bodies bind such collectives (they then differentiate through their
+    primal body)."""
     if isinstance(jaxpr, jcore.ClosedJaxpr):
         jaxpr, consts = jaxpr.jaxpr, jaxpr.consts
     env: dict = {}
@@ -114,7 +125,7 @@ def _eval_plain(jaxpr, consts, args, where: str) -> list:
         name = e.primitive.name
         if name in PLAIN:
             outs = [PLAIN[name](*ins, **e.params)]
-        elif name in CALLS and CALLS[name] in e.params:
+        elif name in CALLS and CALLS[name] in e.params and (name not in CUSTOM or _uses_types(_jaxpr(e))):
             outs = _eval_plain(e.params[CALLS[name]], (), ins, where)
         elif any(_uses_types(j) for j in jcore.jaxprs_in_params(e.params)):
             raise NotImplementedError(

@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cost import DEFAULT_PROFILE, Collective, HardwareProfile
+from .cost import Collective
 from .factors import FactorNames, Rule
 from .halo import gather_collectives, gather_rows, ppermute
+from .hardware import GENERIC, Hardware
 from .program import Const, Eqn, shape_of
 from .relayout import Relayout, relayout, relayout_collectives, run_relayout
 from .reshard import linear_axis_index
@@ -50,9 +51,9 @@ def _row_bytes(ctx, i: int, dim: int) -> int:
     return math.prod(s for e, s in enumerate(shape) if e != dim) * x.aval.dtype.itemsize
 
 
-def _profile(ctx) -> HardwareProfile:
+def _profile(ctx) -> Hardware:
     """The lowering's hardware profile when the context carries one, else the default one."""
-    return ctx.profile or DEFAULT_PROFILE
+    return ctx.profile or GENERIC
 
 
 def _split_plan(ctx) -> Optional[tuple[Relayout, tuple]]:
