@@ -13,7 +13,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .logical import Rules, constrain
+import gshard_jax as gs
+
+from . import ring_attention as RA
+from .logical import Rules, axes_of, constrain, mesh_spec
 
 
 def _init(fan_in_axes: tuple[int, ...]):
@@ -52,9 +55,40 @@ def rope(x_BLHK: jax.Array, positions_BL: jax.Array, theta: float = 10000.0) -> 
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLHK.dtype)
 
 
-def sinusoid(length: int, d: int) -> jax.Array:
-    """Fixed sinusoidal positions [L, D] (the original Transformer's, used when RoPE is off)."""
-    pos = jnp.arange(length, dtype=jnp.float32)[:, None]
+def context_split(rules: Rules) -> tuple[Optional[str], int]:
+    """The mesh axis the rules split a sequence's positions (`length`) over in the partition being traced,
+    and its size: (None, 1) where they are not split. Such a causal sequence runs in zigzag order
+    (`in_context_order`) and its self-attention as a ring (models/ring_attention.py)."""
+    mesh = gs.annotations.current_mesh()
+    if mesh is None:
+        return None, 1
+    axes = [a for a in axes_of(mesh_spec(("length",), rules, mesh.axis_names)[0]) if dict(mesh.shape)[a] > 1]
+    if not axes:
+        return None, 1
+    if len(axes) > 1:
+        raise ValueError(f"the rules split `length` over {axes}; context parallelism runs its ring over one mesh "
+                         f"axis: map `length` to one (e.g. 'context')")
+    return axes[0], dict(mesh.shape)[axes[0]]
+
+
+def positions(length: int, rules: Rules) -> jax.Array:
+    """The positions of a causal sequence's tokens in the order the model holds them (zigzag order where its
+    positions are split over a context axis)."""
+    _, n = context_split(rules)
+    return RA.zigzag_indices(length, n) if n > 1 else jnp.arange(length)
+
+
+def in_context_order(x_BL: jax.Array, rules: Rules) -> jax.Array:
+    """A causal sequence (tokens, targets, loss weights) in the order the model holds it: zigzag where its
+    positions are split over a context axis, so every device's ring attention does equal work."""
+    _, n = context_split(rules)
+    return RA.zigzag(x_BL, n) if n > 1 else x_BL
+
+
+def sinusoid(length: int, d: int, positions_L: Optional[jax.Array] = None) -> jax.Array:
+    """Fixed sinusoidal positions [L, D] (the original Transformer's, used when RoPE is off), at `positions_L`
+    (default: 0..L-1)."""
+    pos = (jnp.arange(length) if positions_L is None else positions_L).astype(jnp.float32)[:, None]
     inv = 10000.0 ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
     return jnp.concatenate([jnp.sin(pos * inv), jnp.cos(pos * inv)], axis=-1)[:, :d]
 
@@ -83,7 +117,11 @@ class Embed(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head self- or cross-attention; causal masking and RoPE optional."""
+    """Multi-head self- or cross-attention; causal masking and RoPE optional.
+
+    Where the rules split `length` over a mesh axis (`context`), an unmasked self-attention runs as ring
+    attention over it; a causal one then takes its sequence in zigzag order (`in_context_order`).
+    """
     num_heads: int
     head_dim: int
     rules: Rules
@@ -102,22 +140,36 @@ class Attention(nn.Module):
             w = weight(self, name, (D, H, K), ("embed", "heads", "kv"), r, self.dtype)
             return constrain(jnp.einsum("BLD,DHK->BLHK", inp, w), ("batch", "length", "heads", "kv"), r)
 
+        def project(out_BLHK):  # back to the residual stream (wo made here, after wq, wk, wv: init order)
+            out_BLHK = constrain(out_BLHK, ("batch", "length", "heads", "kv"), r)
+            wo = weight(self, "wo", (H, K, D), ("heads", "kv", "embed"), r, self.dtype, fan_in_axes=(0, 1))
+            return constrain(jnp.einsum("BLHK,HKD->BLD", out_BLHK, wo), ("batch", "seq", "embed"), r)
+
         q_BLHK, k_BTHK, v_BTHK = proj("wq", x_BLD), proj("wk", src_BTD), proj("wv", src_BTD)
+        L, T = x_BLD.shape[1], src_BTD.shape[1]
+        axis, n = context_split(r)
+        # a causal sequence is held in zigzag order over the context axis; its positions say where each token is
+        pos_L = positions(L, r) if self.causal else jnp.arange(L)
+        pos_T = pos_L if kv_BTD is None else jnp.arange(T)
         if self.use_rope:
-            q_BLHK = rope(q_BLHK, jnp.broadcast_to(jnp.arange(x_BLD.shape[1]), x_BLD.shape[:2]))
-            k_BTHK = rope(k_BTHK, jnp.broadcast_to(jnp.arange(src_BTD.shape[1]), src_BTD.shape[:2]))
+            q_BLHK = rope(q_BLHK, jnp.broadcast_to(pos_L, x_BLD.shape[:2]))
+            k_BTHK = rope(k_BTHK, jnp.broadcast_to(pos_T, src_BTD.shape[:2]))
+        if n > 1 and kv_BTD is None and kv_mask_BT is None:
+            mesh_axes = gs.annotations.current_mesh().axis_names
+            batch, _, heads, _ = (axes_of(a) for a in mesh_spec(("batch", "length", "heads", "kv"), r, mesh_axes))
+            out_BLHK = RA.ring_attention(q_BLHK, k_BTHK, v_BTHK, axis=axis, causal=self.causal,
+                                         layout="zigzag" if self.causal else "contiguous", batch_axes=batch,
+                                         head_axes=heads).astype(self.dtype)
+            return project(out_BLHK)
         logits_BHLT = jnp.einsum("BLHK,BTHK->BHLT", q_BLHK, k_BTHK).astype(jnp.float32) * K ** -0.5
         logits_BHLT = constrain(logits_BHLT, ("batch", "heads", "length", None), r)
-        L, T = x_BLD.shape[1], src_BTD.shape[1]
         allowed = jnp.ones((1, 1, L, T), bool)
         if self.causal:
-            allowed = allowed & (jnp.arange(L)[:, None] >= jnp.arange(T)[None, :])
+            allowed = allowed & (pos_L[:, None] >= pos_T[None, :])
         if kv_mask_BT is not None:
             allowed = allowed & kv_mask_BT[:, None, None, :]
         probs = jax.nn.softmax(jnp.where(allowed, logits_BHLT, -1e30), axis=-1).astype(self.dtype)
-        out_BLHK = constrain(jnp.einsum("BHLT,BTHK->BLHK", probs, v_BTHK), ("batch", "length", "heads", "kv"), r)
-        wo = weight(self, "wo", (H, K, D), ("heads", "kv", "embed"), r, self.dtype, fan_in_axes=(0, 1))
-        return constrain(jnp.einsum("BLHK,HKD->BLD", out_BLHK, wo), ("batch", "seq", "embed"), r)
+        return project(jnp.einsum("BHLT,BTHK->BLHK", probs, v_BTHK))
 
 
 class Mlp(nn.Module):

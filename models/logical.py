@@ -39,8 +39,8 @@ DEFAULT_RULES: Rules = (
     ("expert", "expert"),  # the experts of an MoE layer, and their weights' E dim
     ("group", ("data", "z", "expert")),  # MoE routing groups before dispatch (tokens as the batch is)
     ("group", ("data", "z")),  # ... and after dispatch, where E holds the expert axis
-    ("length", None),  # sequence positions (not split)
-    ("seq", None),  # the residual stream's positions between tensor-parallel layers (SEQUENCE_PARALLEL: y)
+    ("length", "context"),  # sequence positions: context parallelism (ring attention, zigzag order)
+    ("seq", "context"),  # the residual stream's positions between tensor-parallel layers (SEQUENCE_PARALLEL: y)
     # features: ordinary layers map embed -> heads/mlp/vocab (in over x, out over y), transposed layers the
     # other way, so the residual stream stays [batch, length, embed over x] between layers with no reshard
     ("embed", "x"),  # model width D: activations and weights (AxoNN's x)
@@ -56,7 +56,7 @@ DEFAULT_RULES: Rules = (
 # its positions over the tensor axis, so each all-reduce of a row-parallel output becomes a reduce-scatter and
 # each column-parallel input an all-gather (the same bytes; collective matmul can run both as rings), and those
 # activations take 1/y of the memory. TransformerConfig.sequence_parallel applies it.
-SEQUENCE_PARALLEL = ("seq", ("y", "model"))
+SEQUENCE_PARALLEL = ("seq", ("context", "y", "model"))
 
 
 def sequence_parallel(rules: Rules) -> tuple[tuple[str, MeshAxes], ...]:

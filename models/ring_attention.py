@@ -37,6 +37,7 @@ import gshard_jax as gs
 
 LAYOUTS = ("zigzag", "contiguous")
 FULL, DIAG = "full", "diag"
+BLOCK_SIZE = 512  # the default key tile: a chunk's logits in flight are [heads, chunk, BLOCK_SIZE]
 _MASKED = -1e30  # a finite "minus infinity": exp() of it minus any real max is 0, and it never makes a nan
 
 
@@ -315,7 +316,7 @@ def reference_attention(q_BLHD: jax.Array, k_BLKD: jax.Array, v_BLKD: jax.Array,
 
 def ring_attention(q_BLHD: jax.Array, k_BLKD: jax.Array, v_BLKD: jax.Array, *, axis: str = "context",
                    causal: bool = True, layout: str = "zigzag", batch_axes: Sequence[str] = (),
-                   head_axes: Sequence[str] = (), block_size: int = 512) -> jax.Array:
+                   head_axes: Sequence[str] = (), block_size: int = BLOCK_SIZE) -> jax.Array:
     """Softmax attention of q over k, v, [B, L, H, D] -> [B, L, H, D], with L split over mesh axis `axis`.
 
     Call it inside a gs.partition'ed function; q, k, v are resharded to [batch_axes, axis, head_axes, -]

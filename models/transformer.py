@@ -237,11 +237,14 @@ class DecoderLM(nn.Module):
         c, r, dt = self.cfg, self.cfg.rules, self.cfg.compute_dtype
         check(c, decoder_only=True)
         embed = layers.Embed(c.vocab_size, c.d_model, r, dt, name="embed")
-        x = embed(constrain(tokens_BL, ("batch", "length"), r))
+        # over a context axis the sequence is held in zigzag order from here on: the logits too (loss_fn)
+        x = embed(constrain(layers.in_context_order(tokens_BL, r), ("batch", "length"), r))
+        L = tokens_BL.shape[1]
         if not c.rope:
-            x = x + layers.sinusoid(tokens_BL.shape[1], c.d_model).astype(dt)
+            x = x + layers.sinusoid(L, c.d_model, layers.positions(L, r)).astype(dt)
         if c.pipeline is not None and c.pipeline.owns_backward:
-            return self._loss_in_pipeline(embed, x, targets_BL, weights_BL)
+            order = lambda t: None if t is None else layers.in_context_order(t, r)
+            return self._loss_in_pipeline(embed, x, order(targets_BL), order(weights_BL))
         x, metrics = Stack(c, c.num_layers, causal=True, cross=False, train=self.train, name="decoder")(x)
         x = layers.norm(c.norm, "final_norm", dt)(x)
         if c.tie_embeddings:
@@ -299,15 +302,17 @@ class EncoderDecoder(nn.Module):
         embed = layers.Embed(c.vocab_size, c.d_model, r, dt, name="embed")
         src_mask_BT = constrain(source_BT, ("batch", "length"), r) != 0
 
-        def embedded(tokens):
+        def embedded(tokens, positions_L=None):
             x = embed(constrain(tokens, ("batch", "length"), r))
-            return x if c.rope else x + layers.sinusoid(tokens.shape[1], c.d_model).astype(dt)
+            return x if c.rope else x + layers.sinusoid(tokens.shape[1], c.d_model, positions_L).astype(dt)
 
         enc, enc_metrics = Stack(c, c.num_layers, causal=False, cross=False, train=self.train, name="encoder")(
             embedded(source_BT), None, src_mask_BT)
+        # the decoder's causal sequence in zigzag order over a context axis (the encoder's in its own order)
+        target_BL = layers.in_context_order(target_BL, r)
         enc = layers.norm(c.norm, "encoder_norm", dt)(enc)
         x, dec_metrics = Stack(c, c.num_decoder_layers, causal=True, cross=True, train=self.train, name="decoder")(
-            embedded(target_BL), enc, src_mask_BT)
+            embedded(target_BL, layers.positions(target_BL.shape[1], r)), enc, src_mask_BT)
         x = layers.norm(c.norm, "decoder_norm", dt)(x)
         if c.tie_embeddings:
             logits = embed.attend(x)
@@ -335,6 +340,9 @@ def loss_fn(model: nn.Module, params, batch: dict, rng: Optional[jax.Array] = No
         logits, m = model.apply(params, batch["source"], batch["inputs"], rngs=rngs)
     else:
         logits, m = model.apply(params, batch["inputs"], rngs=rngs)
-    ce = cross_entropy(logits, batch["targets"], batch.get("weights"))
+    # the logits are in the model's order: zigzag over a context axis (layers.in_context_order)
+    weights = batch.get("weights")
+    ce = cross_entropy(logits, layers.in_context_order(batch["targets"], c.rules),
+                       None if weights is None else layers.in_context_order(weights, c.rules))
     loss = ce + c.aux_loss_weight * m["aux_loss"] + c.z_loss_weight * m["z_loss"]
     return loss, dict(m, cross_entropy=ce)
