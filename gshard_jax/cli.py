@@ -29,8 +29,10 @@ def _load(args: argparse.Namespace):
 
 
 def _setup(args: argparse.Namespace):
-    """The config with its overrides (checked before any work), then the devices and jax.distributed."""
-    cfg = _load(args)
+    """The typed config (configs.Config) with its overrides, checked before any work; then the devices and
+    jax.distributed."""
+    from . import configs
+    cfg = configs.typed(_load(args))
     from .training.train import init_devices
     init_devices(args.cpu_devices, args.coordinator, args.num_processes, args.process_id,
                  getattr(args, "overlap_flags", True))

@@ -1,9 +1,14 @@
 """Experiment configs (ml-collections): the shared skeleton, the model families, and config -> model.
 
 An experiment file in ``experiments/`` defines ``get_config()`` returning a
-ConfigDict with ``model``, ``train``, ``mesh`` and ``debug`` sections; the
-builders here fill in the parts families share, so each file states only what
-makes it that experiment. ``model.moe.num_experts = 0`` is a dense model; the
+ConfigDict with ``model``, ``train``, ``mesh``, ``data``, ``pipeline`` and
+``debug`` sections; the builders here fill in the parts families share, so each
+file states only what makes it that experiment. The ConfigDict is what users
+write and override (``--config.a.b=v``); the runtime reads a typed ``Config``
+of frozen dataclasses (TrainConfig, MeshConfig, ...; the model section becomes
+the models' own TransformerConfig and MoeConfig), made once by ``typed()`` where
+a run starts. Each section's fields, defaults and comments are declared once, on
+its dataclass. ``model.moe.num_experts = 0`` is a dense model; the
 other "off" values are None, which the model dataclasses read as off:
 ``group_size = None`` one group per sequence, ``peer_bound = None`` no bound,
 ``router_logit_cap = None`` no cap, ``eval_capacity_factor = None`` the training
@@ -13,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import flax.linen as nn
 import jax
@@ -31,71 +37,113 @@ HELD_OUT = 0.05  # default fraction of files held out (data.held_out)
 MAX_BYTES = 8 << 20  # default corpus size cap, the standard library sources (data.max_bytes)
 
 
-def train_defaults() -> ConfigDict:
+# --------------------------------------------------------------------------- the sections, typed
+# Each section's fields and defaults are declared once, here; the ConfigDict sections experiments edit are
+# built from them (train_defaults() ...), and typed() turns a ConfigDict back into them.
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
     """The training section (Mula's recipe, seed 001, docs/references.md, at a small scale by default)."""
-    return ConfigDict(dict(
-        num_steps=1000,  # optimiser steps
-        batch_size=16,  # sequences per step (global)
-        seq_len=128,  # tokens per sequence
-        learning_rate=4e-4,  # peak, after linear warmup
-        min_learning_rate=4e-5,  # cosine decay floor
-        warmup_steps=100,  # linear warmup; gradient clipping starts after it
-        decay_steps=0,  # step at which the cosine decay reaches min_learning_rate (0: num_steps)
-        b1=0.9, b2=0.99, eps=1e-8,  # AdamW moments
-        weight_decay=0.1,  # on all params
-        clip_norm=1.0,  # global gradient norm clip (after warmup)
-        checkpoint_every=200,  # full checkpoint (params + optimiser), two newest kept
-        model_checkpoint_every=1000,  # params-only checkpoint, kept for good
-        log_every=10,  # metrics.jsonl / progress cadence
-        eval_every=100,  # held-out loss cadence
-        eval_batches=4,  # batches per held-out evaluation
-        seed=0,  # params, data order and routing randomness
-        nan_policy="halt",  # non-finite loss or grad norm: "halt" or "skip" the step
-        async_checkpoints=True,  # write checkpoints in the background
-        checkpoint_replica_parallel=True,  # replicated arrays written 1/R by each of their R replicas (scattered)
-        checkpoint_single_read=True,  # arrays replicated over host groups read by group 0 and broadcast
-        hardware="cpu-simulation",  # the planner's hardware profile (partitioner/hardware.py) whose peak mfu uses
-        peak_flops=0.0,  # flop/s of one device for the mfu metric (0: the hardware profile's peak_flops)
-        goldfish_k=0,  # goldfish loss: drop ~1/k of target tokens from the loss (0 or 1: off; AxoNN uses 2)
-        goldfish_h=13,  # goldfish loss: tokens of context hashed to choose the dropped ones
-        zero_stage=0,  # sharded state over the data-parallel axes: 0 none, 1 optimizer state, 2 + gradients, 3 + params
-        epso=True,  # zero_stage >= 1 with an expert axis: non-expert states over data x expert (seed 001's EPSO)
-        microbatches=1,  # gradient accumulation: the batch split into this many microbatches, one update
-        offload_optimizer=False,  # AdamW's moments (and bf16's f32 master weights) in pinned_host memory between steps
-    ))
+    num_steps: int = 1000  # optimiser steps
+    batch_size: int = 16  # sequences per step (global)
+    seq_len: int = 128  # tokens per sequence
+    learning_rate: float = 4e-4  # peak, after linear warmup
+    min_learning_rate: float = 4e-5  # cosine decay floor
+    warmup_steps: int = 100  # linear warmup; gradient clipping starts after it
+    decay_steps: int = 0  # step at which the cosine decay reaches min_learning_rate (0: num_steps)
+    b1: float = 0.9  # AdamW's first moment decay
+    b2: float = 0.99  # AdamW's second moment decay
+    eps: float = 1e-8  # AdamW's denominator epsilon
+    weight_decay: float = 0.1  # on all params
+    clip_norm: float = 1.0  # global gradient norm clip (after warmup)
+    checkpoint_every: int = 200  # full checkpoint (params + optimiser), two newest kept
+    model_checkpoint_every: int = 1000  # params-only checkpoint, kept for good
+    log_every: int = 10  # metrics.jsonl / progress cadence
+    eval_every: int = 100  # held-out loss cadence
+    eval_batches: int = 4  # batches per held-out evaluation
+    seed: int = 0  # params, data order and routing randomness
+    nan_policy: str = "halt"  # non-finite loss or grad norm: "halt" or "skip" the step
+    async_checkpoints: bool = True  # write checkpoints in the background
+    # replicated arrays written 1/R by each of their R replicas (scattered)
+    checkpoint_replica_parallel: bool = True
+    checkpoint_single_read: bool = True  # arrays replicated over host groups read by group 0 and broadcast
+    hardware: str = "cpu-simulation"  # the planner's hardware profile (partitioner/hardware.py) whose peak mfu uses
+    peak_flops: float = 0.0  # flop/s of one device for the mfu metric (0: the hardware profile's peak_flops)
+    goldfish_k: int = 0  # goldfish loss: drop ~1/k of target tokens from the loss (0 or 1: off; AxoNN uses 2)
+    goldfish_h: int = 13  # goldfish loss: tokens of context hashed to choose the dropped ones
+    # sharded state over the data-parallel axes: 0 none, 1 optimizer state, 2 + gradients, 3 + params
+    zero_stage: int = 0
+    epso: bool = True  # zero_stage >= 1 with an expert axis: non-expert states over data x expert (seed 001's EPSO)
+    microbatches: int = 1  # gradient accumulation: the batch split into this many microbatches, one update
+    # AdamW's moments (and bf16's f32 master weights) in pinned_host memory between steps
+    offload_optimizer: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The data section: where tokens come from (see gshard_jax/training/data.py)."""
+    dir: str = ""  # prepared token shards ("": WORKDIR/data, prepared on first use)
+    source: str = ""  # directory of text files to prepare from ("": the Python standard library's sources)
+    tokenizer: str = ""  # tokenizer.json to use ("": train a byte-level BPE of model.vocab_size on the corpus)
+    held_out: float = HELD_OUT  # fraction of files held out for eval_loss
+    max_bytes: int = MAX_BYTES  # default corpus: at most this many bytes of source
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+    """The pipeline section: how the layer stack runs over mesh.stage stages (train.microbatches per step);
+    with the stage count it becomes the model's PipelineConfig (pipeline_config)."""
+    schedule: str = "gpipe"  # "gpipe", "circular", "1f1b" or "interleaved_1f1b" (gshard_jax/pipelines/schedules.py)
+    repeats: int = 1  # layer chunks per stage for "circular" and "interleaved_1f1b" (bubble / repeats)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The mesh section: axis sizes (one may be -1: the devices the others leave); axes of size 1 are left out
+    of the mesh. The models' rules table (model.rules) says what each axis splits."""
+    stage: int = 1  # pipeline stages: the layer stack split into this many stages (see the pipeline section)
+    data: int = 1  # data parallelism: the batch split, weights replicated (their states sharded under ZeRO)
+    z: int = 1  # AxoNN's depth axis: the batch split and weights stored split, gathered per layer (FSDP)
+    expert: int = 1  # expert parallelism: experts split, and the batch with them outside MoE layers
+    y: int = 1  # tensor axis: heads, FFN units and vocabulary (alone: Megatron's column-then-row layout)
+    x: int = 1  # tensor axis: the model width (with y: AxoNN's 3D layout, ordinary and transposed layers)
+    model: int = 1  # another name for y, kept for older configs
+
+    def sizes(self) -> dict[str, int]:
+        """{axis: size} in name order: the mesh's axis order when mesh_order gives none (the order a
+        ConfigDict section iterates in)."""
+        return {name: getattr(self, name) for name in sorted(f.name for f in dataclasses.fields(self))}
+
+
+@dataclasses.dataclass(frozen=True)
+class DebugConfig:
+    """The debug section: faults injected for tests and drills (gshard_jax/training/faults.py)."""
+    nan_at_step: int = -1  # poison the loss of this step (1-based) with NaN (-1: never)
+    fail_process: int = -1  # the node (process index, or GSHARD_JAX_NODE under `gshard-jax launch`) that fails
+    fail_at_step: int = -1  # ... by dying (os._exit, no cleanup) at the start of this step (-1: never)
+    hang_at_step: int = -1  # ... by hanging at the start of this step (-1: never)
+    soft_fail_process: int = -1  # the node whose rows' backward turns NaN (a soft failure; -1: none) ...
+    soft_fail_at_step: int = -1  # ... at this step (-1: never)
+
+
+def train_defaults() -> ConfigDict:
+    """The training section: TrainConfig's defaults."""
+    return ConfigDict(dataclasses.asdict(TrainConfig()))
 
 
 def data_defaults() -> ConfigDict:
-    """The data section: where tokens come from (see gshard_jax/training/data.py)."""
-    return ConfigDict(dict(
-        dir="",  # prepared token shards ("": WORKDIR/data, prepared on first use)
-        source="",  # directory of text files to prepare from ("": the Python standard library's sources)
-        tokenizer="",  # tokenizer.json to use ("": train a byte-level BPE of model.vocab_size on the corpus)
-        held_out=HELD_OUT,  # fraction of files held out for eval_loss
-        max_bytes=MAX_BYTES,  # default corpus: at most this many bytes of source
-    ))
+    """The data section: DataConfig's defaults."""
+    return ConfigDict(dataclasses.asdict(DataConfig()))
 
 
 def pipeline_defaults() -> ConfigDict:
-    """The pipeline section: how the layer stack runs over mesh.stage stages (train.microbatches per step)."""
-    return ConfigDict(dict(
-        schedule="gpipe",  # "gpipe", "circular", "1f1b" or "interleaved_1f1b" (gshard_jax/pipelines/schedules.py)
-        repeats=1,  # layer chunks per stage for "circular" and "interleaved_1f1b" (bubble / repeats)
-    ))
+    """The pipeline section: ScheduleConfig's defaults."""
+    return ConfigDict(dataclasses.asdict(ScheduleConfig()))
 
 
 def mesh_defaults() -> ConfigDict:
-    """The mesh section: axis sizes, outermost first (one may be -1: the devices the others leave); axes of
-    size 1 are left out of the mesh. The models' rules table (model.rules) says what each axis splits."""
-    return ConfigDict(dict(
-        stage=1,  # pipeline stages: the layer stack split into this many stages (see the pipeline section)
-        data=1,  # data parallelism: the batch split, weights replicated (their states sharded under ZeRO)
-        z=1,  # AxoNN's depth axis: the batch split and weights stored split, gathered per layer (FSDP)
-        expert=1,  # expert parallelism: experts split, and the batch with them outside MoE layers
-        y=1,  # tensor axis: heads, FFN units and vocabulary (alone: Megatron's column-then-row layout)
-        x=1,  # tensor axis: the model width (with y: AxoNN's 3D layout, ordinary and transposed layers)
-        model=1,  # another name for y, kept for older configs
-    ))
+    """The mesh section: MeshConfig's defaults (every axis 1)."""
+    return ConfigDict(dataclasses.asdict(MeshConfig()))
 
 
 def skeleton(model: ConfigDict, mesh: dict, **train: Any) -> ConfigDict:
@@ -109,14 +157,7 @@ def skeleton(model: ConfigDict, mesh: dict, **train: Any) -> ConfigDict:
     cfg.mesh_order = ""  # the mesh axes outermost first, comma-separated ("": the mesh section's order)
     cfg.data = data_defaults()
     cfg.pipeline = pipeline_defaults()
-    cfg.debug = ConfigDict(dict(
-        nan_at_step=-1,  # poison the loss of this step (1-based) with NaN (-1: never)
-        fail_process=-1,  # the node (process index, or GSHARD_JAX_NODE under `gshard-jax launch`) that fails
-        fail_at_step=-1,  # ... by dying (os._exit, no cleanup) at the start of this step (-1: never)
-        hang_at_step=-1,  # ... by hanging at the start of this step (-1: never)
-        soft_fail_process=-1,  # the node whose rows' backward turns NaN (a soft failure; -1: none) ...
-        soft_fail_at_step=-1,  # ... at this step (-1: never)
-    ))
+    cfg.debug = ConfigDict(dataclasses.asdict(DebugConfig()))
     return cfg
 
 
@@ -176,6 +217,20 @@ def gpt(num_layers: int, d_model: int, num_heads: int, batch_size: int = 256) ->
 
 # --------------------------------------------------------------------------- config -> model
 
+KINDS = {"decoder_lm": DecoderLM, "encoder_decoder": EncoderDecoder}  # model.kind -> the Flax module
+
+
+def moe_config(moe: Mapping[str, Any]) -> MoeConfig:
+    """The MoeConfig (with its GatingConfig) of a flat model.moe section."""
+    gating = {f.name for f in dataclasses.fields(GatingConfig)}
+    known = gating | {f.name for f in dataclasses.fields(MoeConfig)} - {"gating"}
+    unknown = sorted(set(moe) - known)
+    if unknown:
+        raise ValueError(f"model.moe has unknown fields {unknown}; MoeConfig and GatingConfig have {sorted(known)}")
+    return MoeConfig(gating=GatingConfig(**{k: v for k, v in moe.items() if k in gating}),
+                     **{k: v for k, v in moe.items() if k not in gating})
+
+
 def transformer_config(model: ConfigDict) -> TransformerConfig:
     """The TransformerConfig a config's model section describes."""
     m = model.to_dict() if isinstance(model, ConfigDict) else dict(model)
@@ -187,28 +242,103 @@ def transformer_config(model: ConfigDict) -> TransformerConfig:
     unknown = sorted(set(m) - known)
     if unknown:
         raise ValueError(f"model config has unknown fields {unknown}; TransformerConfig has {sorted(known)}")
-    moe_cfg = None
-    if moe["num_experts"]:
-        gating = {f.name for f in dataclasses.fields(GatingConfig)}
-        moe_cfg = MoeConfig(gating=GatingConfig(**{k: v for k, v in moe.items() if k in gating}),
-                            **{k: v for k, v in moe.items() if k not in gating})
     if isinstance(m.get("remat_modules"), list):
         m["remat_modules"] = tuple(m["remat_modules"])
-    return TransformerConfig(moe=moe_cfg, **m)
+    return TransformerConfig(moe=moe_config(moe) if moe["num_experts"] else None, **m)
 
 
-def build_model(model: ConfigDict, train: bool = False, pipeline: Optional[PipelineConfig] = None):
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The model section, typed: the architecture and the dataclasses the model modules take."""
+    kind: str  # "decoder_lm" or "encoder_decoder" (KINDS)
+    transformer: TransformerConfig  # sizes and options; its moe is None for a dense model
+    moe: MoeConfig  # the moe section as written, a dense model's too (num_experts = 0, unused)
+
+    def to_dict(self) -> dict:
+        """The section as a ConfigDict holds it: kind, TransformerConfig's fields, moe flat (model_section)."""
+        out = {"kind": self.kind}
+        out.update({f.name: getattr(self.transformer, f.name) for f in dataclasses.fields(TransformerConfig)
+                    if f.name not in ("moe", "pipeline")})
+        moe = {f.name: getattr(self.moe, f.name) for f in dataclasses.fields(MoeConfig) if f.name != "gating"}
+        moe.update(dataclasses.asdict(self.moe.gating))
+        return dict(out, moe=moe)
+
+
+def model_config(model: ModelConfig | ConfigDict) -> ModelConfig:
+    """The ModelConfig of a config's model section (a ModelConfig is returned as it is)."""
+    if isinstance(model, ModelConfig):
+        return model
+    if model.kind not in KINDS:
+        raise ValueError(f"model.kind={model.kind!r}; expected one of {tuple(KINDS)}")
+    return ModelConfig(model.kind, transformer_config(model), moe_config(model.moe))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """An experiment config, typed: what the runtime reads. Experiments write ConfigDicts (the user-facing
+    format, with --config.a.b=v overrides); typed() turns one into a Config once, where a run starts."""
+    model: ModelConfig  # the architecture (model_section)
+    train: TrainConfig = TrainConfig()  # the optimiser, cadences, ZeRO stage, microbatches, NaN policy
+    mesh: MeshConfig = MeshConfig()  # axis sizes
+    mesh_order: str = ""  # the mesh axes outermost first, comma-separated ("": MeshConfig.sizes()'s order)
+    data: DataConfig = DataConfig()  # where tokens come from
+    pipeline: ScheduleConfig = ScheduleConfig()  # the schedule over mesh.stage stages
+    debug: DebugConfig = DebugConfig()  # injected faults
+
+    def to_dict(self) -> dict:
+        """The config as its ConfigDict holds it (to_dict() of each section, in skeleton()'s order)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.to_dict() if isinstance(v, ModelConfig) else v if isinstance(v, str) else \
+                dataclasses.asdict(v)
+        return out
+
+    def to_json(self, indent: Optional[int] = None) -> str:
+        """The JSON a run records in WORKDIR/config.json (what ConfigDict.to_json writes for its ConfigDict)."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+SECTIONS = {"train": TrainConfig, "mesh": MeshConfig, "data": DataConfig, "pipeline": ScheduleConfig,
+            "debug": DebugConfig}  # Config's sections besides model, by name
+
+
+def section(cls: type, name: str, values: Mapping[str, Any]) -> Any:
+    """The dataclass `cls` of a config section's values: missing fields take their defaults (configs written
+    before the field existed); a field `cls` does not have is a ValueError naming it."""
+    if dataclasses.is_dataclass(values):
+        return values
+    values = values.to_dict() if isinstance(values, ConfigDict) else dict(values)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{name} has unknown fields {unknown}; {cls.__name__} has {sorted(known)}")
+    return cls(**values)
+
+
+def typed(cfg: Config | ConfigDict) -> Config:
+    """The Config of an experiment ConfigDict (a Config is returned as it is): the one conversion, made where
+    a run starts, after the --config overrides."""
+    if isinstance(cfg, Config):
+        return cfg
+    unknown = sorted(set(cfg.keys()) - {f.name for f in dataclasses.fields(Config)})
+    if unknown:
+        raise ValueError(f"the config has unknown entries {unknown}; a config has "
+                         f"{[f.name for f in dataclasses.fields(Config)]} (configs.skeleton)")
+    parts = {name: section(cls, name, cfg[name]) for name, cls in SECTIONS.items() if name in cfg}
+    return Config(model=model_config(cfg.model), mesh_order=cfg.get("mesh_order", ""), **parts)
+
+
+def build_model(model: ModelConfig | ConfigDict, train: bool = False, pipeline: Optional[PipelineConfig] = None):
     """The Flax module a config's model section describes (its stacks pipelined when `pipeline` is given)."""
-    kinds = {"decoder_lm": DecoderLM, "encoder_decoder": EncoderDecoder}
-    if model.kind not in kinds:
-        raise ValueError(f"model.kind={model.kind!r}; expected one of {tuple(kinds)}")
-    cfg = transformer_config(model)
+    model = model_config(model)
+    cfg = model.transformer
     if pipeline is not None:  # the stage axis splits the scanned stack's stacked params
         cfg = dataclasses.replace(cfg, scan=True)
-    return kinds[model.kind](dataclasses.replace(cfg, pipeline=pipeline), train=train)
+    return KINDS[model.kind](dataclasses.replace(cfg, pipeline=pipeline), train=train)
 
 
-def pipeline_config(cfg: ConfigDict, stages: int) -> Optional[PipelineConfig]:
+def pipeline_config(cfg: Config | ConfigDict, stages: int) -> Optional[PipelineConfig]:
     """The model's pipeline from mesh.stage (resolved to `stages`), train.microbatches and the pipeline
     section; None without stages. A pipelined model is scanned whatever model.scan says."""
     if stages == 1:
@@ -217,7 +347,7 @@ def pipeline_config(cfg: ConfigDict, stages: int) -> Optional[PipelineConfig]:
                           repeats=cfg.pipeline.repeats)
 
 
-def example_inputs(model: ConfigDict, batch: int = 1, length: int = 8) -> tuple:
+def example_inputs(model: ModelConfig | ConfigDict, batch: int = 1, length: int = 8) -> tuple:
     """Token arrays with the right structure for init (shapes only matter)."""
     return example_tokens(model.kind, batch, length)
 
@@ -231,7 +361,7 @@ def example_tokens(kind: str, batch: int = 1, length: int = 8) -> tuple:
 EXPERT_WEIGHTS = ("wi", "wi_gate", "wi_up", "wo")
 
 
-def count_params(model: ConfigDict) -> dict:
+def count_params(model: ModelConfig | ConfigDict) -> dict:
     """Total parameters and parameters active per token, from shapes alone (jax.eval_shape: nothing allocated)."""
     module = build_model(model)
     shapes = nn.unbox(jax.eval_shape(module.init, jax.random.key(0), *example_inputs(model)))
@@ -266,8 +396,8 @@ def flops_per_token(active_params: int, layers: int, d_model: int, seq: int) -> 
     return 6 * active_params + 12 * layers * d_model * seq
 
 
-def model_flops_per_token(cfg: ConfigDict) -> float:
+def model_flops_per_token(cfg: Config | ConfigDict) -> float:
     """flops_per_token of a config's model at its train.seq_len."""
-    m = cfg.model
-    layers = m.num_layers * (2 if m.kind == "encoder_decoder" else 1)
-    return flops_per_token(count_params(m)["active_params"], layers, m.d_model, cfg.train.seq_len)
+    m = model_config(cfg.model)
+    layers = m.transformer.num_layers * (2 if m.kind == "encoder_decoder" else 1)
+    return flops_per_token(count_params(m)["active_params"], layers, m.transformer.d_model, cfg.train.seq_len)

@@ -124,3 +124,35 @@ def test_mula_configs_pipeline_as_seed_001(name, stages):
     pc = configs.pipeline_config(cfg, cfg.mesh.stage)
     assert (pc.stages, pc.schedule) == (stages, "1f1b") and pc.microbatches == 4 * stages
     pipelined.check(pc, cfg.model.num_layers // cfg.model.moe_every)  # the layers split into the stages
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=[name(p) for p in EXPERIMENTS])
+def test_the_typed_config_holds_the_configdict_exactly(path):
+    """configs.typed(): one frozen dataclass per section, the model section as the models' own dataclasses;
+    it writes back the ConfigDict's JSON (WORKDIR/config.json is unchanged) and is made once."""
+    cfg = configs.load(path)
+    typed = configs.typed(cfg)
+    assert typed.to_json(indent=1) == cfg.to_json(indent=1)
+    assert configs.typed(typed) is typed
+    assert typed.model.transformer == configs.transformer_config(cfg.model)
+    assert typed.mesh.sizes() == dict(cfg.mesh) and list(typed.mesh.sizes()) == list(cfg.mesh)  # name order
+    assert typed.train.batch_size == cfg.train.batch_size and typed.pipeline.schedule == cfg.pipeline.schedule
+    with pytest.raises(Exception, match="cannot assign"):
+        typed.train.seed = 1  # frozen
+
+
+def test_the_sections_defaults_are_their_dataclasses():
+    assert configs.typed(configs.gpt(2, 128, 2)).train == configs.dataclasses.replace(
+        configs.TrainConfig(), batch_size=256, seq_len=2048, warmup_steps=2500)
+    assert dict(configs.mesh_defaults()) == configs.MeshConfig().sizes()
+    assert configs.pipeline_defaults().to_dict() == {"schedule": "gpipe", "repeats": 1}
+
+
+def test_the_typed_config_names_an_unknown_field():
+    cfg = configs.load(os.path.join(ROOT, "experiments", "tiny_moe_lm.py"))
+    cfg.train.num_step = 10  # a typo the ConfigDict takes silently
+    with pytest.raises(ValueError, match=r"train has unknown fields \['num_step'\]"):
+        configs.typed(cfg)
+    cfg = configs.load(os.path.join(ROOT, "experiments", "tiny_moe_lm.py"))
+    del cfg.train["offload_optimizer"]  # a config written before the field existed: its default
+    assert configs.typed(cfg).train.offload_optimizer is False

@@ -422,3 +422,70 @@ def test_a_cadence_of_zero_steps_is_a_clear_error(field):
     cfg.train[field] = 0
     with pytest.raises(ValueError, match=f"train.{field}=0: expected a positive number of steps"):
         train.Trainer(cfg, "/nonexistent")
+
+
+def test_the_train_step_is_a_module_level_function_of_state_batch_and_its_static_config(tmp_path):
+    """training/steps.py: Trainer binds the StepConfig it built to steps.train_step; the same function with
+    that config as a static argument computes the same step."""
+    from gshard_jax.training import steps
+    from gshard_jax.training.train import Trainer
+    cfg = configs.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                                    "tiny_dense_lm.py"))
+    cfg.train.update(dict(seq_len=16, batch_size=8))
+    trainer = Trainer(cfg, str(tmp_path))
+    assert isinstance(trainer.cfg, configs.Config) and trainer.step_config.train is trainer.cfg.train
+    for name in ("init_state", "train_step", "update", "eval_step"):
+        fn = getattr(trainer, name)
+        assert fn.func is getattr(steps, name) and fn.keywords == {"c": trainer.step_config}, name
+    state = jax.jit(trainer.init_state)(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (8, 17), 0, cfg.model.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    ours = jax.jit(steps.train_step, static_argnames="c")(state, batch, c=trainer.step_config)[1]["loss"]
+    assert float(ours) == float(jax.jit(trainer.train_step)(state, batch)[1]["loss"])
+
+
+class _Writer:
+    def __init__(self):
+        self.rows = []
+
+    def write(self, step, row):
+        self.rows.append((step, row))
+
+
+class _Clock:
+    def step_done(self, timed):
+        pass
+
+    def pause(self):
+        pass
+
+    def window(self):
+        return {"tokens_per_s": 1.0, "mfu": 0.5}
+
+
+def _metrics(loss: float, bad_rows: list[int]) -> dict:
+    return {"loss": loss, "grad_norm": 1.0, "finite": np.isfinite(loss), "nonfinite_rows": np.array(bad_rows),
+            "aux_loss": 0.0, "dropped": 0.0}
+
+
+def test_the_settler_logs_skips_and_halts_on_the_host():
+    """training/settle.py: a deferred step settles at the next flush; a non-finite step is skipped and named
+    (nan_policy="skip") or halts the run (NonFiniteStep); the summary is the last logged row's."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from gshard_jax.training.settle import NonFiniteStep, Settler
+    sharding = NamedSharding(jax.make_mesh((8,), ("data",)), P("data"))
+    t = configs.TrainConfig(num_steps=4, log_every=2, eval_every=4, nan_policy="skip")
+    writer = _Writer()
+    s = Settler(t, 0, writer, _Clock(), None, lambda params: params, sharding, (8, 4))
+    s.defer(1, _metrics(2.0, [0] * 8))
+    assert s.pending is not None and not writer.rows
+    s.flush(params=None)
+    s.settle(2, _metrics(float("nan"), [0, 0, 0, 1] + [0] * 4), params=None)
+    s.settle(3, _metrics(1.5, [0] * 8), params=None)
+    s.settle(4, _metrics(1.0, [0] * 8), params=0.25)
+    assert [step for step, _ in writer.rows] == [2, 4] and writer.rows[0][1]["nonfinite_processes"] == [0]
+    assert s.summary == {"start_step": 0, "step": 4, "loss": 1.0, "eval_loss": 0.25} and s.skipped == 1
+    halting = Settler(configs.TrainConfig(num_steps=4), 0, _Writer(), _Clock(), None, float, sharding, (8, 4))
+    with pytest.raises(NonFiniteStep, match="step 3: non-finite loss nan"):
+        halting.settle(3, _metrics(float("nan"), [1] + [0] * 7), params=None)

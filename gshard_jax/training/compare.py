@@ -6,17 +6,17 @@ from __future__ import annotations
 import functools
 
 import jax
-import ml_collections
 import numpy as np
 
 import gshard_jax as gs
 from gshard_jax.partitioner.hlo import summary
 
+from .. import configs
 from . import train
 from .timing import median_times
 
 
-def train_step(cfg: ml_collections.ConfigDict, workdir: str, steps: int = 5) -> list[dict]:
+def train_step(cfg: configs.Config | configs.ConfigDict, workdir: str, steps: int = 5) -> list[dict]:
     """One row per backend: collectives {kind: count} and payload bytes per device per step (`_per_step`: loops
     times their trip counts) and as listed once (`_static`), step ms (median), and the loss difference from the
     unpartitioned step."""

@@ -27,8 +27,9 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
+
+from ..configs import DebugConfig
 
 EXIT_PREEMPTED = 75  # saved a checkpoint on SIGTERM and stopped: rerun to resume (EX_TEMPFAIL)
 EXIT_INJECTED = 13  # debug.fail_process died at debug.fail_at_step, as a node would
@@ -62,7 +63,7 @@ class Preempted(RuntimeError):
 class Faults:
     """Per step: the injected faults of this node, the heartbeat, and whether to stop for preemption."""
 
-    def __init__(self, debug: ml_collections.ConfigDict):
+    def __init__(self, debug: DebugConfig):
         self.debug, self.node = debug, node()
         beat = os.environ.get(HEARTBEAT_ENV, "")
         self.beat_path = os.path.join(beat, f"{jax.process_index()}.step") if beat else ""
@@ -82,10 +83,10 @@ class Faults:
     def before(self, step: int) -> None:
         """At the start of `step`: die or hang if this node is told to; beat."""
         d = self.debug
-        if self.node == d.get("fail_process", -1):
-            if step == d.get("fail_at_step", -1):
+        if self.node == d.fail_process:
+            if step == d.fail_at_step:
                 os._exit(EXIT_INJECTED)  # no cleanup: what a dead node leaves behind
-            if step == d.get("hang_at_step", -1):
+            if step == d.hang_at_step:
                 while True:  # stops answering: its peers wait in their next collective
                     time.sleep(3600)
         if self.beat_path:
@@ -148,12 +149,12 @@ def nonfinite_per_shard(probe_grad_B: jax.Array, shards: int) -> jax.Array:
     return bad_B.reshape(shards, -1).sum(axis=1)
 
 
-def fault_rows(debug: ml_collections.ConfigDict, step: int, rows: int) -> Optional[np.ndarray]:
+def fault_rows(debug: DebugConfig, step: int, rows: int) -> Optional[np.ndarray]:
     """This process's rows of the injected soft failure (None when none is configured): NaN on the failing
     node at its step, else 1."""
-    if debug.get("soft_fail_process", -1) < 0:
+    if debug.soft_fail_process < 0:
         return None
-    bad = node() == debug.soft_fail_process and step == debug.get("soft_fail_at_step", -1)
+    bad = node() == debug.soft_fail_process and step == debug.soft_fail_at_step
     return np.full([rows], np.nan if bad else 1.0, np.float32)
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
+
+from ..configs import TrainConfig
 
 
 def clip_after(warmup_steps: int, max_norm: float) -> optax.GradientTransformation:
@@ -21,7 +22,7 @@ def clip_after(warmup_steps: int, max_norm: float) -> optax.GradientTransformati
     return optax.conditionally_transform(clip, lambda count: count >= warmup_steps)
 
 
-def schedule(train: ml_collections.ConfigDict) -> optax.Schedule:
+def schedule(train: TrainConfig) -> optax.Schedule:
     """Linear warmup from 0 to learning_rate, cosine decay to min_learning_rate at decay_steps (or num_steps)."""
     end = train.decay_steps or train.num_steps
     return optax.warmup_cosine_decay_schedule(
@@ -29,7 +30,7 @@ def schedule(train: ml_collections.ConfigDict) -> optax.Schedule:
         decay_steps=max(end, train.warmup_steps + 1), end_value=train.min_learning_rate)
 
 
-def optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def optimizer(train: TrainConfig) -> optax.GradientTransformation:
     """AdamW (decay on all params) after post-warmup clipping."""
     return optax.chain(
         clip_after(train.warmup_steps, train.clip_norm),

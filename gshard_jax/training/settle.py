@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
+from ..configs import TrainConfig
 from . import faults
 
 log = logging.getLogger("gshard_jax")
@@ -39,7 +40,7 @@ class Settler:
     the devices of non-finite rows.
     """
 
-    def __init__(self, train: Any, start: int, writer: Any, clock: Any, bar: Any,
+    def __init__(self, train: TrainConfig, start: int, writer: Any, clock: Any, bar: Any,
                  evaluate: Callable[[Any], float], batch_sharding: jax.sharding.Sharding, batch_shape: tuple):
         self.t, self.start = train, start
         self.writer, self.clock, self.bar = writer, clock, bar

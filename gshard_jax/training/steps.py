@@ -2,8 +2,9 @@
 
 As nanodo and Flax's lm1b example do, the train step is one function of (state, batch) whose other inputs
 (the built models and optimizer, the state's layout, the config's fields) are bound once with
-``functools.partial(train_step, c=...)`` and partitioned; it reads nothing else, so what it computes is
-visible from its arguments. ``Trainer`` builds the StepConfig and holds the partitioned functions.
+``functools.partial(train_step, c=...)`` (or passed as a static argument) and partitioned; it reads
+nothing else, so what it computes is visible from its arguments. ``Trainer`` builds the StepConfig and
+holds the partitioned functions.
 
 One train step: loss and gradients (summed over microbatches in a scan), a finiteness check of the loss and
 the gradient norm, the optimiser update (dropped under ``nan_policy="skip"`` when not finite). Steps are
@@ -27,9 +28,10 @@ from . import faults, layout as state_layout, optim
 METRICS = ("cross_entropy", "aux_loss", "z_loss", "dropped", "router_confidence")  # per step, from loss_fn
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class StepConfig:
-    """What the step functions read besides their array arguments, built once by Trainer (never traced)."""
+    """What the step functions read besides their array arguments, built once by Trainer (never traced).
+    Compared and hashed by identity, so it can also be a jit static argument (static_argnames="c")."""
     model: nn.Module  # the train-mode model (its stack pipelined over the stage axis when there is one)
     eval_model: nn.Module  # the same model in eval mode
     init_model: nn.Module  # the model unpipelined: params are initialised and laid out as without stages
@@ -38,7 +40,7 @@ class StepConfig:
     schedule: optax.Schedule  # the learning rate by update, reported with each step
     layout: state_layout.Layout  # where params, gradients and the optimizer state are sharded
     layer_order: dict  # the storage order of a scanned stack's layers (pipelined.order_key)
-    train: Any  # the train section: seed, microbatches, zero_stage, nan_policy, goldfish_k and goldfish_h
+    train: configs.TrainConfig  # seed, microbatches, zero_stage, nan_policy, goldfish_k and goldfish_h
     nan_at_step: int  # debug.nan_at_step: the step whose loss is poisoned with NaN (-1: never)
     pipeline: Optional[pipelined.PipelineConfig]  # the model's pipeline (it runs the microbatches itself)
     shards: int  # the batch's shards: non-finite rows are counted per shard

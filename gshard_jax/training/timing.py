@@ -9,7 +9,6 @@ import time
 from typing import Callable, Mapping
 
 import jax
-import ml_collections
 
 from .. import configs
 from ..partitioner import hardware
@@ -28,14 +27,14 @@ def median_times(fns: Mapping[str, Callable[[], object]], steps: int, warmup: in
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def peak_flops(cfg: ml_collections.ConfigDict) -> float:
+def peak_flops(cfg: configs.Config | configs.ConfigDict) -> float:
     """Flop/s of one device for the mfu metric: train.peak_flops, else the hardware profile's."""
     if cfg.train.peak_flops:
         return float(cfg.train.peak_flops)
     return hardware.get(cfg.train.hardware).peak_flops
 
 
-def model_flops_per_token(cfg: ml_collections.ConfigDict) -> float:
+def model_flops_per_token(cfg: configs.Config | configs.ConfigDict) -> float:
     """The model's flops per trained token (6 per active parameter plus attention; the planner's too)."""
     return configs.model_flops_per_token(cfg)
 
@@ -44,7 +43,7 @@ class Clock:
     """Step time, throughput and utilisation over the steps since the last logged row, and the time spent
     waiting on data and checkpoints (each step is timed when its metrics reach the host, one step late)."""
 
-    def __init__(self, t, devices: int, peak: float, flops_per_token: float):
+    def __init__(self, t: configs.TrainConfig, devices: int, peak: float, flops_per_token: float):
         self.tokens_per_step = t.batch_size * t.seq_len
         self.devices, self.peak, self.flops_per_token = devices, peak, flops_per_token
         self.first = self.prev = time.perf_counter()

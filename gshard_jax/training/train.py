@@ -84,9 +84,13 @@ def init_devices(cpu_devices: int = 0, coordinator: str = "", num_processes: Opt
     return peers
 
 
-def mesh_for(cfg: ml_collections.ConfigDict) -> jax.sharding.Mesh:
-    """The config's mesh over all devices; axes of size 1 are left out (at least `data` stays)."""
-    sizes = dict(cfg.mesh)
+def mesh_for(cfg: configs.Config | ml_collections.ConfigDict) -> jax.sharding.Mesh:
+    """The config's mesh over all devices; axes of size 1 are left out (at least `data` stays). A ConfigDict
+    needs only its mesh section (and mesh_order)."""
+    is_typed = isinstance(cfg, configs.Config)
+    mesh = cfg.mesh if is_typed else configs.section(configs.MeshConfig, "mesh", cfg.mesh)
+    mesh_order = cfg.mesh_order if is_typed else cfg.get("mesh_order", "")
+    sizes = mesh.sizes()
     if sizes.get("model", 1) != 1 and sizes.get("y", 1) != 1:
         raise ValueError(f"mesh.model={sizes['model']} and mesh.y={sizes['y']}: `model` is another name for "
                          f"`y`; set one of them")
@@ -94,14 +98,14 @@ def mesh_for(cfg: ml_collections.ConfigDict) -> jax.sharding.Mesh:
     known = math.prod(s for s in sizes.values() if s != -1)
     sizes = {k: (n // known if s == -1 else s) for k, s in sizes.items()}
     kept = {k: s for k, s in sizes.items() if s != 1} or {"data": 1}
-    order = [a for a in cfg.get("mesh_order", "").split(",") if a]
+    order = [a for a in mesh_order.split(",") if a]
     if order:
         if sorted(order) != sorted(kept):
-            raise ValueError(f"mesh_order={cfg.mesh_order!r} must list each mesh axis of size > 1 once; the mesh "
+            raise ValueError(f"mesh_order={mesh_order!r} must list each mesh axis of size > 1 once; the mesh "
                              f"has {sorted(kept)}")
         kept = {a: kept[a] for a in order}
     if math.prod(kept.values()) != n:
-        raise ValueError(f"mesh {dict(cfg.mesh)} needs {math.prod(kept.values())} devices but {n} are present "
+        raise ValueError(f"mesh {mesh.sizes()} needs {math.prod(kept.values())} devices but {n} are present "
                          f"({jax.default_backend()}); pass --cpu-devices {math.prod(kept.values())} to simulate "
                          f"them on a CPU, or override the mesh (e.g. --config.mesh.data={n} "
                          f"--config.mesh.expert=1 --config.mesh.y=1)")
@@ -110,21 +114,23 @@ def mesh_for(cfg: ml_collections.ConfigDict) -> jax.sharding.Mesh:
 
 @dataclasses.dataclass
 class Trainer:
-    """A config's model, optimiser, mesh, data and partitioned step functions."""
-    cfg: ml_collections.ConfigDict
+    """A config's model, optimiser, mesh, data and partitioned step functions: what the step functions
+    (steps.py) are built from and bound to. `cfg` may be given as a ConfigDict: it is made typed here."""
+    cfg: configs.Config
     workdir: str
     # The mesh to run on (default: the config's over all devices). An AbstractMesh builds the step functions
     # for devices this host does not have, to explain them (the planner does).
     mesh: Any = None
 
     def __post_init__(self):
-        cfg = self.cfg
+        cfg = self.cfg = configs.typed(self.cfg)
         t = cfg.train
         if t.nan_policy not in NAN_POLICIES:
             raise ValueError(f"train.nan_policy={t.nan_policy!r}; expected one of {NAN_POLICIES}")
         for name in ("log_every", "eval_every"):
-            if not isinstance(t[name], int) or t[name] < 1:
-                raise ValueError(f"train.{name}={t[name]!r}: expected a positive number of steps (the last step "
+            value = getattr(t, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"train.{name}={value!r}: expected a positive number of steps (the last step "
                                  f"is always logged and evaluated, so --config.train.{name}=<num_steps> does "
                                  f"it once)")
         if self.mesh is None:
@@ -160,7 +166,7 @@ class Trainer:
                                             self.layout.optimizer)
         if self.mixed:
             opt_specs = {"master": self.layout.optimizer, "adam": opt_specs}
-        self.offload = bool(t.get("offload_optimizer", False))
+        self.offload = bool(t.offload_optimizer)
         if self.offload:
             check_host_memory(self.mesh)
             opt_specs = jax.tree.map(lambda s: NamedSharding(self.mesh, s, memory_kind=HOST_MEMORY), opt_specs,
@@ -287,24 +293,26 @@ def state_kind(name: str) -> str:
     return "batch" if name.startswith("batch") else name.split("[")[0]
 
 
-def prepare_data(cfg: ml_collections.ConfigDict, workdir: str) -> data.TokenData:
+def prepare_data(cfg: configs.Config, workdir: str) -> data.TokenData:
     """The run's token data: cfg.data.dir if given, else WORKDIR/data, prepared on first use (process 0)."""
     d = cfg.data.dir or os.path.join(workdir, "data")
+    vocab = cfg.model.transformer.vocab_size
     if not os.path.exists(os.path.join(d, data.META)):
         if jax.process_index() == 0:
             log.info("preparing token data in %s from %s", d, cfg.data.source or "the Python standard library")
-            data.prepare(d, cfg.model.vocab_size, src=cfg.data.source or None, tokenizer=cfg.data.tokenizer or None,
+            data.prepare(d, vocab, src=cfg.data.source or None, tokenizer=cfg.data.tokenizer or None,
                          held_out=cfg.data.held_out, seed=cfg.train.seed, max_bytes=cfg.data.max_bytes)
         _sync("data prepared")
     tokens = data.TokenData(d)
-    if tokens.meta["tokenizer_vocab"] > cfg.model.vocab_size:
+    if tokens.meta["tokenizer_vocab"] > vocab:
         raise ValueError(f"the data in {d} has {tokens.meta['tokenizer_vocab']} token ids but model.vocab_size is "
-                         f"{cfg.model.vocab_size}")
+                         f"{vocab}")
     return tokens
 
 
-def step_inputs(cfg: ml_collections.ConfigDict, workdir: str) -> tuple[Trainer, dict, dict]:
+def step_inputs(cfg: configs.Config | ml_collections.ConfigDict, workdir: str) -> tuple[Trainer, dict, dict]:
     """A trainer with a fresh state and the first train batch: the arguments explain and compare use."""
+    cfg = configs.typed(cfg)
     trainer = Trainer(cfg, workdir)
     return trainer, trainer.fresh_state(), trainer.batch(prepare_data(cfg, workdir), "train", 1)
 
@@ -315,8 +323,9 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -> dict:
+def train(cfg: configs.Config | ml_collections.ConfigDict, workdir: str, progress: bool = True) -> dict:
     """Train from the newest valid checkpoint in workdir (or from scratch) to train.num_steps."""
+    cfg = configs.typed(cfg)
     t = cfg.train
     trainer = Trainer(cfg, workdir)  # checks the config against the devices before anything is written
     os.makedirs(workdir, exist_ok=True)
@@ -378,8 +387,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, progress: bool = True) -
     return summary
 
 
-def evaluate(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
+def evaluate(cfg: configs.Config | ml_collections.ConfigDict, workdir: str) -> dict:
     """Held-out loss of the newest checkpoint (full or model-only) in workdir."""
+    cfg = configs.typed(cfg)
     trainer = Trainer(cfg, workdir)  # checks the config against the devices before anything is written
     tokens = prepare_data(cfg, workdir)
     ckpt = Checkpoints(workdir, cfg.train.checkpoint_every, cfg.train.model_checkpoint_every, async_save=False,
