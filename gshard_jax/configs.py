@@ -105,6 +105,7 @@ class MeshConfig:
     data: int = 1  # data parallelism: the batch split, weights replicated (their states sharded under ZeRO)
     z: int = 1  # AxoNN's depth axis: the batch split and weights stored split, gathered per layer (FSDP)
     expert: int = 1  # expert parallelism: experts split, and the batch with them outside MoE layers
+    context: int = 1  # context parallelism: each sequence split, its self-attention a ring (ring attention)
     y: int = 1  # tensor axis: heads, FFN units and vocabulary (alone: Megatron's column-then-row layout)
     x: int = 1  # tensor axis: the model width (with y: AxoNN's 3D layout, ordinary and transposed layers)
     model: int = 1  # another name for y, kept for older configs

@@ -7,6 +7,7 @@ be annotated where they are used; norms are Flax's own ``nn.RMSNorm`` and
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import flax.linen as nn
@@ -155,8 +156,12 @@ class Attention(nn.Module):
             q_BLHK = rope(q_BLHK, jnp.broadcast_to(pos_L, x_BLD.shape[:2]))
             k_BTHK = rope(k_BTHK, jnp.broadcast_to(pos_T, src_BTD.shape[:2]))
         if n > 1 and kv_BTD is None and kv_mask_BT is None:
-            mesh_axes = gs.annotations.current_mesh().axis_names
-            batch, _, heads, _ = (axes_of(a) for a in mesh_spec(("batch", "length", "heads", "kv"), r, mesh_axes))
+            mesh = gs.annotations.current_mesh()
+            batch, _, heads, _ = (axes_of(a) for a in mesh_spec(("batch", "length", "heads", "kv"), r, mesh.axis_names))
+            # a batch (or heads) its axes do not divide, such as init's one example, runs whole in the region
+            divides = lambda axes, size: size % math.prod(dict(mesh.shape)[a] for a in axes) == 0
+            batch = batch if divides(batch, x_BLD.shape[0]) else ()
+            heads = heads if divides(heads, H) else ()
             out_BLHK = RA.ring_attention(q_BLHK, k_BTHK, v_BTHK, axis=axis, causal=self.causal,
                                          layout="zigzag" if self.causal else "contiguous", batch_axes=batch,
                                          head_axes=heads).astype(self.dtype)

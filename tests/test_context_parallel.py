@@ -86,3 +86,36 @@ def test_zigzag_order_positions_and_errors():
     grad, params, b = step_fns(bad)
     with pytest.raises(ValueError, match="one mesh axis"):
         gs.partition(grad, gs.make_mesh({"data": 2, "context": 4}))(params, b)
+
+
+def _cli_losses(tmp_path, name, experiment, seq, mesh, steps=3):
+    """Per-step losses of `gshard-jax train` on `mesh` (8 CPU devices) at `seq` tokens per sequence."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    workdir = tmp_path / name
+    sizes = [f"--config.mesh.{a}={n}" for a, n in {"data": 1, "expert": 1, **mesh}.items()]
+    p = subprocess.run([sys.executable, "-m", "gshard_jax.cli", "train", "--config",
+                        os.path.join(root, "experiments", experiment), "--cpu-devices", "8", "--workdir",
+                        str(workdir), "--no-progress", f"--config.data.dir={tmp_path / 'data'}",
+                        "--config.data.max_bytes=1500000", f"--config.train.seq_len={seq}",
+                        f"--config.train.num_steps={steps}", "--config.train.log_every=1",
+                        "--config.train.eval_every=1000", *sizes], capture_output=True, text=True, cwd=root,
+                       timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(workdir / "metrics.jsonl") as f:
+        return [json.loads(line)["loss"] for line in f if '"loss"' in line]
+
+
+@pytest.mark.parametrize("experiment,seq", [
+    ("tiny_dense_lm.py", 256),
+    pytest.param("tiny_dense_lm.py", 2048, marks=pytest.mark.slow),
+    pytest.param("tiny_moe_lm.py", 2048, marks=pytest.mark.slow)])
+def test_the_cli_trains_over_a_context_axis_to_the_unsplit_losses(tmp_path, experiment, seq):
+    """--config.mesh.context=4: the same losses as the run with each sequence whole on its device."""
+    split = _cli_losses(tmp_path, "context", experiment, seq, {"data": 2, "context": 4})
+    whole = _cli_losses(tmp_path, "whole", experiment, seq, {"data": 8})
+    assert len(split) == 3
+    assert split == pytest.approx(whole, rel=1e-5)
