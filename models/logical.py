@@ -37,8 +37,10 @@ DEFAULT_RULES: Rules = (
     # activations
     ("batch", ("data", "z", "expert")),  # the batch: over every data-parallel axis (z is FSDP's depth axis)
     ("expert", "expert"),  # the experts of an MoE layer, and their weights' E dim
-    ("group", ("data", "z", "expert")),  # MoE routing groups before dispatch (tokens as the batch is)
-    ("group", ("data", "z")),  # ... and after dispatch, where E holds the expert axis
+    # MoE routing groups before dispatch, split as the tokens are: the batch's axes, then context (a group
+    # within one device's block of a sequence)
+    ("group", ("data", "z", "expert", "context")),
+    ("group", ("data", "z", "context")),  # ... and after dispatch, where E holds the expert axis
     ("length", "context"),  # sequence positions: context parallelism (ring attention, zigzag order)
     ("seq", "context"),  # the residual stream's positions between tensor-parallel layers (SEQUENCE_PARALLEL: y)
     # features: ordinary layers map embed -> heads/mlp/vocab (in over x, out over y), transposed layers the

@@ -54,6 +54,9 @@ class Collective:
     shape: tuple[int, ...] = ()
     dtype: str = ""
     note: str = ""
+    # times it runs per run of its row: a collective inside a scanned loop of a manual region's body (ring
+    # attention's fori_loop) runs the loop's length times, where the HLO lists it once
+    runs: int = 1
 
     @property
     def moved(self) -> float:
@@ -69,14 +72,17 @@ class Collective:
         profile = profile or GENERIC
         if self.group <= 1:
             return 0.0
-        return latency_steps(self.kind, self.group) * profile.latency + self.moved / profile.bandwidth_of(self.axes)
+        one = latency_steps(self.kind, self.group) * profile.latency + self.moved / profile.bandwidth_of(self.axes)
+        return self.runs * one
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "axes": list(self.axes), "group": self.group, "payload_bytes": self.payload,
-                "moved_bytes": self.moved, "shape": list(self.shape), "dtype": self.dtype, "note": self.note}
+                "moved_bytes": self.moved, "shape": list(self.shape), "dtype": self.dtype, "note": self.note,
+                "runs": self.runs}
 
     def __str__(self) -> str:
-        return f"{self.kind}[{','.join(self.axes)}] {_fmt_bytes(self.payload)}"
+        runs = f" x{self.runs} in a loop" if self.runs > 1 else ""
+        return f"{self.kind}[{','.join(self.axes)}] {_fmt_bytes(self.payload)}{runs}"
 
 
 # Element types a backend does not exchange natively: XLA:CPU converts bf16 collectives to f32 and back

@@ -154,8 +154,9 @@ def _nbytes(aval) -> int:
     return int(math.prod(aval.shape)) * aval.dtype.itemsize
 
 
-def collectives(jaxpr, mesh_shape: Mapping[str, int]) -> list[Collective]:
-    """The collectives a body binds, once each (as the HLO lists them), with nested bodies included."""
+def collectives(jaxpr, mesh_shape: Mapping[str, int], runs: int = 1) -> list[Collective]:
+    """The collectives a body binds, once each (as the HLO lists them), with nested bodies included; one in a
+    scan (a fori_loop with static bounds) runs its length times per call (`runs`)."""
     out = []
     for e in jaxpr.eqns:
         kind = KINDS.get(e.primitive.name)
@@ -171,7 +172,8 @@ def collectives(jaxpr, mesh_shape: Mapping[str, int]) -> list[Collective]:
                 else:  # all-reduce, all-to-all, permute: operand = result; reduce-scatter: the operand
                     payload = _nbytes(x.aval)
                 out.append(Collective(kind, axes, group, payload, tuple(y.aval.shape), str(y.aval.dtype),
-                                      "inside the manual region"))
+                                      "inside the manual region", runs))
+        inner = runs * (e.params["length"] if e.primitive.name == "scan" else 1)
         for sub in jcore.jaxprs_in_params(e.params):
-            out += collectives(sub, mesh_shape)
+            out += collectives(sub, mesh_shape, inner)
     return out

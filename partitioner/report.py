@@ -202,13 +202,13 @@ class Report:
         """Per collective kind: count, payload bytes and moved bytes per device.
 
         Static (default): each collective once, as the compiled HLO lists it.
-        dynamic=True: multiplied by the trip count of the scan bodies it is in.
+        dynamic=True: multiplied by the trip count of the scan bodies it is in (its row's, and its own runs
+        inside a manual region's loop).
         """
         out = {k: {"count": 0, "payload_bytes": 0, "moved_bytes": 0.0} for k in KINDS}
         for r in self.rows:
-            n = r.trips if dynamic else 1
             for c in r.collectives:
-                t = out[c.kind]
+                t, n = out[c.kind], (r.trips * c.runs if dynamic else 1)
                 t["count"] += n
                 t["payload_bytes"] += c.payload * n
                 t["moved_bytes"] += c.moved * n

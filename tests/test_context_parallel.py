@@ -88,7 +88,7 @@ def test_zigzag_order_positions_and_errors():
         gs.partition(grad, gs.make_mesh({"data": 2, "context": 4}))(params, b)
 
 
-def _cli_losses(tmp_path, name, experiment, seq, mesh, steps=3):
+def _cli_losses(tmp_path, name, experiment, seq, mesh, extra=(), steps=3):
     """Per-step losses of `gshard-jax train` on `mesh` (8 CPU devices) at `seq` tokens per sequence."""
     import json
     import os
@@ -102,20 +102,26 @@ def _cli_losses(tmp_path, name, experiment, seq, mesh, steps=3):
                         str(workdir), "--no-progress", f"--config.data.dir={tmp_path / 'data'}",
                         "--config.data.max_bytes=1500000", f"--config.train.seq_len={seq}",
                         f"--config.train.num_steps={steps}", "--config.train.log_every=1",
-                        "--config.train.eval_every=1000", *sizes], capture_output=True, text=True, cwd=root,
+                        "--config.train.eval_every=1000", *sizes, *extra], capture_output=True, text=True, cwd=root,
                        timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     with open(workdir / "metrics.jsonl") as f:
         return [json.loads(line)["loss"] for line in f if '"loss"' in line]
 
 
-@pytest.mark.parametrize("experiment,seq", [
-    ("tiny_dense_lm.py", 256),
-    pytest.param("tiny_dense_lm.py", 2048, marks=pytest.mark.slow),
-    pytest.param("tiny_moe_lm.py", 2048, marks=pytest.mark.slow)])
-def test_the_cli_trains_over_a_context_axis_to_the_unsplit_losses(tmp_path, experiment, seq):
+# The MoE routes groups of 256 tokens: a zigzag chunk at 2,048 tokens over context 4, so both runs route the
+# same groups, and a group stays on one device (one group per 2,048-token sequence would hold its GSEC
+# dispatch tensors on every device of the sequence: 24 GB here).
+MOE_GROUPS = ("--config.model.moe.group_size=256",)
+
+
+@pytest.mark.parametrize("experiment,seq,extra", [
+    ("tiny_dense_lm.py", 256, ()),
+    pytest.param("tiny_dense_lm.py", 2048, (), marks=pytest.mark.slow),
+    pytest.param("tiny_moe_lm.py", 2048, MOE_GROUPS, marks=pytest.mark.slow)])
+def test_the_cli_trains_over_a_context_axis_to_the_unsplit_losses(tmp_path, experiment, seq, extra):
     """--config.mesh.context=4: the same losses as the run with each sequence whole on its device."""
-    split = _cli_losses(tmp_path, "context", experiment, seq, {"data": 2, "context": 4})
-    whole = _cli_losses(tmp_path, "whole", experiment, seq, {"data": 8})
+    split = _cli_losses(tmp_path, "context", experiment, seq, {"data": 2, "context": 4}, extra)
+    whole = _cli_losses(tmp_path, "whole", experiment, seq, {"data": 8}, extra)
     assert len(split) == 3
     assert split == pytest.approx(whole, rel=1e-5)

@@ -68,6 +68,29 @@ def test_the_screen_follows_the_dropless_region(mesh):
         assert formula[key] == pytest.approx(planned[key], rel=0.01), key
 
 
+@pytest.mark.parametrize("mesh", [(("data", 2), ("context", 4)), (("data", 2), ("context", 2), ("y", 2))])
+def test_the_screen_follows_the_ring_over_context(mesh):
+    """Context parallelism's formula against the planned program: ring attention's K/V permutes (its forward
+    ring and its custom backward, each trip counted) equal the planned bytes, and every weight gradient is
+    summed over context too."""
+    cfg = _config("tiny_dense_lm")
+    cfg.train.seq_len = 64
+    c = SP.Candidate(mesh, zero_stage=0, microbatches=1)
+    shape = SP.model_shape(cfg)
+
+    def moved(comms):
+        out = collections.Counter()
+        for cm in comms:
+            out[(cm.kind, tuple(sorted(a for a in cm.axes if c.size(a) > 1)))] += cm.moved
+        return out
+    formula, planned = moved(E.collectives(shape, c)), moved(PR.comms(PR.explain(cfg, c, CPU)))
+    assert formula[("collective-permute", ("context",))] == pytest.approx(
+        planned[("collective-permute", ("context",))], rel=1e-3)
+    grads = ("all-reduce", ("context", "data"))
+    assert formula[grads] == pytest.approx(planned[grads], rel=1e-3)
+    assert SP.mesh_reason(shape, dict(c.sizes, context=3)) is not None  # 64 tokens: no 6 zigzag chunks
+
+
 def test_a_pinned_mesh_is_planned_and_placed_in_the_ranking():
     """--rank-of: a paper's own mesh, planned whatever its formula rank, compared with #1; a mesh that cannot
     run says why; a mesh of the wrong size is refused."""

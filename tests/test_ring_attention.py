@@ -11,7 +11,7 @@ from jax.extend import core as jcore
 
 import gshard_jax as gs
 from gshard_jax.models import ring_attention as R
-from helpers import assert_close, assert_report_matches_hlo, hlo_stats, randn
+from helpers import assert_close, assert_per_step_matches_hlo, assert_report_matches_hlo, hlo_stats, randn
 
 B, L, H, D = 2, 128, 4, 8
 MESHES = {"context8": {"context": 8}, "data2xcontext4": {"data": 2, "context": 4}}
@@ -96,6 +96,9 @@ def test_the_gradient_is_a_ring_too_and_holds_no_whole_sequence():
     assert {c.kind for r in regions for c in r.collectives} == {"collective-permute"}
     assert not report.fallbacks
     assert_report_matches_hlo(report, stats)
+    # per step: the permutes inside the ring's loops count each trip, as the compiled program runs them
+    assert report.totals(dynamic=True)["collective-permute"]["count"] == per_step["count"]
+    assert_per_step_matches_hlo(report, grad.lower(*xs).compile())
     (call,) = jax.make_jaxpr(grad)(*xs).eqns
     (program,) = [e for e in call.params["jaxpr"].eqns if e.primitive.name == "shard_map"]
     assert max(_length_dims(program.params["jaxpr"])) == L // 8  # the per-device program: blocks only

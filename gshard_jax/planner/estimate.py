@@ -18,6 +18,7 @@ import math
 from typing import NamedTuple, Optional, Sequence
 
 from .. import configs
+from ..models.ring_attention import BLOCK_SIZE as RING_TILE
 from ..partitioner.cost import latency_steps, moved_bytes
 from ..partitioner.hardware import Hardware, axes_bandwidth
 from ..pipelines import schedules as SC
@@ -81,7 +82,7 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     s = c.sizes
     p, d, z, e, y, x = (s[a] for a in ("stage", "data", "z", "expert", "y", "x"))
     m, b = c.microbatches, shape.param_bytes
-    tokens_mb = shape.tokens / (c.batch_shards * m)  # per device, per microbatch
+    tokens_mb = shape.tokens / (c.token_shards * m)  # per device, per microbatch
     act = tokens_mb * shape.d_model / x * b  # the residual stream's bytes per device
     layers = shape.layers * (2 if shape.kind == "encoder_decoder" else 1) / p
     fwd = 2 if c.remat == "full" else 1  # forward passes per step (remat full runs it again in the backward)
@@ -109,6 +110,15 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     else:
         add("all-reduce", ("y",), act, 2 * (fwd + 1) * layers * m)
     attn = shape.heads * shape.head_dim
+    # Context: each attention layer's K and V blocks go round the ring (ring attention), c - 1 hops each
+    # forward; the custom backward sends K, V and the float32 dK, dV accumulators c - 1 hops and dK, dV one
+    # more, home.
+    cx = s["context"]
+    if cx > 1:
+        kv = tokens_mb * attn / y * b  # one K or V block per device
+        add("collective-permute", ("context",), kv, 2 * (cx - 1) * fwd * layers * m)
+        add("collective-permute", ("context",), kv, 2 * (cx - 1) * layers * m)
+        add("collective-permute", ("context",), kv * 4 / b, 2 * cx * layers * m)
     per_token = fwd * (3 * attn + shape.d_ff) + shape.d_ff + attn
     add("all-reduce", ("x",), tokens_mb * per_token / y * b, layers * m)
     # Experts: dispatch and combine all-to-alls per MoE layer and pass. GShard's einsum dispatch sends
@@ -131,7 +141,9 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     split_e, split_l, split_v = e * y * x * p, y * x * p, y * x
     w = {"expert": shape.expert_params / split_e, "layer": shape.layer_params / split_l,
          "vocab": shape.vocab_params / split_v}
-    dp_axes = {"expert": ("data",), "layer": ("data", "expert"), "vocab": ("data", "expert")}
+    # (context splits each sequence: every weight's gradient is summed over it too)
+    dp_axes = {"expert": ("data", "context"), "layer": ("data", "expert", "context"),
+               "vocab": ("data", "expert", "context")}
     for cls, n in w.items():
         # FSDP (z) and ZeRO-3 gather the weights per microbatch and pass, and reduce-scatter the gradients.
         gather = ("z",) + (dp_axes[cls] if c.zero_stage == 3 else ())
@@ -212,9 +224,11 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
         out["params"] += held * b / (zero[cls] if c.zero_stage == 3 else 1)
         out["gradients"] += held * 4 / (zero[cls] if c.zero_stage >= 2 else 1)
         out["optimizer"] += held * (8 + 4 * mixed) / (zero[cls] if c.zero_stage >= 1 else 1)
-    tokens_mb = shape.tokens / (c.batch_shards * m)
+    tokens_mb = shape.tokens / (c.token_shards * m)
     ff = shape.d_ff * (shape.k * shape.capacity_factor if shape.experts else 1)
-    per_token_layer = {"none": 10 * shape.d_model + 3 * ff + 2.5 * shape.heads * shape.seq,
+    cx = c.size("context")  # ring attention holds a query chunk's logits over one key tile, not the sequence
+    scores = shape.heads * (shape.seq if cx == 1 else min(RING_TILE, shape.seq // (2 * cx)))
+    per_token_layer = {"none": 10 * shape.d_model + 3 * ff + 2.5 * scores,
                        "dots": 4 * shape.d_model + 3 * ff, "full": shape.d_model}[c.remat] * b / max(x * y, 1)
     layers = shape.layers * (2 if shape.kind == "encoder_decoder" else 1) / p
     in_flight = 1

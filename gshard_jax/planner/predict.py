@@ -121,7 +121,7 @@ def exposed(report: Any, hw: Hardware, order: tuple, compute: float) -> float:
     scale = compute / total if total else 0.0
 
     def comm_time(col) -> float:
-        return Comm(col.kind, tuple(col.axes), 1, col.moved).time(hw, order, sizes)
+        return Comm(col.kind, tuple(col.axes), col.runs, col.moved * col.runs).time(hw, order, sizes)
 
     timing = report.overlap(comm_time, lambda r: r.compute_time * scale, bool(hw.overlap))
     return OV.exposed_per_step(timing)
@@ -132,5 +132,5 @@ def comms(report: Any) -> list[Comm]:
     out = []
     for r in report.rows:
         for col in r.collectives:
-            out.append(Comm(col.kind, tuple(col.axes), r.trips, col.moved * r.trips))
+            out.append(Comm(col.kind, tuple(col.axes), r.trips * col.runs, col.moved * r.trips * col.runs))
     return out

@@ -2,7 +2,8 @@
 
 A candidate is a mesh (axis sizes whose product is the device count, laid out outermost first over the
 hardware's levels), a ZeRO stage, EPSO, microbatches, a pipeline schedule with its repeats and a remat
-policy. Sizes come from every factorisation of the device count over the six axes, not only powers of two.
+policy. Sizes come from every factorisation of the device count over the seven axes, not only powers of
+two.
 A mesh that cannot run the model (an axis that does not divide what it splits, a batch that does not divide
 over its shards, a layer stack that does not divide into stages) is rejected once, with one reason.
 """
@@ -16,7 +17,7 @@ import ml_collections
 
 from ..pipelines import schedules as SC
 
-AXES = ("stage", "data", "z", "expert", "y", "x")  # the config's mesh section, outermost first
+AXES = ("stage", "data", "z", "expert", "context", "y", "x")  # the config's mesh section, outermost first
 REMATS = ("none", "dots", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 MAX_MICROBATCHES = 64
@@ -130,6 +131,11 @@ class Candidate:
         return self.size("data") * self.size("z") * self.size("expert")
 
     @property
+    def token_shards(self) -> int:
+        """Devices a step's tokens are spread over: the batch's shards, each sequence split over context."""
+        return self.batch_shards * self.size("context")
+
+    @property
     def key(self) -> str:
         """A short unique name, e.g. "stage4.data8.expert16 zero1 epso m16 1f1b remat=dots"."""
         mesh = ".".join(f"{a}{n}" for a, n in self.mesh) or "one-device"
@@ -181,7 +187,7 @@ def factorizations(n: int, axes: Sequence[str]) -> Iterator[dict[str, int]]:
 
 def mesh_reason(shape: ModelShape, sizes: dict[str, int]) -> Optional[str]:
     """Why a mesh cannot run the model (one reason), or None."""
-    e, y, x, z, p = (sizes[a] for a in ("expert", "y", "x", "z", "stage"))
+    e, y, x, z, p, cx = (sizes[a] for a in ("expert", "y", "x", "z", "stage", "context"))
     if e > 1 and not shape.experts:
         return f"experts: a dense model has no experts for expert={e} (its batch split is data's)"
     if e > 1 and shape.experts % e:
@@ -191,6 +197,11 @@ def mesh_reason(shape: ModelShape, sizes: dict[str, int]) -> Optional[str]:
             return f"indivisible: y={y} does not divide the {n} {what}"
     if x > 1 and shape.d_model % x:
         return f"indivisible: x={x} does not divide d_model {shape.d_model}"
+    if cx > 1 and shape.kind != "decoder_lm":
+        return (f"context: context={cx} runs the decoder-only LM's self-attention as a ring; the "
+                f"encoder-decoder's masked attention would gather K/V")
+    if cx > 1 and shape.seq % (2 * cx):
+        return f"context: {shape.seq} tokens per sequence do not split into 2 x context = {2 * cx} zigzag chunks"
     shards = sizes["data"] * z * e
     if shape.batch % shards:
         return f"batch: {shape.batch} sequences do not split over data x z x expert = {shards}"
