@@ -55,7 +55,7 @@ def test_every_config_has_the_runtime_fields_and_builds(path):
     for key in ("num_steps", "checkpoint_every", "log_every", "eval_every"):
         assert isinstance(cfg.train[key], int), key
     assert cfg.debug.nan_at_step == -1
-    assert set(cfg.mesh) == {"stage", "data", "z", "expert", "y", "x", "model"}  # docs/models.md
+    assert set(cfg.mesh) == {"stage", "data", "z", "expert", "context", "y", "x", "model"}  # docs/models.md
     # experiments/README.md's sections, and the mesh order field
     assert set(cfg) == {"model", "mesh", "train", "data", "pipeline", "debug", "mesh_order"}
     configs.transformer_config(cfg.model)  # every field is a TransformerConfig / MoeConfig field
