@@ -8,9 +8,11 @@ folds each arriving block into an online (flash-style) softmax: running max, run
 accumulator, in float32. No device ever holds more than two K/V blocks, so memory and bytes per device are
 O(S/n), where a sequence-split plain attention gathers the whole K/V (O(S)).
 
-The backward is a ring too (``jax.custom_vjp``): the forward saves only the local q, k, v, output and
-log-sum-exp, and the backward sends K/V around the ring together with their gradient accumulators dK/dV,
-which arrive back at their owner after n rotations (the flash-attention backward, block by block).
+The backward is a ring too (``jax.custom_vjp``): the forward saves only the local q, k, v, output,
+log-sum-exp and the first K/V block it received, and the backward sends K/V around the ring together with
+their gradient accumulators dK/dV, which arrive back at their owner after n rotations (the flash-attention
+backward, block by block). Starting from the saved block, it sends K/V n - 2 times: per device and layer the
+ring sends 2(n-1) blocks forward and 2(n-2) + 2n backward.
 
 Causal load balance (``layout="zigzag"``): with contiguous blocks, device 0's queries see only its own block
 while device n-1's see all of them. Zigzag order splits the sequence into 2n chunks and gives device i chunks
@@ -191,7 +193,8 @@ def _switch(branches, i, j, carry):
 
 
 def _forward(q_BLHD, k_BLKD, v_BLKD, axis, n, causal, layout, scale, tile):
-    """(output [B, L, H, D] in q's dtype, log-sum-exp [B, Hkv, G, L] in float32) of the local queries."""
+    """(output [B, L, H, D] in q's dtype, log-sum-exp [B, Hkv, G, L] in float32, the K/V block received
+    first) of the local queries."""
     slots, kvh = _slots(causal, layout), k_BLKD.shape[2]
     i = jax.lax.axis_index(axis)
     qs = [_grouped(x, kvh) for x in _split(q_BLHD, slots)]
@@ -214,16 +217,19 @@ def _forward(q_BLHD, k_BLKD, v_BLKD, axis, n, causal, layout, scale, tile):
         states, _, _ = _switch(branches, i, (i - s) % n, (states, _split(k, slots), _split(v, slots)))
         return states, *nxt
 
-    states, k, v = jax.lax.fori_loop(0, n - 1, step, (init, k_BLKD, v_BLKD))
+    states, k, v = step(0, (init, k_BLKD, v_BLKD))  # peeled: the backward reuses the block it receives
+    first = (k, v)
+    if n > 2:
+        states, k, v = jax.lax.fori_loop(1, n - 1, step, (states, k, v))
     states, _, _ = _switch(branches, i, (i - (n - 1)) % n, (states, _split(k, slots), _split(v, slots)))
     outs, lses = [], []
     for m, total, acc in states:
         outs.append((acc / total[..., None]).transpose(0, 3, 1, 2, 4).reshape(B, c, K * G, D))
         lses.append(m + jnp.log(total))
-    return jnp.concatenate(outs, axis=1).astype(q_BLHD.dtype), jnp.concatenate(lses, axis=-1)
+    return jnp.concatenate(outs, axis=1).astype(q_BLHD.dtype), jnp.concatenate(lses, axis=-1), first
 
 
-def _backward(q_BLHD, k_BLKD, v_BLKD, o_BLHD, lse, do_BLHD, axis, n, causal, layout, scale, tile):
+def _backward(q_BLHD, k_BLKD, v_BLKD, o_BLHD, lse, first, do_BLHD, axis, n, causal, layout, scale, tile):
     """(dq, dk, dv) of the local blocks: K/V ride the ring with their dK/dV, which return home after n hops."""
     slots, kvh = _slots(causal, layout), k_BLKD.shape[2]
     i = jax.lax.axis_index(axis)
@@ -271,7 +277,13 @@ def _backward(q_BLHD, k_BLKD, v_BLKD, o_BLHD, lse, do_BLHD, axis, n, causal, lay
 
     dq0 = tuple(jnp.zeros(x.shape, jnp.float32) for x in qs)
     zeros = jnp.zeros(k_BLKD.shape, jnp.float32)
-    dq, k, v, dk, dv = jax.lax.fori_loop(0, n - 1, step, (dq0, k_BLKD, v_BLKD, zeros, zeros))
+    # Step 0 on the local block: its dK/dV set out round the ring, and the K/V it would send along are the
+    # block the forward received first (saved), so the backward sends K/V n - 2 times, not n - 1.
+    dq, dk, dv = compute(0, dq0, k_BLKD, v_BLKD, zeros, zeros)
+    carry = (dq, *first, *jax.lax.ppermute((dk, dv), axis, ring))
+    if n > 2:
+        carry = jax.lax.fori_loop(1, n - 1, step, carry)
+    dq, k, v, dk, dv = carry
     dq, dk, dv = compute(n - 1, dq, k, v, dk, dv)
     dk, dv = jax.lax.ppermute((dk, dv), axis, ring)  # the last hop: every dK/dV block back to its owner
     dq = jnp.concatenate([x.reshape(x.shape[:2] + (-1, x.shape[-1])) for x in dq], axis=1)
@@ -280,14 +292,15 @@ def _backward(q_BLHD, k_BLKD, v_BLKD, o_BLHD, lse, do_BLHD, axis, n, causal, lay
 
 @functools.lru_cache(maxsize=None)
 def _ring(axis: str, n: int, causal: bool, layout: str, scale: float, tile: int):
-    """The per-device ring as a custom_vjp: its residuals are the local q, k, v, output and log-sum-exp."""
+    """The per-device ring as a custom_vjp: its residuals are the local q, k, v, output, log-sum-exp and the
+    first K/V block the forward received."""
     @jax.custom_vjp
     def ring(q, k, v):
         return _forward(q, k, v, axis, n, causal, layout, scale, tile)[0]
 
     def fwd(q, k, v):
-        o, lse = _forward(q, k, v, axis, n, causal, layout, scale, tile)
-        return o, (q, k, v, o, lse)
+        o, lse, first = _forward(q, k, v, axis, n, causal, layout, scale, tile)
+        return o, (q, k, v, o, lse, first)
 
     def bwd(res, do):
         return _backward(*res, do, axis, n, causal, layout, scale, tile)

@@ -111,13 +111,13 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
         add("all-reduce", ("y",), act, 2 * (fwd + 1) * layers * m)
     attn = shape.heads * shape.head_dim
     # Context: each attention layer's K and V blocks go round the ring (ring attention), c - 1 hops each
-    # forward; the custom backward sends K, V and the float32 dK, dV accumulators c - 1 hops and dK, dV one
-    # more, home.
+    # forward; the custom backward, starting from the block the forward received first, sends K, V c - 2 hops
+    # and the float32 dK, dV accumulators c hops (home included).
     cx = s["context"]
     if cx > 1:
         kv = tokens_mb * attn / y * b  # one K or V block per device
         add("collective-permute", ("context",), kv, 2 * (cx - 1) * fwd * layers * m)
-        add("collective-permute", ("context",), kv, 2 * (cx - 1) * layers * m)
+        add("collective-permute", ("context",), kv, 2 * (cx - 2) * layers * m)
         add("collective-permute", ("context",), kv * 4 / b, 2 * cx * layers * m)
     per_token = fwd * (3 * attn + shape.d_ff) + shape.d_ff + attn
     add("all-reduce", ("x",), tokens_mb * per_token / y * b, layers * m)
