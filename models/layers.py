@@ -63,13 +63,14 @@ def context_split(rules: Rules) -> tuple[Optional[str], int]:
     mesh = gs.annotations.current_mesh()
     if mesh is None:
         return None, 1
-    axes = [a for a in axes_of(mesh_spec(("length",), rules, mesh.axis_names)[0]) if dict(mesh.shape)[a] > 1]
+    sizes = dict(mesh.shape)
+    axes = [a for a in axes_of(mesh_spec(("length",), rules, mesh.axis_names)[0]) if sizes[a] > 1]
     if not axes:
         return None, 1
     if len(axes) > 1:
         raise ValueError(f"the rules split `length` over {axes}; context parallelism runs its ring over one mesh "
                          f"axis: map `length` to one (e.g. 'context')")
-    return axes[0], dict(mesh.shape)[axes[0]]
+    return axes[0], sizes[axes[0]]
 
 
 def positions(length: int, rules: Rules) -> jax.Array:

@@ -342,8 +342,7 @@ def ring_attention(q_BLHD: jax.Array, k_BLKD: jax.Array, v_BLKD: jax.Array, *, a
     Outside a partition, or with a size-1 axis, it is the plain attention of the natural order.
     """
     _check_layout(layout)
-    mesh = gs.annotations.current_mesh()
-    n = dict(mesh.shape).get(axis, 1) if mesh is not None else 1
+    n = context_size(axis)
     if n == 1:
         return reference_attention(q_BLHD, k_BLKD, v_BLKD, causal=causal)
     B, L, H, D = q_BLHD.shape
