@@ -128,7 +128,7 @@ def test_plan_is_deterministic_and_every_rejection_has_one_reason():
     a = plan(cfg, 8, CPU, top=1, verify=1, remats=("none",))
     b = plan(cfg, 8, CPU, top=1, verify=1, remats=("none",))
     assert a.to_json() == b.to_json()
-    kinds = {"experts", "indivisible", "batch", "layers per stage", "schedule", "over memory", "partitioner"}
+    kinds = {"experts", "indivisible", "batch", "layers per stage", "schedule", "context", "over memory", "partitioner"}
     assert a.rejected and all(kind in kinds and reason for _, kind, reason in a.rejected)
     keys = [k for k, _, _ in a.rejected]
     assert len(keys) == len(set(keys))  # one reason each
