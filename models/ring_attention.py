@@ -55,8 +55,11 @@ def zigzag_indices(length: int, n: int) -> jax.Array:
     if length % (2 * n):
         raise ValueError(f"zigzag: length {length} must divide into 2 x {n} chunks")
     c = length // (2 * n)
-    order = [ch for i in range(n) for ch in (i, 2 * n - 1 - i)]
-    return jnp.concatenate([jnp.arange(ch * c, (ch + 1) * c) for ch in order])
+    # Elementwise on an iota, not a concatenation of aranges: split over the context axis, each device computes
+    # its own positions and nothing moves (a concatenation's pieces would be permuted into place).
+    slot = jnp.arange(length)
+    device, offset = slot // (2 * c), slot % (2 * c)
+    return jnp.where(offset < c, device * c + offset, (2 * n - 1 - device) * c + offset - c)
 
 
 def zigzag(x: jax.Array, n: int, axis: int = 1) -> jax.Array:

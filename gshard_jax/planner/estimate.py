@@ -33,13 +33,20 @@ class ScheduleFacts:
     ticks: int
     stash: int
     bubble: float
+    forward_ticks: int  # ticks the forward wave runs (all of them but 1F1B's cooldown): m r + p - 1
+    rolls: int  # permutes of the activations (or their gradients) between stages per step
 
 
 @functools.lru_cache(maxsize=4096)
 def schedule(name: str, stages: int, microbatches: int, repeats: int) -> ScheduleFacts:
     """A schedule's table, read once per shape (candidates share them)."""
     sc = SC.make(name, stages, microbatches, repeats)
-    return ScheduleFacts(sc.ticks, sc.stash, sc.bubble)
+    warmup, steady, cool = sc.phases
+    if sc.backward is None:  # each forward tick's roll, and its transpose in autodiff's backward
+        rolls = 2 * sc.ticks
+    else:  # a roll per tick and wave; a cooldown of one tick is no loop, and its gradient goes nowhere
+        rolls = len(warmup) + 2 * len(steady) + len(cool) - (len(cool) == 1)
+    return ScheduleFacts(sc.ticks, sc.stash, sc.bubble, len(warmup) + len(steady), rolls)
 
 
 class Comm(NamedTuple):
@@ -86,6 +93,9 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     act = tokens_mb * shape.d_model / x * b  # the residual stream's bytes per device
     layers = shape.layers * (2 if shape.kind == "encoder_decoder" else 1) / p
     fwd = 2 if c.remat == "full" else 1  # forward passes per step (remat full runs it again in the backward)
+    # Times a stage runs each of its layers per step, forward and backward alike: m, or in a pipeline every
+    # forward tick, bubbles included (m r + p - 1 ticks over r repeats), as a layer's collectives run then.
+    runs = schedule(c.schedule, p, m, c.repeats).forward_ticks / c.repeats if p > 1 else m
     out: list[Comm] = []
 
     def add(kind, axes, payload, count):
@@ -102,13 +112,18 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     if c.sequence_parallel:  # each all-reduce an all-gather and a reduce-scatter (the same bytes), run as
         # collective-matmul rings beside their matmuls: y - 1 steps of a permute each way, each paying a
         # latency. The backward gathers the two column-parallel inputs again for their weight gradients.
-        rings = 2 * 2 * (fwd + 1) * layers * m
+        rings = 2 * 2 * (fwd + 1) * layers * runs
         if y > 1:
             out.append(Comm("collective-permute", ("y",), rings * 2 * (y - 1),
                             moved_bytes("all-gather", act, y) * rings))
-        add("all-gather", ("y",), act, 2 * (c.remat != "full") * layers * m)
+        add("all-gather", ("y",), act, 2 * (c.remat != "full") * layers * runs)
     else:
-        add("all-reduce", ("y",), act, 2 * (fwd + 1) * layers * m)
+        add("all-reduce", ("y",), act, 2 * (fwd + 1) * layers * runs)
+        if shape.experts and not shape.dropless:  # an MoE layer's FFN reduces its k x capacity slots per token
+            moe_layers = shape.periods * (2 if shape.kind == "encoder_decoder" else 1) / p
+            add("all-reduce", ("y",), act * (shape.k * shape.capacity_factor - 1), (fwd + 1) * moe_layers * runs)
+    # The vocabulary over y: the embedding lookup's output and the head's input gradient, per microbatch.
+    add("all-reduce", ("y",), act, 2 * m)
     attn = shape.heads * shape.head_dim
     # Context: each attention layer's K and V blocks go round the ring (ring attention), c - 1 hops each
     # forward; the custom backward, starting from the block the forward received first, sends K, V c - 2 hops
@@ -116,19 +131,18 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     cx = s["context"]
     if cx > 1:
         kv = tokens_mb * attn / y * b  # one K or V block per device
-        add("collective-permute", ("context",), kv, 2 * (cx - 1) * fwd * layers * m)
-        add("collective-permute", ("context",), kv, 2 * (cx - 2) * layers * m)
-        add("collective-permute", ("context",), kv * 4 / b, 2 * cx * layers * m)
+        add("collective-permute", ("context",), kv, 2 * (cx - 1) * fwd * layers * runs)
+        add("collective-permute", ("context",), kv, 2 * (cx - 2) * layers * runs)
+        add("collective-permute", ("context",), kv * 4 / b, 2 * cx * layers * runs)
     per_token = fwd * (3 * attn + shape.d_ff) + shape.d_ff + attn
-    add("all-reduce", ("x",), tokens_mb * per_token / y * b, layers * m)
+    add("all-reduce", ("x",), tokens_mb * per_token / y * b, layers * runs)
     # Experts: dispatch and combine all-to-alls per MoE layer and pass. GShard's einsum dispatch sends
     # capacity_factor x k rows per token; a dropless all-to-all sends each peer a buffer that holds every
     # local row (or peer_bound x rows / peers), its all-gather exchange gathers the tokens.
     if shape.experts and e > 1:
         if not shape.dropless:
-            add("all-to-all", ("expert",), act * shape.k * shape.capacity_factor, 2 * (fwd + 1) * layers * m)
+            add("all-to-all", ("expert",), act * shape.k * shape.capacity_factor, 2 * (fwd + 1) * layers * runs)
         else:
-            runs = schedule(c.schedule, p, m, c.repeats).ticks / c.repeats if p > 1 else m
             if shape.exchange == "all_gather":
                 add("all-gather", ("expert",), act * e, (fwd + 1) * layers * runs)
                 add("reduce-scatter", ("expert",), act * e, (fwd + 1) * layers * runs)
@@ -167,8 +181,7 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     # tokens and weights
     # and all-reduces its output.
     if shape.dropless:
-        runs = schedule(c.schedule, p, m, c.repeats).ticks if p > 1 else m
-        moe_layers = shape.periods * (2 if shape.kind == "encoder_decoder" else 1) / (p * c.repeats)
+        moe_layers = shape.periods * (2 if shape.kind == "encoder_decoder" else 1) / p
         per_layer = shape.expert_params / max(shape.periods, 1) / (e * y)
         add("all-reduce", tuple(a for a in ("data", "z", "x") if s[a] > 1), per_layer * b, moe_layers * runs)
         add("all-gather", ("x",), act * x, (fwd + 1) * moe_layers * runs)
@@ -179,7 +192,7 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     if p > 1:
         sched = schedule(c.schedule, p, m, c.repeats)
         act = act / y if c.sequence_parallel else act
-        add("collective-permute", ("stage",), act, 2 * sched.ticks if sched.stash == 0 else sched.ticks)
+        add("collective-permute", ("stage",), act, sched.rolls)
         # Its ends, once per step: what one stage makes is summed over `stage`. The first stage's input
         # gradient (the step's residual stream; float32 where the 1F1B schedules make it), and the last
         # stage's outputs (GPipe, circular) or its head's float32 gradient (1F1B, which runs the head there).

@@ -200,9 +200,6 @@ def mesh_reason(shape: ModelShape, sizes: dict[str, int]) -> Optional[str]:
     if cx > 1 and shape.kind != "decoder_lm":
         return (f"context: context={cx} runs the decoder-only LM's self-attention as a ring; the "
                 f"encoder-decoder's masked attention would gather K/V")
-    if cx > 1 and p > 1:
-        return (f"context: context={cx} with stage={p} is not planned yet (the compiled pipelined step moves "
-                f"the zigzag's small permutes differently from the plan)")
     if cx > 1 and shape.seq % (2 * cx):
         return f"context: {shape.seq} tokens per sequence do not split into 2 x context = {2 * cx} zigzag chunks"
     shards = sizes["data"] * z * e
