@@ -120,17 +120,18 @@ def test_the_screen_counts_a_pipelines_ticks(mesh, opts):
         assert formula[("all-reduce", ("y",))] == pytest.approx(planned[("all-reduce", ("y",))], rel=1e-2)
 
 
-@pytest.mark.parametrize("name,m", [("tiny_dense_lm", 4), ("tiny_moe_lm", 1)])
-def test_the_screen_follows_the_tensor_axis(name, m):
-    """y's all-reduces by formula against the planned program: two per layer and pass (an MoE layer's FFN
-    over its k x capacity slots per token), and the vocabulary's two per microbatch (the embedding's output,
-    the head's input gradient)."""
+@pytest.mark.parametrize("name,m,axis", [("tiny_dense_lm", 4, "y"), ("tiny_moe_lm", 1, "y"), ("tiny_dense_lm", 4, "x")])
+def test_the_screen_follows_the_tensor_axes(name, m, axis):
+    """The tensor axes' all-reduces by formula against the planned program. y: two per layer and pass (an MoE
+    layer's FFN over its k x capacity slots per token), and the vocabulary's two per microbatch (the
+    embedding's output, the head's input gradient). x: what contracts d_model (q, k, v, both SwiGLU inputs
+    forward; the two output projections' input gradients backward), and the head's logits."""
     cfg = _config(name)
-    c = SP.Candidate((("data", 4), ("y", 2)), zero_stage=0, microbatches=m)
+    c = SP.Candidate((("data", 4), (axis, 2)), zero_stage=0, microbatches=m)
     formula = sum(cm.moved for cm in E.collectives(SP.model_shape(cfg), c) if cm.kind == "all-reduce"
-                  and cm.axes == ("y",))
+                  and cm.axes == (axis,))
     planned = sum(cm.moved for cm in PR.comms(PR.explain(cfg, c, CPU)) if cm.kind == "all-reduce"
-                  and tuple(a for a in cm.axes if c.size(a) > 1) == ("y",))
+                  and tuple(a for a in cm.axes if c.size(a) > 1) == (axis,))
     assert formula == pytest.approx(planned, rel=1e-2)
 
 

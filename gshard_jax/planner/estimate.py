@@ -96,6 +96,7 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     # Times a stage runs each of its layers per step, forward and backward alike: m, or in a pipeline every
     # forward tick, bubbles included (m r + p - 1 ticks over r repeats), as a layer's collectives run then.
     runs = schedule(c.schedule, p, m, c.repeats).forward_ticks / c.repeats if p > 1 else m
+    moe_layers = shape.periods * (2 if shape.kind == "encoder_decoder" else 1) / p  # a stage's, over its repeats
     out: list[Comm] = []
 
     def add(kind, axes, payload, count):
@@ -120,7 +121,6 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     else:
         add("all-reduce", ("y",), act, 2 * (fwd + 1) * layers * runs)
         if shape.experts and not shape.dropless:  # an MoE layer's FFN reduces its k x capacity slots per token
-            moe_layers = shape.periods * (2 if shape.kind == "encoder_decoder" else 1) / p
             add("all-reduce", ("y",), act * (shape.k * shape.capacity_factor - 1), (fwd + 1) * moe_layers * runs)
     # The vocabulary over y: the embedding lookup's output and the head's input gradient, per microbatch.
     add("all-reduce", ("y",), act, 2 * m)
@@ -134,8 +134,11 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
         add("collective-permute", ("context",), kv, 2 * (cx - 1) * fwd * layers * runs)
         add("collective-permute", ("context",), kv, 2 * (cx - 2) * layers * runs)
         add("collective-permute", ("context",), kv * 4 / b, 2 * cx * layers * runs)
-    per_token = fwd * (3 * attn + shape.d_ff) + shape.d_ff + attn
-    add("all-reduce", ("x",), tokens_mb * per_token / y * b, layers * runs)
+    ffn = fwd * shape.ffn_inputs * shape.d_ff + shape.d_ff  # an FFN's widths reduced over x, both passes
+    add("all-reduce", ("x",), tokens_mb * (fwd * 3 * attn + attn + ffn) / y * b, layers * runs)
+    if shape.experts and not shape.dropless:  # an MoE layer's FFN runs on k x capacity slots per token
+        add("all-reduce", ("x",), tokens_mb * ffn * (shape.k * shape.capacity_factor - 1) / y * b, moe_layers * runs)
+    add("all-reduce", ("x",), tokens_mb * shape.vocab / y * b, m)  # the head's logits contract d_model
     # Experts: dispatch and combine all-to-alls per MoE layer and pass. GShard's einsum dispatch sends
     # capacity_factor x k rows per token; a dropless all-to-all sends each peer a buffer that holds every
     # local row (or peer_bound x rows / peers), its all-gather exchange gathers the tokens.
@@ -181,7 +184,6 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     # tokens and weights
     # and all-reduces its output.
     if shape.dropless:
-        moe_layers = shape.periods * (2 if shape.kind == "encoder_decoder" else 1) / p
         per_layer = shape.expert_params / max(shape.periods, 1) / (e * y)
         add("all-reduce", tuple(a for a in ("data", "z", "x") if s[a] > 1), per_layer * b, moe_layers * runs)
         add("all-gather", ("x",), act * x, (fwd + 1) * moe_layers * runs)

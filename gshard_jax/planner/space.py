@@ -49,6 +49,7 @@ class ModelShape:
     dropless: bool = False  # experts dispatched by sort + grouped matmul in a manual region (moe.dispatch)
     exchange: str = "all_to_all"  # how dropless tokens reach their experts (moe.exchange)
     peer_bound: float = 0.0  # dropless all-to-all buffer per peer, in multiples of rows / peers (0: none)
+    ffn_inputs: int = 1  # the FFN's input matrices: 2 under SwiGLU (gate and up), else 1
 
     @property
     def total_params(self) -> int:
@@ -91,7 +92,8 @@ def model_shape(cfg: ml_collections.ConfigDict) -> ModelShape:
                       expert_params=int(expert), layer_params=int(layer), vocab_params=int(vocab),
                       active_params=int(active),
                       dropless=bool(moe.num_experts) and moe.get("dispatch", "einsum") == "dropless",
-                      exchange=moe.get("exchange", "all_to_all"), peer_bound=float(moe.get("peer_bound") or 0.0))
+                      exchange=moe.get("exchange", "all_to_all"), peer_bound=float(moe.get("peer_bound") or 0.0),
+                      ffn_inputs=2 if (moe.activation if moe.num_experts else m.ffn_activation) == "swiglu" else 1)
 
 
 @dataclasses.dataclass(frozen=True)
