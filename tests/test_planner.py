@@ -95,6 +95,29 @@ def test_the_screen_follows_the_ring_over_context(mesh, opts):
     assert SP.mesh_reason(shape, dict(c.sizes, context=3)) is not None  # 64 tokens: no 6 zigzag chunks
 
 
+def test_context_is_screened_only_where_data_cannot_take_its_place():
+    """A context axis is dominated where data in its place runs and fits (the same tokens per device and
+    gradient sums, no ring): with 16 sequences only pipelines whose microbatches would not split over data x
+    context are costed; with 2, only meshes whose batch would not. A pinned context mesh is costed and ranked
+    whatever dominates it."""
+    cfg = _config("tiny_dense_lm")
+    cfg.train.seq_len = 64
+
+    def twin_cannot_run(c, batch):  # data x context shards tokens as c does; m' <= m microbatches without stages
+        return batch % (c.token_shards * (c.microbatches if c.size("stage") > 1 else 1)) != 0
+
+    many = plan(cfg, 8, CPU, top=0, verify=0, remats=("none",))
+    kept = [r.candidate for r in many.screened if r.candidate.size("context") > 1]
+    assert kept and all(c.size("stage") > 1 and twin_cannot_run(c, 16) for c in kept)
+    cfg.train.batch_size = 2
+    pin = {"data": 1, "context": 2, "y": 4}
+    few = plan(cfg, 8, CPU, top=1, verify=1, remats=("none",), pin=[pin])
+    kept = [r.candidate for r in few.screened if r.candidate.size("context") > 1]
+    assert kept and all(twin_cannot_run(c, 2) for c in kept if c.sizes != SP.Candidate(tuple(pin.items())).sizes)
+    (_, rank, planned, _), = few.pinned
+    assert rank is not None and planned is not None
+
+
 @pytest.mark.parametrize("mesh,opts", [
     ((("stage", 2), ("data", 2), ("y", 2)), dict(microbatches=4, schedule="gpipe")),
     ((("stage", 2), ("data", 2), ("x", 2)), dict(microbatches=4, schedule="1f1b")),

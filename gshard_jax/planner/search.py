@@ -53,7 +53,7 @@ class Plan:
     screened: list[Ranked]  # every feasible candidate by formula, fastest first
     rejections: list[tuple]  # (Candidate or mesh name, kind of reason, reason)
     sensitivity: dict  # bandwidth factor -> the top candidates' keys in their new order
-    dominated: int = 0  # candidates not evaluated: a lighter remat or fewer microbatches of theirs fits
+    dominated: int = 0  # candidates not evaluated: a lighter remat, fewer microbatches or data for context fits
     pinned: list = dataclasses.field(default_factory=list)  # (mesh sizes, formula rank, Ranked or None, why)
     seconds: float = 0.0  # time the search took (not in the JSON: the plan is deterministic)
 
@@ -261,6 +261,7 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
     screened: list[Ranked] = []
     rejected: list[tuple] = []
     dominated = 0
+    pinned = [{a: 1 for a in SP.AXES} | dict(sizes) for sizes in pin]
     for sizes in SP.factorizations(devices, SP.AXES):
         mesh_key = ".".join(f"{a}{n}" for a, n in sizes.items() if n > 1) or "one-device"
         reason = SP.mesh_reason(shape, sizes)
@@ -268,6 +269,7 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
             rejected.append((mesh_key, reason.split(":")[0], reason))
             continue
         canonical = tuple((a, sizes[a]) for a in SP.AXES if sizes[a] > 1)  # the screen's order (orders()[0])
+        data_twin = None if sizes in pinned else _data_twin(shape, sizes, remats, zero_stages)
         fit: set = set()  # option groups in which a lighter candidate already fits the budget
         staged = sizes["stage"] > 1
         for (m, sched, r), reason, variants in SP.option_groups(shape, sizes, remats, zero_stages):
@@ -285,6 +287,16 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
                     rejected.append(((canonical, m, sched, r, zero, epso, remat), kind, reason))
                     continue
                 fields = dict(zero_stage=zero, epso=epso, microbatches=m, schedule=sched, repeats=r, remat=remat)
+                # Dominated too: context where data in its place runs and fits (the same tokens per device, the
+                # same gradient sums, and no ring to send), with as many microbatches (or, without stages, up to
+                # as many: fewer cost nothing there).
+                if data_twin is not None:
+                    runs = [g[0] for g in data_twin[1] if g[1:] == (sched, r) and (g[0] <= m if not staged else
+                                                                                  g[0] == m)]
+                    if runs and E.memory(shape, SP.Candidate(data_twin[0], **dict(fields, microbatches=max(runs))))[
+                            "total"] <= budget:
+                        dominated += 1
+                        continue
                 c = SP.Candidate(canonical, **fields)
                 mem = E.memory(shape, c)
                 if mem["total"] > budget:
@@ -388,6 +400,18 @@ def _pinned(cfg, out: Plan, sizes: dict, hw: Hardware, budget: float) -> tuple:
     name = ".".join(f"{a}{full[a]}" for a in SP.AXES if full[a] > 1)
     reasons = sorted({kind for c, kind, _ in out.rejections if _name(c).split()[0] == name})
     return dict(sizes), None, None, [f"no variant runs: rejected for {', '.join(reasons) or 'no reason found'}"]
+
+
+def _data_twin(shape: SP.ModelShape, sizes: dict, remats, zero_stages) -> Optional[tuple]:
+    """For a mesh with a context axis: (the mesh with data x context in place of both, the option groups
+    (microbatches, schedule, repeats) that run on it), or None where that mesh cannot run the model."""
+    if sizes["context"] == 1:
+        return None
+    twin = dict(sizes, data=sizes["data"] * sizes["context"], context=1)
+    if SP.mesh_reason(shape, twin):
+        return None
+    groups = {group for group, reason, _ in SP.option_groups(shape, twin, remats, zero_stages) if not reason}
+    return tuple((a, twin[a]) for a in SP.AXES if twin[a] > 1), groups
 
 
 def twins(c: SP.Candidate) -> list[SP.Candidate]:
