@@ -3,7 +3,7 @@ per token plus attention) over the planned step time x peak. The step is the pla
 profile's efficiency, the pipeline's bubble, and the communication its list schedule leaves exposed
 (partitioner/overlap.py).
 
-    python benchmarks/planned_mfu.py                     # every case (several minutes: 3,072 devices take 190 s)
+    python benchmarks/planned_mfu.py                     # every case (several minutes: 3,072 devices take 540 s)
     python benchmarks/planned_mfu.py --cases gpt_40b_64  # one
 """
 from __future__ import annotations
