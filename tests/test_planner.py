@@ -48,6 +48,16 @@ def test_hierarchical_bandwidth_is_the_table_inside_a_node_and_eq7_across():
     assert hardware.axes_bandwidth(hw, (("x", 2), ("data", 8)), ("data",)) == 100e9 / 1  # ip 1 across nodes
 
 
+def _moved_by_formula_and_plan(cfg, c: SP.Candidate) -> tuple[collections.Counter, collections.Counter]:
+    """Bytes moved per device by (kind, axes of size > 1): the formula's, and the planned program's."""
+    def moved(comms):
+        out = collections.Counter()
+        for cm in comms:
+            out[(cm.kind, tuple(sorted(a for a in cm.axes if c.size(a) > 1)))] += cm.moved
+        return out
+    return moved(E.collectives(SP.model_shape(cfg), c)), moved(PR.comms(PR.explain(cfg, c, CPU)))
+
+
 @pytest.mark.parametrize("mesh", [(("data", 2), ("expert", 4)), (("data", 2), ("expert", 2), ("x", 2))])
 def test_the_screen_follows_the_dropless_region(mesh):
     """The formula's dropless MoE terms against the planned program: the all-to-all's worst-case buffers and
@@ -80,19 +90,12 @@ def test_the_screen_follows_the_ring_over_context(mesh, opts):
     cfg = _config("tiny_dense_lm")
     cfg.train.seq_len = 64
     c = SP.Candidate(mesh, **dict(dict(zero_stage=0, microbatches=1), **opts))
-    shape = SP.model_shape(cfg)
-
-    def moved(comms):
-        out = collections.Counter()
-        for cm in comms:
-            out[(cm.kind, tuple(sorted(a for a in cm.axes if c.size(a) > 1)))] += cm.moved
-        return out
-    formula, planned = moved(E.collectives(shape, c)), moved(PR.comms(PR.explain(cfg, c, CPU)))
+    formula, planned = _moved_by_formula_and_plan(cfg, c)
     assert formula[("collective-permute", ("context",))] == pytest.approx(
         planned[("collective-permute", ("context",))], rel=1e-3)
     grads = ("all-reduce", tuple(sorted(a for a in ("context", "data") if c.size(a) > 1)))
     assert formula[grads] == pytest.approx(planned[grads], rel=1e-3)
-    assert SP.mesh_reason(shape, dict(c.sizes, context=3)) is not None  # 64 tokens: no 6 zigzag chunks
+    assert SP.mesh_reason(SP.model_shape(cfg), dict(c.sizes, context=3)) is not None  # 64 tokens: no 6 zigzag chunks
 
 
 def test_context_is_screened_only_where_data_cannot_take_its_place():
@@ -129,14 +132,7 @@ def test_the_screen_counts_a_pipelines_ticks(mesh, opts):
     every forward tick, bubbles included."""
     cfg = _config("tiny_dense_lm")
     c = SP.Candidate(mesh, zero_stage=0, **opts)
-    shape = SP.model_shape(cfg)
-
-    def moved(comms):
-        out = collections.Counter()
-        for cm in comms:
-            out[(cm.kind, tuple(sorted(a for a in cm.axes if c.size(a) > 1)))] += cm.moved
-        return out
-    formula, planned = moved(E.collectives(shape, c)), moved(PR.comms(PR.explain(cfg, c, CPU)))
+    formula, planned = _moved_by_formula_and_plan(cfg, c)
     rolls = ("collective-permute", ("stage",))
     assert formula[rolls] == planned[rolls]
     if c.size("y") > 1:

@@ -291,9 +291,10 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
                 # same gradient sums, and no ring to send), with as many microbatches (or, without stages, up to
                 # as many: fewer cost nothing there).
                 if data_twin is not None:
-                    runs = [g[0] for g in data_twin[1] if g[1:] == (sched, r) and (g[0] <= m if not staged else
-                                                                                  g[0] == m)]
-                    if runs and E.memory(shape, SP.Candidate(data_twin[0], **dict(fields, microbatches=max(runs))))[
+                    twin_mesh, twin_groups = data_twin
+                    twin_m = [tm for tm, ts, tr in twin_groups if (ts, tr) == (sched, r) and (tm <= m if not staged
+                                                                                          else tm == m)]
+                    if twin_m and E.memory(shape, SP.Candidate(twin_mesh, **dict(fields, microbatches=max(twin_m))))[
                             "total"] <= budget:
                         dominated += 1
                         continue
