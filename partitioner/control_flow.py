@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import jax.numpy as jnp
 
 from . import deferral as DF, prefetch as PF
+from .jax_compat import scan_counts
 from .sharding import Sharding
 
 Link = tuple  # (a, b, tag, stacked, stacked_b)
@@ -53,7 +54,7 @@ class Form:
 # ---------------------------------------------------------------------------------------------------- scan
 def _scan_links(e):
     body, tag = e.subs["body"], e.name
-    nc, nk = e.params["num_consts"], e.params["num_carry"]
+    nc, nk = scan_counts(e.params)
     into = [(a, b, tag, int(i >= nc + nk), False) for i, (a, b) in enumerate(zip(e.invars, body.invars))]
     out = []
     for k in range(nk):
@@ -67,7 +68,7 @@ def _scan_links(e):
 def _scan_lower(lo, eqn, env, log):
     plan = lo.plan.sharding
     body = eqn.subs["body"]
-    nc, nk, length = eqn.params["num_consts"], eqn.params["num_carry"], eqn.params["length"]
+    (nc, nk), length = scan_counts(eqn.params), eqn.params["length"]
     deferred = lo.deferrals(eqn)
     carry_sh = [deferred.get(k) or plan(b) for k, b in enumerate(body.invars[nc: nc + nk])]
     ins = [(lo._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[:nc], body.invars)]
@@ -94,7 +95,7 @@ def _pipelined(lo, eqn, env, log, ins, carry_sh, xs, x_sh, y_sh, ahead: dict, de
     """The scan with stacked inputs `ahead` (j -> the sharding its body gathers it to) gathered a trip ahead
     (prefetch.py): the first trip's before the loop, the next trip's in each trip, the last trip peeled."""
     body = eqn.subs["body"]
-    nc, nk, n = eqn.params["num_consts"], eqn.params["num_carry"], eqn.params["length"]
+    (nc, nk), n = scan_counts(eqn.params), eqn.params["length"]
     reverse, js = eqn.params["reverse"], sorted(ahead)
     xvars = body.invars[nc + nk:]
     keep = [nc + nk + j for j in js]
@@ -140,7 +141,7 @@ def _pipelined(lo, eqn, env, log, ins, carry_sh, xs, x_sh, y_sh, ahead: dict, de
 
 
 def _scan_carries(e):
-    nc, nk, body = e.params["num_consts"], e.params["num_carry"], e.subs["body"]
+    (nc, nk), body = scan_counts(e.params), e.subs["body"]
     return body, body.invars[nc: nc + nk], body.outvars[:nk], e.params["length"]
 
 
@@ -151,7 +152,7 @@ def carry_offset(e) -> int:
 
 
 def _scan_consts(e) -> int:
-    return e.params["num_consts"]
+    return scan_counts(e.params)[0]
 
 
 def _while_first_carry(e) -> int:
@@ -159,7 +160,7 @@ def _while_first_carry(e) -> int:
 
 
 def _scan_stacked(e):
-    nk, body = e.params["num_carry"], e.subs["body"]
+    nk, body = scan_counts(e.params)[1], e.subs["body"]
     return body, body.outvars[nk:], e.outvars[nk:]
 
 

@@ -1,24 +1,60 @@
-"""Every private JAX name the project uses, in one place, so a JAX upgrade is checked here and nowhere else.
+"""Everything that differs between the JAX releases the project supports, in one place.
 
-Checked against JAX 0.10.0 to 0.10.2 (setup.cfg pins jax>=0.10,<0.11). Everything else comes from JAX's
-public API: jax.extend.core (primitives, ClosedJaxpr, Literal), jax.extend.source_info_util and
-jax.interpreters. tests/test_layering.py holds every other module to that.
+Checked against JAX 0.10.0, 0.10.2, 0.11.2 and 0.12.0.1 (setup.cfg: jax>=0.10,<0.13); `.ci/run` tests the
+newest on Python 3.12 beside README's install.
 
+Private names: everything else comes from JAX's public API (jax.extend.core for primitives, ClosedJaxpr and
+Literal, jax.extend.source_info_util, jax.interpreters); tests/test_layering.py holds every other module to
+that.
 - `convert_constvars_jaxpr`: a closed jaxpr's constants as leading inputs, for the checkpoints and pipeline
   residuals the partitioner re-emits; jax.interpreters.partial_eval does not export it.
 - `clear_compilation_cache`: a benchmark's compile timed again rather than found in JAX's cache.
+- `to_lojax`: JAX 0.12 traces some functions (jnp.searchsorted, jnp.frexp, ...) to high-level primitives
+  (`call_hi_primitive`) that JAX itself expands before lowering; the partitioner expands them the same way
+  (partial_eval.lower_jaxpr2), so it sees the primitives that 0.10 emits.
 
-JAX 0.11 changes the scan primitive's parameters (`jaxpr, length, reverse, unroll, ft_in, ft_out`; no
-`num_consts`/`num_carry`), which partitioner/control_flow.py reads: porting starts there.
+Parameters, read by what the equation carries, never by version strings:
+- `scan_counts`: a scan's operands are its consts, then its carries, then its stacked inputs. JAX 0.10 says
+  how many of each in `num_consts`/`num_carry` (and `linear`); JAX 0.11 replaced them by `ft_in`/`ft_out`,
+  flat trees of the (consts, carry, xs) and (carry, ys) groups.
+
+Primitive names: `NOT_IN_EVERY_RELEASE` lists the registry's entries that some supported release lacks, each
+with the releases that emit it; tests/test_registry.py accepts those (and only those) as absent.
 """
 from __future__ import annotations
 
-from jax._src.interpreters import pxla as _pxla
+from jax._src.interpreters import partial_eval as _pe, pxla as _pxla
 from jax._src.interpreters.partial_eval import convert_constvars_jaxpr
 
-__all__ = ["clear_compilation_cache", "convert_constvars_jaxpr"]
+__all__ = ["NOT_IN_EVERY_RELEASE", "clear_compilation_cache", "convert_constvars_jaxpr", "scan_counts", "to_lojax"]
+
+NOT_IN_EVERY_RELEASE = {  # registry entry -> the releases that emit it
+    "log2": "JAX 0.11 and later (0.10 emits log and a division)",
+    "one_minus_square": "JAX 0.11 and later: the derivative of tanh, 1 - x**2, as one pointwise op",
+    "polynomial": "JAX 0.11 and later: Horner's rule over scalar coefficients (jnp.polyval, erf's derivative)",
+}
 
 
 def clear_compilation_cache() -> None:
     """Forget compiled executables, so the next compile of the same program is timed, not looked up."""
     _pxla._cached_compilation.cache_clear()
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """(number of consts, number of carries) of a scan equation's params, on every supported JAX."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    if "ft_in" in params:
+        consts, carry, _ = params["ft_in"].unpack()
+        return len(consts), len(carry)
+    raise TypeError(f"a scan with params {sorted(params)}: expected num_consts/num_carry (JAX 0.10) or ft_in "
+                    "(JAX 0.11+); this JAX is newer than partitioner/jax_compat.py knows, see setup.cfg's range")
+
+
+def to_lojax(closed):
+    """A closed jaxpr with its high-level primitives expanded as JAX expands them before lowering (the same
+    jaxpr where it has none, and on releases without them)."""
+    jaxpr = getattr(closed, "jaxpr", closed)
+    if not getattr(jaxpr, "is_high", False):
+        return closed
+    return _pe.lower_jaxpr2(jaxpr)

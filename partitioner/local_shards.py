@@ -94,7 +94,7 @@ class LocalShards:
         for key in ("sharding", "out_sharding"):
             if key in params:
                 params[key] = None
-        if rule is not None:
+        if rule is not None and choice.made:  # (a sink, dce_sink, makes nothing)
             local_out = choice.made[0].local_shape(eqn.outvars[0].shape, self.mesh_shape)
             if "shape" in params:
                 params["shape"] = local_out

@@ -20,6 +20,7 @@ import contextvars
 from typing import TYPE_CHECKING
 
 from . import deferral as DF
+from .jax_compat import scan_counts
 from .sharding import Sharding
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def targets(lo, eqn: "Eqn") -> dict[int, Sharding]:
     if not ENABLED.get() or eqn.params["length"] < 2:
         return {}
     body = eqn.subs["body"]
-    nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+    nc, nk = scan_counts(eqn.params)
     readers: dict = {}
     for e in DF._flat(body.eqns):
         for i, x in enumerate(e.invars):

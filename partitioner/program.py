@@ -23,6 +23,7 @@ from typing import Any
 from jax.extend import core, source_info_util
 
 from .control_flow import FORMS
+from .jax_compat import to_lojax
 
 # Primitives whose body is inlined, and the param holding it.
 CALL_PRIMITIVES = {
@@ -204,5 +205,5 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
         outvars = walk(jaxpr, vals, invars, eqns, scope)
         return Program(invars, outvars, eqns, [])
 
-    top = sub_program(closed)
+    top = sub_program(to_lojax(closed))
     return Program(top.invars, top.outvars, top.eqns, consts)

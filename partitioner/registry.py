@@ -43,7 +43,7 @@ import functools
 import math
 from typing import Callable, Optional
 
-from . import control_flow as CF, hooks as H, reorder as RO, roll as RL, rules as R, windowed as W
+from . import control_flow as CF, hooks as H, rare_ops as RR, reorder as RO, roll as RL, rules as R, windowed as W
 from .cost import Collective
 from .factors import Rule
 from .program import Eqn
@@ -92,11 +92,12 @@ class Op:
 
 
 POINTWISE = frozenset("""
-abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp complex conj convert_element_type
-copy cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igammac imag
-integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
-reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign
-sin sinh sqrt square sub tan tanh xor population_count clz stop_gradient
+abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clamp complex conj
+convert_element_type copy cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igamma_grad_a
+igammac imag integer_pow is_finite le le_to lgamma log log1p log2 logistic lt lt_to max min mul ne neg
+nextafter not one_minus_square or polygamma polynomial pow real reduce_precision regularized_incomplete_beta rem
+round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan tanh
+xor population_count clz stop_gradient zeta
 """.split())
 
 _POINTWISE = Op(R.elementwise, fold=Fold(keeps_constant=True))
@@ -139,6 +140,7 @@ def _cumulative(kind: str) -> Op:
 _KEYS = Op(R.trailing)
 
 OPS: dict[str, Op] = {
+    "after_all": Op(RR.token),
     "argmax": _ARG,
     "argmin": _ARG,
     "bitcast_convert_type": Op(R.bitcast_convert_type),
@@ -147,27 +149,36 @@ OPS: dict[str, Op] = {
     "cond": Op(form=CF.FORMS["cond"]),
     "conv_general_dilated": Op(W.conv_rule, W.conv_hook, W.collectives, W.received_keys,
                                fold=Fold(window=_conv_window)),
+    "create_token": Op(RR.token),
     "cumlogsumexp": _cumulative("cumlogsumexp"),
     "cummax": _cumulative("cummax"),
     "cummin": _cumulative("cummin"),
     "cumprod": _cumulative("prod"),
     "cumsum": _cumulative("sum"),
     # a move between device and host memory (gshard_jax/sources.py keeps it; other device_puts are annotations)
+    "dce_sink": Op(RR.sink),
     "device_put": Op(R.elementwise),
     "dot_general": Op(R.dot_general),
     "dynamic_slice": Op(R.dynamic_slice_rule, H.dynamic_slice_hook, fold=Fold(static_starts=True)),
     "dynamic_update_slice": Op(lambda eqn: RO.update_rule(eqn, R.dynamic_update_slice_rule), RO.update_hook),
+    "empty": Op(RR.generator),  # jnp.empty: each device makes its block
+    "empty2": Op(RR.generator),
     "gather": Op(R.gather_rule, H.gather_hook, padding=H.no_padding),  # only valid rows are ever indexed
     "iota": Op(R.iota, H.iota_hook, fold=Fold(generator=True)),
+    "mulhi": Op(R.elementwise, RR.mulhi_hook),  # pointwise, computed from limbs in a manual region
     "name": Op(R.elementwise),  # jax.ad_checkpoint.checkpoint_name: an identity that names a value for remat
+    "optimization_barrier": Op(RR.each_operand),
     "pad": Op(W.pool_rule, W.pad_hook, W.collectives, W.received_keys, fold=Fold(pad=True)),
+    "platform_index": Op(RR.generator),  # lax.platform_dependent's branch index: a scalar each device computes
     "random_bits": Op(R.random_bits_rule, H.random_bits_hook),
     "random_clone": _KEYS,
     "random_fold_in": _KEYS,
+    "random_gamma": Op(RR.random_gamma),
     "random_seed": _KEYS,
     "random_split": _KEYS,
     "random_unwrap": _KEYS,
     "random_wrap": _KEYS,
+    "reduce": Op(RR.variadic_reduce),
     "reduce_and": _combine(_same),
     "reduce_max": _combine(_same),
     "reduce_min": _combine(_same),
@@ -184,6 +195,7 @@ OPS: dict[str, Op] = {
     "reshard": Op(fold=Fold(identity=True)),
     "rev": Op(RO.rev_rule, RO.rev_hook, RO.rev_collectives),
     "roll": Op(RL.roll_rule, RL.roll_hook, RL.roll_collectives),
+    "scaled_dot": Op(RR.scaled_dot),
     "scan": Op(form=CF.FORMS["scan"]),
     "scatter": Op(R.scatter_rule, H.scatter_hook),
     "scatter-add": Op(R.scatter_rule, H.scatter_hook, masked_operands=(2,)),  # the updates: indices then add zeros

@@ -1,0 +1,121 @@
+"""Factor rules for the primitives that models rarely emit but jax.lax and jax.numpy do: generators without
+operands, identities over several operands, sinks, tokens, a variadic reduce, gamma sampling and the
+block-scaled dot; and the hook of mulhi, which XLA cannot compile inside a manual region.
+
+Each rule keeps whole only the dims whose split would change the result, so none of these ops needs the
+replicated fallback (tests/test_primitive_census.py finds any primitive the registry has no rule for).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .factors import FactorNames, Rule
+from .program import Eqn, shape_of
+
+
+def _has_shape(x) -> bool:
+    return hasattr(x.aval, "shape")
+
+
+def generator(eqn: Eqn) -> Rule:
+    """No operands (jnp.empty, platform_index): every result dim may split, each device makes its block."""
+    n = FactorNames()
+    res = tuple(tuple((n.new(s),) for s in shape_of(v)) for v in eqn.outvars)
+    return Rule(eqn.name, tuple(() for _ in eqn.invars), res, n.sizes)
+
+
+def each_operand(eqn: Eqn) -> Rule:
+    """Result i is operand i (optimization_barrier): every dim passes through, each operand on its own."""
+    n = FactorNames()
+    ops = tuple(tuple((n.new(s),) for s in shape_of(x)) for x in eqn.invars)
+    return Rule(eqn.name, ops, ops[: len(eqn.outvars)], n.sizes)
+
+
+def sink(eqn: Eqn) -> Rule:
+    """No results (dce_sink keeps its operands alive): the operands stay as they are."""
+    n = FactorNames()
+    ops = tuple(tuple((n.new(s),) for s in shape_of(x)) for x in eqn.invars)
+    return Rule(eqn.name, ops, (), n.sizes)
+
+
+def token(eqn: Eqn) -> Optional[Rule]:
+    """create_token, after_all: tokens order effects and hold no data; array operands pass as they are."""
+    n = FactorNames()
+    ops = tuple(tuple((n.new(s),) for s in shape_of(x)) if _has_shape(x) else () for x in eqn.invars)
+    return Rule(eqn.name, ops, tuple(() for _ in eqn.outvars), n.sizes)
+
+
+def variadic_reduce(eqn: Eqn) -> Rule:
+    """lax.reduce with its own computation (jnp.minmax): the kept dims split, the reduced ones stay whole (the
+    computation is a jaxpr, so no collective combines partial results); init values are scalars."""
+    axes = set(eqn.params["dimensions"])
+    k = len(eqn.outvars)
+    n = FactorNames()
+    dims = tuple((n.new(s),) for s in shape_of(eqn.invars[0]))
+    kept = tuple(f for d, f in enumerate(dims) if d not in axes)
+    return Rule("reduce(computation)", (dims,) * k + ((),) * k, (kept,) * k, n.sizes,
+                replicated=frozenset(dims[d][0] for d in axes))
+
+
+def random_gamma(eqn: Eqn) -> Rule:
+    """Gamma samples of alphas a from keys k: a's leading dims that k's shape covers are elementwise (one key
+    each); the dims after them draw from one key split in row-major order, so they stay whole."""
+    key, alpha = eqn.invars
+    kd = len(shape_of(key))
+    n = FactorNames()
+    dims = tuple((n.new(s),) for s in shape_of(alpha))
+    return Rule("random_gamma", (dims[:kd], dims), (dims,), n.sizes,
+                replicated=frozenset(f for (f,) in dims[kd:]))
+
+
+def scaled_dot(eqn: Eqn) -> Rule:
+    """A block-scaled dot (lhs, rhs, lhs_scale, rhs_scale): batch and free dims split as dot_general's, with the
+    scales' matching dims; the contracting dims stay whole (each block's scale multiplies its partial sum)."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    ls, rs = shape_of(eqn.invars[0]), shape_of(eqn.invars[1])
+    n = FactorNames()
+    lhs = [(n.new(s),) for s in ls]
+    rhs: list = [None] * len(rs)
+    for a, b in zip(tuple(lb) + tuple(lc), tuple(rb) + tuple(rc)):
+        rhs[b] = lhs[a]
+    rhs = [f if f is not None else (n.new(s),) for f, s in zip(rhs, rs)]
+    whole = {lhs[a][0] for a in lc}
+
+    def scale(x, of, contracting):
+        shape = shape_of(x)
+        out = []
+        for d, s in enumerate(shape):
+            if d not in contracting and d < len(of) and n.sizes[of[d][0]] == s:
+                out.append(of[d])
+            else:
+                out.append((n.new(s),))
+                whole.add(out[-1][0])
+        return tuple(out)
+
+    extra = tuple(scale(x, f, c) for x, f, c in zip(eqn.invars[2:], (lhs, rhs), (lc, rc)))
+    lfree = [d for d in range(len(ls)) if d not in lb and d not in lc]
+    rfree = [d for d in range(len(rs)) if d not in rb and d not in rc]
+    out = tuple(lhs[a] for a in lb) + tuple(lhs[d] for d in lfree) + tuple(rhs[d] for d in rfree)
+    return Rule("scaled_dot", (tuple(lhs), tuple(rhs)) + extra, (out,), n.sizes, replicated=frozenset(whole))
+
+
+def mulhi_hook(ctx, ins, params, bind):
+    """lax.mulhi (the high half of a * b) from half-width limbs: XLA's CPU backend rejects the op inside a
+    shard_map body, and the limbs give the same bits (the signed form corrects the unsigned product)."""
+    a, b = (jnp.asarray(x) for x in ins)
+    dtype = np.dtype(a.dtype)
+    unsigned, half = np.dtype(f"uint{8 * dtype.itemsize}"), 4 * dtype.itemsize
+    ua, ub = lax.bitcast_convert_type(a, unsigned), lax.bitcast_convert_type(b, unsigned)
+    mask = unsigned.type((1 << half) - 1)
+    al, ah, bl, bh = ua & mask, ua >> half, ub & mask, ub >> half
+    cross1, cross2, low = ah * bl, al * bh, al * bl
+    carry = ((cross1 & mask) + (cross2 & mask) + (low >> half)) >> half
+    hi = ah * bh + (cross1 >> half) + (cross2 >> half) + carry
+    if dtype.kind == "i":  # (a mod 2^n)(b mod 2^n) - a b = 2^n (b [a < 0] + a [b < 0]) + 2^2n (...)
+        zero = unsigned.type(0)
+        hi = hi - jnp.where(a < 0, ub, zero) - jnp.where(b < 0, ua, zero)
+    return [lax.bitcast_convert_type(hi, dtype)]
