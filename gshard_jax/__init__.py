@@ -2,6 +2,15 @@
 import importlib.util as _importlib_util
 import os as _os
 
+if _importlib_util.find_spec(__name__ + ".partitioner") is None:
+    # partitioner/ and models/ sit beside gshard_jax/ in a checkout and join the package only when installed
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    raise ImportError(
+        f"gshard_jax was imported from {_os.path.dirname(_os.path.abspath(__file__))}, a checkout that is not "
+        f"installed: its partitioner/ and models/ become gshard_jax.partitioner and gshard_jax.models only "
+        f"through the install. Run `pip install -e {_root}` (the checkout is then what runs), or run from "
+        f"outside {_root} so that an installed gshard_jax is imported instead of the checkout's.")
+
 from jax.extend import source_info_util as _source_info_util
 
 # Report source locations in the user's code, not in the annotation helpers or the libraries it calls.

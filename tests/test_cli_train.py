@@ -143,6 +143,22 @@ def test_training_lowers_the_loss_and_writes_its_records(data_dir, run24):
     assert out["step"] == 24 and out["eval_loss"] == pytest.approx(evals[-1], rel=1e-6)
 
 
+@pytest.mark.slow  # 45 s; .ci/run runs it on the newest supported JAX
+@pytest.mark.newest_jax
+def test_a_scanned_model_trains_and_explains_through_the_cli(data_dir, tmp_path):
+    """--config.model.scan=true, the default of the Mula, GPT and GShard configs: the tiny MoE LM's layers under
+    nn.scan train (the loss falls) and explain finds no fallback in the scanned step."""
+    run = tmp_path / "run"
+    train(run, data_dir, 8, "--config.model.scan=true")
+    r = rows(run)
+    assert len(r) == 8 and all(math.isfinite(x["loss"]) for x in r)
+    assert sum(x["loss"] for x in r[-2:]) < sum(x["loss"] for x in r[:2]) - 0.2, [x["loss"] for x in r]
+    report = json.loads(cli("explain", "--config", CONFIG, "--cpu-devices", "8", "--workdir", str(tmp_path / "w"),
+                            f"--config.data.dir={data_dir}", *SMALL, "--config.model.scan=true",
+                            "--json").stdout.strip().splitlines()[-1])
+    assert report["fallbacks"] == [] and report["totals"]["all-to-all"]["count"] > 0, report["totals"]
+
+
 @pytest.mark.slow  # 15 s
 def test_metrics_are_read_one_step_late(data_dir, tmp_path, monkeypatch):
     """The host never waits on the device between steps: step N's metrics are read after step N+1 is

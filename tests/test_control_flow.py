@@ -2,9 +2,12 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import pytest
 
 import gshard_jax as gs
 from helpers import assert_close, check, get_mesh, hlo_counts, randn
+
+pytestmark = pytest.mark.newest_jax  # .ci/run runs this file on the newest supported JAX too
 
 
 def layers(x, ws, data="data", model="model"):

@@ -4,6 +4,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 
 def test_user_modules_named_partitioner_and_models_do_not_shadow(tmp_path):
     """A user's own partitioner.py and models/ package next to their script leave gshard_jax intact."""
@@ -45,3 +47,19 @@ def test_code_and_docs_cite_only_what_the_repository_has():
         with open(os.path.join(root, path)) as f:
             text = f.read()
         assert not re.search(r"DESIGN\.md|REFERENCE\.md|REFERENCE (section|§)", text), path
+
+
+@pytest.mark.newest_jax
+def test_an_uninstalled_checkout_says_how_to_install_it():
+    """Run from a checkout that no install maps (python -S: no .pth, so no editable finder), `import gshard_jax`
+    finds the checkout's gshard_jax/ without its partitioner/: the error says so and how to fix it."""
+    import jax
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    site = os.path.dirname(os.path.dirname(jax.__file__))
+    code = f"import sys; sys.path.append({site!r}); import gshard_jax"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-S", "-c", code], cwd=root, capture_output=True, text=True, env=env)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: gshard_jax was imported from"), r.stderr[-2000:]
+    assert f"pip install -e {root}" in last and "ModuleNotFoundError" not in r.stderr

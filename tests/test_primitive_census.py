@@ -12,6 +12,8 @@ from gshard_jax.partitioner import registry as REG
 from helpers import get_mesh
 from primitive_census import census, public_functions
 
+pytestmark = pytest.mark.newest_jax  # .ci/run runs this file on the newest supported JAX too
+
 
 def _handled(name: str) -> bool:
     op = REG.op_for(name)

@@ -14,6 +14,8 @@ from gshard_jax.partitioner import propagation, registry as REG
 from gshard_jax.partitioner.jax_compat import NOT_IN_EVERY_RELEASE
 from gshard_jax.partitioner.program import from_jaxpr
 
+pytestmark = pytest.mark.newest_jax  # .ci/run runs this file on the newest supported JAX too
+
 
 def _installed_primitives() -> set[str]:
     """Every primitive name the installed JAX (and our annotations) define."""

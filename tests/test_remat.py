@@ -70,6 +70,7 @@ def _grad_case(model, x):
     return jax.grad(loss), params
 
 
+@pytest.mark.newest_jax
 @pytest.mark.parametrize("model", [Stack(), ScannedStack()], ids=["nn.remat", "nn.scan(nn.remat)"])
 def test_flax_remat_grad_is_partitioned_and_rematerialised(model, rng):
     mesh = get_mesh("2x4")

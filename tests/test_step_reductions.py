@@ -26,6 +26,7 @@ def _in_loops(report) -> list:
             if c.kind in ("all-reduce", "reduce-scatter") and c.payload > SCALAR and "data" in c.axes]
 
 
+@pytest.mark.newest_jax
 def test_accumulating_microbatches_moves_the_one_batch_steps_bytes():
     """{data 2, y 4}, dense: microbatches=4 reduces each gradient once, after the scan; per step it moves the
     one-batch step's bytes (the tensor-parallel all-reduces of each microbatch's activations add up to the

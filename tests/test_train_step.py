@@ -57,6 +57,7 @@ def test_train_step_matches_unpartitioned(layout):
         assert {k for k, v in totals.items() if v["count"]} == {"all-reduce"}
 
 
+@pytest.mark.newest_jax
 def test_scanned_train_step_matches_unpartitioned():
     axes, lo = LAYOUTS["data2_model4"]
     run_step(lm.LMConfig(scan=True), axes, lo)
