@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import rules as R
 from .factors import FactorNames, Rule
 from .program import Eqn, shape_of
 
@@ -73,22 +74,18 @@ def random_gamma(eqn: Eqn) -> Rule:
 
 
 def scaled_dot(eqn: Eqn) -> Rule:
-    """A block-scaled dot (lhs, rhs, lhs_scale, rhs_scale): batch and free dims split as dot_general's, with the
-    scales' matching dims; the contracting dims stay whole (each block's scale multiplies its partial sum)."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    ls, rs = shape_of(eqn.invars[0]), shape_of(eqn.invars[1])
+    """A block-scaled dot (lhs, rhs, lhs_scale, rhs_scale): lhs and rhs as dot_general's rule has them, the
+    scales' dims with their operand's where sizes agree; the contracting dims stay whole (each block's scale
+    multiplies its partial sum)."""
+    base = R.dot_general(eqn)
     n = FactorNames()
-    lhs = [(n.new(s),) for s in ls]
-    rhs: list = [None] * len(rs)
-    for a, b in zip(tuple(lb) + tuple(lc), tuple(rb) + tuple(rc)):
-        rhs[b] = lhs[a]
-    rhs = [f if f is not None else (n.new(s),) for f, s in zip(rhs, rs)]
-    whole = {lhs[a][0] for a in lc}
+    n.sizes = dict(base.sizes)
+    whole = set(base.reductions)
+    (lc, rc), _ = eqn.params["dimension_numbers"]
 
     def scale(x, of, contracting):
-        shape = shape_of(x)
         out = []
-        for d, s in enumerate(shape):
+        for d, s in enumerate(shape_of(x)):
             if d not in contracting and d < len(of) and n.sizes[of[d][0]] == s:
                 out.append(of[d])
             else:
@@ -96,11 +93,8 @@ def scaled_dot(eqn: Eqn) -> Rule:
                 whole.add(out[-1][0])
         return tuple(out)
 
-    extra = tuple(scale(x, f, c) for x, f, c in zip(eqn.invars[2:], (lhs, rhs), (lc, rc)))
-    lfree = [d for d in range(len(ls)) if d not in lb and d not in lc]
-    rfree = [d for d in range(len(rs)) if d not in rb and d not in rc]
-    out = tuple(lhs[a] for a in lb) + tuple(lhs[d] for d in lfree) + tuple(rhs[d] for d in rfree)
-    return Rule("scaled_dot", (tuple(lhs), tuple(rhs)) + extra, (out,), n.sizes, replicated=frozenset(whole))
+    scales = tuple(scale(x, f, c) for x, f, c in zip(eqn.invars[2:], base.operands, (lc, rc)))
+    return Rule("scaled_dot", base.operands + scales, base.results, n.sizes, replicated=frozenset(whole))
 
 
 def mulhi_hook(ctx, ins, params, bind):
