@@ -63,3 +63,20 @@ def test_an_uninstalled_checkout_says_how_to_install_it():
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: gshard_jax was imported from"), r.stderr[-2000:]
     assert f"pip install -e {root}" in last and "ModuleNotFoundError" not in r.stderr
+
+
+@pytest.mark.newest_jax
+def test_the_gpu_extras_bring_jaxs_cuda_build_over_the_supported_range():
+    """README's `.[cuda12]` / `.[cuda13]`: JAX's own extras of those names (the installed JAX declares them), over
+    install_requires' JAX range, so a GPU install never moves JAX outside what the suite tests."""
+    import configparser
+    from importlib.metadata import metadata
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(root, "setup.cfg"))
+    (pin,) = [r for r in cfg["options"]["install_requires"].split() if r.startswith("jax>=")]
+    declared = {r.split("extra ==")[1].strip().strip('"') for r in metadata("jax").get_all("Requires-Dist")
+                if "extra ==" in r}
+    for extra in ("cuda12", "cuda13"):
+        assert cfg["options.extras_require"][extra].split() == [pin.replace("jax", f"jax[{extra}]", 1)]
+        assert extra in declared, sorted(declared)
