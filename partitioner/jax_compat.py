@@ -30,8 +30,11 @@ __all__ = ["NOT_IN_EVERY_RELEASE", "clear_compilation_cache", "convert_constvars
 
 NOT_IN_EVERY_RELEASE = {  # registry entry -> the releases that emit it
     "log2": "JAX 0.11 and later (0.10 emits log and a division)",
+    "mulhi": "JAX 0.10.2 and later (lax.mulhi)",
     "one_minus_square": "JAX 0.11 and later: the derivative of tanh, 1 - x**2, as one pointwise op",
     "polynomial": "JAX 0.11 and later: Horner's rule over scalar coefficients (jnp.polyval, erf's derivative)",
+    "stack": "JAX 0.10.1 and later (jnp.stack)",
+    "unstack": "JAX 0.10.1 and later (jnp.unstack)",
 }
 
 

@@ -83,8 +83,8 @@ CASES = {
     "le_to/lt_to": (lambda x: jnp.searchsorted(jnp.linspace(0.0, 1.0, 5), x), _x()),
     "log2": (jnp.log2, _x()),
     "mulhi": (lambda x: jax.lax.mulhi((x * 1e9).astype(jnp.uint32), jnp.uint32(3_000_000_000)), _x()),
-    "mulhi (signed)": (lambda x: jax.lax.mulhi(((x - 0.5) * 4e9).astype(jnp.int32), ((0.5 - x.T.sum(1)) * 4e8)
-                                               .astype(jnp.int32)[None, :8].repeat(2, 1)), _x()),
+    "mulhi (signed)": (lambda x: jax.lax.mulhi(((x - 0.5) * 4e9).astype(jnp.int32),
+                                               ((0.5 - x[::-1]) * 4e9).astype(jnp.int32)), _x()),
     "one_minus_square": (_tanh_grad, _x()),
     "optimization_barrier": (_barrier, _x()),
     "polygamma": (lambda x: jax.lax.polygamma(jnp.ones_like(x), x), _x()),
@@ -96,6 +96,10 @@ CASES = {
     "scaled_dot": (_scaled_dot, _x((8, 16))),
     "zeta": (lambda x: jax.lax.zeta(x + 2.0, x + 1.0), _x()),
 }
+
+
+if not hasattr(jax.lax, "mulhi"):  # JAX 0.10.0 and 0.10.1 have no lax.mulhi (jax_compat.NOT_IN_EVERY_RELEASE)
+    CASES = {k: v for k, v in CASES.items() if not k.startswith("mulhi")}
 
 
 @pytest.mark.parametrize("name", list(CASES))
