@@ -1,13 +1,11 @@
 """Factor rules for the primitives that models rarely emit but jax.lax and jax.numpy do: generators without
-operands, identities over several operands, sinks, tokens, a variadic reduce, gamma sampling and the
+operands, identities over several operands, sinks, a variadic reduce, gamma sampling and the
 block-scaled dot; and the hook of mulhi, which XLA cannot compile inside a manual region.
 
 Each rule keeps whole only the dims whose split would change the result, so none of these ops needs the
 replicated fallback (tests/test_primitive_census.py finds any primitive the registry has no rule for).
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,36 +16,30 @@ from .factors import FactorNames, Rule
 from .program import Eqn, shape_of
 
 
-def _has_shape(x) -> bool:
-    return hasattr(x.aval, "shape")
+def _dims(n: FactorNames, x) -> tuple:
+    """A fresh factor per dim of x."""
+    return tuple((n.new(s),) for s in shape_of(x))
 
 
 def generator(eqn: Eqn) -> Rule:
     """No operands (jnp.empty, platform_index): every result dim may split, each device makes its block."""
     n = FactorNames()
-    res = tuple(tuple((n.new(s),) for s in shape_of(v)) for v in eqn.outvars)
+    res = tuple(_dims(n, v) for v in eqn.outvars)
     return Rule(eqn.name, tuple(() for _ in eqn.invars), res, n.sizes)
 
 
 def each_operand(eqn: Eqn) -> Rule:
     """Result i is operand i (optimization_barrier): every dim passes through, each operand on its own."""
     n = FactorNames()
-    ops = tuple(tuple((n.new(s),) for s in shape_of(x)) for x in eqn.invars)
+    ops = tuple(_dims(n, x) for x in eqn.invars)
     return Rule(eqn.name, ops, ops[: len(eqn.outvars)], n.sizes)
 
 
 def sink(eqn: Eqn) -> Rule:
     """No results (dce_sink keeps its operands alive): the operands stay as they are."""
     n = FactorNames()
-    ops = tuple(tuple((n.new(s),) for s in shape_of(x)) for x in eqn.invars)
+    ops = tuple(_dims(n, x) for x in eqn.invars)
     return Rule(eqn.name, ops, (), n.sizes)
-
-
-def token(eqn: Eqn) -> Optional[Rule]:
-    """create_token, after_all: tokens order effects and hold no data; array operands pass as they are."""
-    n = FactorNames()
-    ops = tuple(tuple((n.new(s),) for s in shape_of(x)) if _has_shape(x) else () for x in eqn.invars)
-    return Rule(eqn.name, ops, tuple(() for _ in eqn.outvars), n.sizes)
 
 
 def variadic_reduce(eqn: Eqn) -> Rule:

@@ -140,7 +140,6 @@ def _cumulative(kind: str) -> Op:
 _KEYS = Op(R.trailing)
 
 OPS: dict[str, Op] = {
-    "after_all": Op(RR.token),
     "argmax": _ARG,
     "argmin": _ARG,
     "bitcast_convert_type": Op(R.bitcast_convert_type),
@@ -149,7 +148,6 @@ OPS: dict[str, Op] = {
     "cond": Op(form=CF.FORMS["cond"]),
     "conv_general_dilated": Op(W.conv_rule, W.conv_hook, W.collectives, W.received_keys,
                                fold=Fold(window=_conv_window)),
-    "create_token": Op(RR.token),
     "cumlogsumexp": _cumulative("cumlogsumexp"),
     "cummax": _cumulative("cummax"),
     "cummin": _cumulative("cummin"),

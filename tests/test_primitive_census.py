@@ -15,6 +15,11 @@ from primitive_census import census, public_functions
 pytestmark = pytest.mark.newest_jax  # .ci/run runs this file on the newest supported JAX too
 
 
+# Tokens order effects (infeed, outfeed, callbacks) and hold no data: the partitioner takes no token values, so
+# lax.create_token and lax.after_all, which make only tokens, have no rule.
+TOKENS = {"create_token", "after_all"}
+
+
 def _handled(name: str) -> bool:
     op = REG.op_for(name)
     return op is not None and (op.rule is not REG._no_rule or bool(op.form or op.manual or op.checkpoint
@@ -28,7 +33,7 @@ def test_every_primitive_jax_emits_has_a_rule():
     # functions stopped tracing here would otherwise pass by emitting nothing
     assert len(traced) >= 0.6 * len(public_functions()), (len(traced), len(public_functions()))
     assert {"dot_general", "scan", "while", "sort", "gather", "cumsum", "conv_general_dilated"} <= set(emitted)
-    missing = {name: sorted(fns)[:4] for name, fns in emitted.items() if not _handled(name)}
+    missing = {name: sorted(fns)[:4] for name, fns in emitted.items() if not _handled(name) and name not in TOKENS}
     assert not missing, f"primitives with no rule in partitioner/registry.py (and functions emitting them): {missing}"
 
 
