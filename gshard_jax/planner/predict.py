@@ -81,9 +81,11 @@ def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware, trace_pe
 
 
 def abstract_state(cfg: ml_collections.ConfigDict, c: Candidate) -> Any:
-    """The train state's shapes and dtypes (ShapeDtypeStructs) for cfg, shared by every candidate."""
+    """The train state's shapes and dtypes (ShapeDtypeStructs) for cfg, shared by every candidate: nothing else,
+    so an offloaded candidate's host memory (part of an aval from JAX 0.11) does not reach the others."""
     from ..training.train import Trainer
-    return jax.eval_shape(Trainer(apply(cfg, c), "", mesh=abstract_mesh(c)).init_state, jax.random.key(0))
+    state = jax.eval_shape(Trainer(apply(cfg, c), "", mesh=abstract_mesh(c)).init_state, jax.random.key(0))
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type), state)
 
 
 _STATES: dict = {}  # the abstract train state per model config (this process's)
