@@ -24,7 +24,6 @@ from . import annotations as A, sources as SRC, specs as S
 from .partitioner import lower as L, subaxes as SUB
 from .partitioner.fold import fold_constant_reductions, fold_pads, merge_common, static_slices
 from .partitioner.hardware import Hardware
-from .partitioner.jax_compat import to_lojax
 from .partitioner.program import Program, Value, from_jaxpr
 from .partitioner.propagation import Assignment, propagate
 from .partitioner.report import Report, ValueInfo
@@ -85,7 +84,6 @@ def trace(fn: Callable, mesh, in_shardings, out_shardings, placements: tuple, ar
         TRACED.reset(token)
     # Assignment the program XLA will run: values nothing uses (e.g. the forward loss inside jax.grad) are
     # dropped first, so no collective is planned or reported for them, and there is less to partition.
-    closed = to_lojax(closed)  # JAX 0.12's high-level primitives expanded, as JAX expands them
     jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
     closed = jax.extend.core.ClosedJaxpr(jaxpr, closed.consts)
     out_tree = jax.tree_util.tree_structure(out_shape)

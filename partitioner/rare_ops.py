@@ -1,5 +1,5 @@
 """Factor rules for the primitives that models rarely emit but jax.lax and jax.numpy do: generators without
-operands, identities over several operands, sinks, a variadic reduce, gamma sampling and the
+operands, identities over several operands (and sinks), a variadic reduce, gamma sampling and the
 block-scaled dot; and the hook of mulhi, which XLA cannot compile inside a manual region.
 
 Each rule keeps whole only the dims whose split would change the result, so none of these ops needs the
@@ -29,17 +29,11 @@ def generator(eqn: Eqn) -> Rule:
 
 
 def each_operand(eqn: Eqn) -> Rule:
-    """Result i is operand i (optimization_barrier): every dim passes through, each operand on its own."""
+    """Result i is operand i (optimization_barrier; dce_sink, which has no results and keeps its operands
+    alive): every dim passes through, each operand on its own."""
     n = FactorNames()
     ops = tuple(_dims(n, x) for x in eqn.invars)
     return Rule(eqn.name, ops, ops[: len(eqn.outvars)], n.sizes)
-
-
-def sink(eqn: Eqn) -> Rule:
-    """No results (dce_sink keeps its operands alive): the operands stay as they are."""
-    n = FactorNames()
-    ops = tuple(_dims(n, x) for x in eqn.invars)
-    return Rule(eqn.name, ops, (), n.sizes)
 
 
 def variadic_reduce(eqn: Eqn) -> Rule:
@@ -48,7 +42,7 @@ def variadic_reduce(eqn: Eqn) -> Rule:
     axes = set(eqn.params["dimensions"])
     k = len(eqn.outvars)
     n = FactorNames()
-    dims = tuple((n.new(s),) for s in shape_of(eqn.invars[0]))
+    dims = _dims(n, eqn.invars[0])
     kept = tuple(f for d, f in enumerate(dims) if d not in axes)
     return Rule("reduce(computation)", (dims,) * k + ((),) * k, (kept,) * k, n.sizes,
                 replicated=frozenset(dims[d][0] for d in axes))
@@ -60,7 +54,7 @@ def random_gamma(eqn: Eqn) -> Rule:
     key, alpha = eqn.invars
     kd = len(shape_of(key))
     n = FactorNames()
-    dims = tuple((n.new(s),) for s in shape_of(alpha))
+    dims = _dims(n, alpha)
     return Rule("random_gamma", (dims[:kd], dims), (dims,), n.sizes,
                 replicated=frozenset(f for (f,) in dims[kd:]))
 

@@ -154,7 +154,7 @@ OPS: dict[str, Op] = {
     "cumprod": _cumulative("prod"),
     "cumsum": _cumulative("sum"),
     # a move between device and host memory (gshard_jax/sources.py keeps it; other device_puts are annotations)
-    "dce_sink": Op(RR.sink),
+    "dce_sink": Op(RR.each_operand),
     "device_put": Op(R.elementwise),
     "dot_general": Op(R.dot_general),
     "dynamic_slice": Op(R.dynamic_slice_rule, H.dynamic_slice_hook, fold=Fold(static_starts=True)),
