@@ -107,8 +107,10 @@ def _gqa(x, wk, wq):
 
 
 def _gqa_args():
+    """Small integers: every product and sum is exact in float32 (|result| < 2**24), so any order of
+    summation, on any machine, gives the same bits and the comparison can be exact."""
     r = np.random.default_rng(0)
-    return tuple(jnp.asarray(r.standard_normal(s), jnp.float32) for s in ((8, 32), (32, 16), (32, 64)))
+    return tuple(jnp.asarray(r.integers(-2, 3, s), jnp.float32) for s in ((8, 32), (32, 16), (32, 64)))
 
 
 def test_gqa_splits_heads_over_a_sub_axis_like_xla():
@@ -121,7 +123,7 @@ def test_gqa_splits_heads_over_a_sub_axis_like_xla():
         f = gs.partition(_gqa, mesh, in_shardings=ins, out_shardings=outs, backend=backend)
         compiled = f.lower(*args).compile()
         got[backend], stats[backend] = compiled(*args), gs.collective_stats(compiled)
-    np.testing.assert_allclose(got["gshard"], jax.jit(_gqa)(*args), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got["gshard"], jax.jit(_gqa)(*args))
     assert_report_matches_hlo(report, stats["gshard"])
     moved = {b: sum(s["moved_bytes"] for s in stats[b].values()) for b in stats}
     assert moved["gshard"] <= moved["xla"], moved
