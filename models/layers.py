@@ -118,6 +118,25 @@ class Embed(nn.Module):
         return jnp.einsum("BLD,VD->BLV", x_BLD, table_VD) * jnp.asarray(self.d_model ** -0.5, self.dtype)
 
 
+# TransformerConfig.attention: "einsum" writes scores and softmax as einsums (any platform, any dtype);
+# "xla" and "cudnn" are jax.nn.dot_product_attention's implementations (cuDNN's fused flash attention needs
+# an NVIDIA GPU and bf16 or fp16); "auto" takes cudnn where it runs and einsum elsewhere.
+ATTENTION_IMPLEMENTATIONS = ("auto", "einsum", "xla", "cudnn")
+
+
+def attention_implementation(choice: str, q_BLHK: jax.Array) -> str:
+    """The implementation `choice` means for these queries: "auto" resolves to cudnn on a CUDA GPU with bf16 or
+    fp16 heads of a size cuDNN's flash attention takes (a multiple of 8, at most 128), else to einsum."""
+    if choice not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attention={choice!r}; expected one of {ATTENTION_IMPLEMENTATIONS}")
+    if choice != "auto":
+        return choice
+    head_dim = q_BLHK.shape[-1]
+    fused = (jax.default_backend() == "gpu" and q_BLHK.dtype in (jnp.bfloat16, jnp.float16)
+             and head_dim % 8 == 0 and head_dim <= 128)
+    return "cudnn" if fused else "einsum"
+
+
 class Attention(nn.Module):
     """Multi-head self- or cross-attention; causal masking and RoPE optional.
 
@@ -130,6 +149,7 @@ class Attention(nn.Module):
     causal: bool = False
     use_rope: bool = False
     dtype: jnp.dtype = jnp.float32
+    attention: str = "einsum"  # how scores are computed where no ring runs: ATTENTION_IMPLEMENTATIONS
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array, kv_BTD: Optional[jax.Array] = None,
@@ -167,6 +187,18 @@ class Attention(nn.Module):
                                          layout="zigzag" if self.causal else "contiguous", batch_axes=batch,
                                          head_axes=heads).astype(self.dtype)
             return project(out_BLHK)
+        impl = attention_implementation(self.attention, q_BLHK)
+        if impl != "einsum":  # jax.nn.dot_product_attention: the fused kernel (partitioner/fused_attention.py)
+            causal_prefix = self.causal and n == 1  # positions 0..L-1 in order: the kernel's own causal mask
+            mask_BHLT = None
+            if self.causal and not causal_prefix:
+                mask_BHLT = (pos_L[:, None] >= pos_T[None, :])[None, None]
+            if kv_mask_BT is not None:
+                kv_BHLT = kv_mask_BT[:, None, None, :]
+                mask_BHLT = kv_BHLT if mask_BHLT is None else mask_BHLT & kv_BHLT
+            out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BTHK, v_BTHK, mask=mask_BHLT, is_causal=causal_prefix,
+                                                    scale=K ** -0.5, implementation=impl)
+            return project(out_BLHK.astype(self.dtype))
         logits_BHLT = jnp.einsum("BLHK,BTHK->BHLT", q_BLHK, k_BTHK).astype(jnp.float32) * K ** -0.5
         logits_BHLT = constrain(logits_BHLT, ("batch", "heads", "length", None), r)
         allowed = jnp.ones((1, 1, L, T), bool)

@@ -51,6 +51,7 @@ class TransformerConfig:
     scan: bool = False  # run the layer periods as one nn.scan
     remat: str = "none"  # checkpoint policy per period: "none" | "full" | "dots" | "dots_saveable"
     remat_modules: tuple = ()  # modules checkpointed each on its own (seed 001): any of REMAT_MODULES
+    attention: str = "auto"  # "auto" (cudnn on a GPU, else einsum) | "einsum" | "xla" | "cudnn" (layers.py)
     dtype: str = "float32"  # compute dtype ("bfloat16" for mixed precision; params stay float32)
     rules: Rules = DEFAULT_RULES  # logical axis -> mesh axes table
     sequence_parallel: bool = False  # the residual stream split along its positions over y (sharding.py)
@@ -78,6 +79,9 @@ def check(cfg: TransformerConfig, decoder_only: bool) -> None:
     """A ValueError naming the first bad field of `cfg`."""
     if cfg.remat not in REMAT_POLICIES:
         raise ValueError(f"TransformerConfig.remat={cfg.remat!r}; expected one of {tuple(REMAT_POLICIES)}")
+    if cfg.attention not in layers.ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"TransformerConfig.attention={cfg.attention!r}; expected one of "
+                         f"{layers.ATTENTION_IMPLEMENTATIONS} (auto: cuDNN's fused attention on a GPU, else einsum)")
     bad = [m for m in cfg.remat_modules if m not in REMAT_MODULES]
     if bad or isinstance(cfg.remat_modules, str):
         raise ValueError(f"TransformerConfig.remat_modules={cfg.remat_modules!r}; expected a tuple of any of "
@@ -128,7 +132,7 @@ class Block(nn.Module):
         source tokens are real; the encoder's self-attention (no `cross`) and the decoder's cross-attention
         read only those."""
         c, r, dt = self.cfg, self.cfg.rules, self.cfg.compute_dtype
-        attn = dict(num_heads=c.num_heads, head_dim=c.head_dim, rules=r, dtype=dt)
+        attn = dict(num_heads=c.num_heads, head_dim=c.head_dim, rules=r, dtype=dt, attention=c.attention)
         own = lambda cls, module: nn.remat(cls, static_argnums=(2,) if module == "moe" else ()) \
             if module in c.remat_modules else cls  # checkpointed on its own: recomputed in the backward pass
         norm = lambda name: layers.norm(c.norm, name, dt, remat="norm" in c.remat_modules)

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from .sharding import Axes, Sharding, splittable
 
@@ -43,6 +43,9 @@ class Rule:
     late_backward: bool = False  # propagates backward only once nothing else proposes (a broadcast)
     link: bool = False  # a control-flow identity (carry, body argument): a value linked to a pinned one is pinned
     rings: bool = False  # a collective matmul may replace its all-gather of an operand or reduce-scatter of its result
+    # The op's work from its factors' local sizes, where the product of every factor is not it (a fused kernel
+    # whose factors are not one loop nest); None: that product (twice, with a reduction).
+    work: Optional[Callable[[Mapping[str, int]], float]] = dataclasses.field(default=None, compare=False)
     # Memo of tensor_to_factors / factors_to_tensor: propagation and lowering ask often. A rule belongs to one
     # program on one mesh; the memo starts afresh if asked about another mesh.
     memo: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)

@@ -43,7 +43,16 @@ import functools
 import math
 from typing import Callable, Optional
 
-from . import control_flow as CF, hooks as H, rare_ops as RR, reorder as RO, roll as RL, rules as R, windowed as W
+from . import (
+    control_flow as CF,
+    fused_attention as FA,
+    hooks as H,
+    rare_ops as RR,
+    reorder as RO,
+    roll as RL,
+    rules as R,
+    windowed as W,
+)
 from .cost import Collective
 from .factors import Rule
 from .program import Eqn
@@ -157,6 +166,9 @@ OPS: dict[str, Op] = {
     "dce_sink": Op(RR.each_operand),
     "device_put": Op(R.elementwise),
     "dot_general": Op(R.dot_general),
+    # jax.nn.dot_product_attention(implementation="cudnn"): the fused kernel on each device's batch and heads
+    "dot_product_attention_bwd_wrapper": Op(FA.backward),
+    "dot_product_attention_fwd_wrapper": Op(FA.forward),
     "dynamic_slice": Op(R.dynamic_slice_rule, H.dynamic_slice_hook, fold=Fold(static_starts=True)),
     "dynamic_update_slice": Op(lambda eqn: RO.update_rule(eqn, R.dynamic_update_slice_rule), RO.update_hook),
     "empty": Op(RR.generator),  # jnp.empty: each device makes its block

@@ -244,8 +244,10 @@ class Strategy:
         # a leader of several followers (the pieces of a split or a concatenation) is counted once, for them all.
         followers = collections.Counter(rule.ties.values())
         skip = {f for f, n in followers.items() if n == 1} | {f for f, lead in rule.ties.items() if followers[lead] > 1}
-        work = math.prod(rule.sizes[f] // math.prod(self.mesh_shape[a] for a in fs.get(f, ()))
-                         for f in rule.factors if f not in skip)
+        local = {f: rule.sizes[f] // math.prod(self.mesh_shape[a] for a in fs.get(f, ())) for f in rule.factors}
+        if rule.work is not None:
+            return compute_time(rule.work(local), self.profile)
+        work = math.prod(n for f, n in local.items() if f not in skip)
         return compute_time(work * (2 if rule.reductions else 1), self.profile)
 
     def _aligned(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Sharding],

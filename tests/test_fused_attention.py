@@ -1,0 +1,135 @@
+"""Fused attention through the partitioner: the models' `attention` option and the rule of cuDNN's kernel.
+
+On CPU, `implementation="xla"` runs: the partitioned model must compute the einsum model's loss and every
+gradient, with no more communication than XLA's partitioner. cuDNN's kernel cannot run here, but it traces
+once JAX's cuDNN probes are answered, so its rule is checked on the plan and the per-device program.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.cudnn import fused_attention_stablehlo as FAS
+from jax.sharding import PartitionSpec as P
+from test_models import model_and_batch
+
+import gshard_jax as gs
+from gshard_jax.models import layers
+from gshard_jax.models.transformer import loss_fn
+from gshard_jax.partitioner import fused_attention as FA
+from helpers import assert_close, assert_report_matches_hlo, get_mesh, hlo_stats
+
+
+def _moved(stats) -> float:
+    return sum(s["moved_bytes"] for s in stats.values())
+
+
+@pytest.mark.parametrize("name", ["tiny_moe_lm", pytest.param("tiny_moe_encdec", marks=pytest.mark.slow)])
+def test_xla_attention_partitions_to_the_einsum_models_loss_and_gradients(name):
+    """Heads split over `model`, batch over `data`: the kernel's inputs stay where the projections put them."""
+    mesh = gs.make_mesh({"data": 2, "expert": 2, "model": 2})
+    einsum, params, batch = model_and_batch(name, attention="einsum")
+    fused, _, _ = model_and_batch(name, attention="xla")
+    step = lambda model: jax.value_and_grad(lambda p, b: loss_fn(model, p, b)[0])
+    want = jax.jit(step(einsum))(params, batch)
+    got = gs.partition(step(fused), mesh)(params, batch)
+    assert_close(got, want, rtol=2e-4, atol=2e-5)
+    report = gs.explain(step(fused), mesh, params, batch)
+    assert report.fallbacks == []
+    stats = {b: hlo_stats(gs.partition(step(fused), mesh, backend=b), params, batch) for b in ("gshard", "xla")}
+    assert_report_matches_hlo(report, stats["gshard"])
+    assert _moved(stats["gshard"]) <= _moved(stats["xla"]), (stats["gshard"], stats["xla"])
+    # the fused form moves no more than the einsum model does under our partitioner: attention itself moves nothing
+    assert _moved(stats["gshard"]) <= _moved(hlo_stats(gs.partition(step(einsum), mesh), params, batch))
+
+
+def test_auto_takes_cudnn_only_on_a_gpu_with_half_precision_heads_it_fits(monkeypatch):
+    q = lambda dtype, head: jnp.zeros((1, 4, 2, head), dtype)
+    assert layers.attention_implementation("auto", q(jnp.bfloat16, 128)) == "einsum"  # this CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert layers.attention_implementation("auto", q(jnp.bfloat16, 128)) == "cudnn"
+    assert layers.attention_implementation("auto", q(jnp.float16, 64)) == "cudnn"
+    assert layers.attention_implementation("auto", q(jnp.float32, 128)) == "einsum"
+    assert layers.attention_implementation("auto", q(jnp.bfloat16, 256)) == "einsum"
+    assert layers.attention_implementation("xla", q(jnp.bfloat16, 128)) == "xla"
+
+
+def test_an_unknown_attention_names_the_choices():
+    with pytest.raises(ValueError, match=r"attention='flash'.*'auto', 'einsum', 'xla', 'cudnn'"):
+        model_and_batch("tiny_moe_lm", attention="flash")
+
+
+@pytest.fixture
+def cudnn_traces(monkeypatch):
+    """JAX's cuDNN probes answered as an H100 with cuDNN 9.10 would: the kernel traces (it cannot compile)."""
+    monkeypatch.setattr(FAS, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(FAS, "check_compute_capability", lambda capability: True)
+    monkeypatch.setattr(FAS, "is_cuda_compute_capability_equal", lambda capability: False)
+
+
+def _attention_step(causal: bool):
+    def loss(q, k, v):
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+
+def _qkv(heads=8, kv_heads=4):
+    q = jnp.zeros((4, 64, heads, 32), jnp.bfloat16)
+    k = jnp.zeros((4, 64, kv_heads, 32), jnp.bfloat16)
+    return q, k, k
+
+
+def _fused_eqns(jaxpr) -> list:
+    """The fused kernel's equations in a (partitioned) program, shard_map bodies included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name.startswith("dot_product_attention"):
+            found.append(eqn)
+        inner = eqn.params.get("jaxpr")
+        if inner is not None:
+            found += _fused_eqns(getattr(inner, "jaxpr", inner))
+    return found
+
+
+def test_the_layout_values_are_jaxs(cudnn_traces):
+    assert (FA.BTNH, FA.BNTH) == (FAS.AttentionLayout.BTNH.value, FAS.AttentionLayout.BNTH.value)
+
+
+def test_cudnn_attention_runs_on_each_devices_batch_and_kv_head_groups(cudnn_traces):
+    """GQA: 8 query heads share 4 K/V heads; `model` (4) splits the K/V heads, each device keeps its 2 query
+    heads with their one K/V head (never repeated), `data` the batch. No collective but the loss's sum."""
+    mesh = get_mesh("2x4")
+    q, k, v = _qkv()
+    spec = P("data", None, "model", None)
+    step = _attention_step(causal=True)
+    report = gs.explain(step, mesh, q, k, v, in_shardings=(spec,) * 3)
+    assert report.fallbacks == []
+    kinds = {r.primitive: r.strategy for r in report.rows if r.primitive.startswith("dot_product_attention")}
+    assert set(kinds) == {"dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper"}
+    assert all(("fused_attention" in s) and "=data" in s and "=model" in s for s in kinds.values()), kinds
+    assert [str(c).split()[0] for c in report.collectives] == ["all-reduce[data,model]"]  # the scalar loss
+    assert [str(o.planned) for o in report.outputs[1:]] == ["[data, -, model, -]"] * 3
+    local = _fused_eqns(jax.make_jaxpr(gs.partition(step, mesh, in_shardings=(spec,) * 3))(q, k, v).jaxpr)
+    assert [tuple(x.aval.shape) for x in local[0].invars[:3]] == [(2, 64, 2, 32), (2, 64, 1, 32), (2, 64, 1, 32)]
+    assert len(local) == 2
+    # the predicted work is the kernel's: 2 matmuls of T x S per row and head, half of them causal, 2.5x backward
+    fwd, bwd = (next(r for r in report.rows if r.primitive == p) for p in
+                ("dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper"))
+    flops = 2 * 2 * 2 * 64 * 64 * (32 + 32) * 0.5
+    assert fwd.compute_time == pytest.approx(flops / report.profile.flops)
+    assert bwd.compute_time == pytest.approx(2.5 * flops / report.profile.flops)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_split_sequence_is_gathered_where_the_mask_needs_positions(cudnn_traces, causal):
+    """Keys are always read whole (the kernel's softmax spans them); query rows split freely without a
+    causal mask, and are gathered (a stated all-gather) with one."""
+    mesh = get_mesh("2x4")
+    q, k, v = _qkv(heads=4, kv_heads=4)
+    spec = P(None, "model", None, None)
+    report = gs.explain(_attention_step(causal), mesh, q, k, v, in_shardings=(spec,) * 3)
+    assert report.fallbacks == []
+    fwd = next(r for r in report.rows if r.primitive == "dot_product_attention_fwd_wrapper")
+    gathered = [n for n, o in enumerate(fwd.operands[:3]) if o.have != o.need]
+    assert gathered == ([0, 1, 2] if causal else [1, 2]), [str(o) for o in fwd.operands[:3]]
