@@ -47,6 +47,9 @@ class Hardware:
     # Whether device memory is a concern to the partitioner: then a windowed op (convolution, pooling, pad,
     # slice) never gathers a split dim where a halo exchange keeps it split, however much time a gather saves.
     memory_matters: bool = True
+    # Lower-case pieces of jax.Device.device_kind that name this profile's device ("h100" in "NVIDIA H100 80GB
+    # HBM3"): which peak a run's MFU divides by (`for_device`).
+    device_kinds: tuple = ()
     # The mesh the profile is placed on, axes outermost first (`placed`): what bandwidth_of reads placement from.
     order: tuple = ()
 
@@ -142,28 +145,45 @@ PROFILES: dict[str, Hardware] = {h.name: h for h in (
     Hardware("cpu-simulation", "cpu", devices_per_node=8, peak_flops=50e9, efficiency=0.5, memory_gib=2.0,
              intra_bandwidth=10 * GB, inter_bandwidth=10 * GB, latency=20e-6, overlap=False,
              source="this project's simulated CPU devices: one host, collectives run between matmuls",
-             host_bandwidth=10 * GB, host_memory_gib=2.0),
+             host_bandwidth=10 * GB, host_memory_gib=2.0, device_kinds=("cpu",)),
     Hardware("h100-8", "gpu", devices_per_node=8, peak_flops=989e12, efficiency=0.5, memory_gib=80.0,
              intra_bandwidth=450 * GB, inter_bandwidth=400 * GB, latency=10e-6, overlap=True,
              source="8 H100 SXM per node, NVLink 4 (450 GB/s per direction per GPU), 8 x 400 Gb/s InfiniBand; "
-                    "PCIe 5 x16 to 2 TB of host memory", host_bandwidth=50 * GB, host_memory_gib=200.0),
+                    "PCIe 5 x16 to 2 TB of host memory", host_bandwidth=50 * GB, host_memory_gib=200.0,
+             device_kinds=("h100",)),
+    Hardware("h200-8", "gpu", devices_per_node=8, peak_flops=989e12, efficiency=0.5, memory_gib=141.0,
+             intra_bandwidth=450 * GB, inter_bandwidth=400 * GB, latency=10e-6, overlap=True,
+             source="8 H200 SXM per node (an H100's compute with 141 GB of HBM3e), NVLink 4, 8 x 400 Gb/s "
+                    "InfiniBand; PCIe 5 x16 to 2 TB of host memory", host_bandwidth=50 * GB, host_memory_gib=200.0,
+             device_kinds=("h200",)),
     Hardware("perlmutter-a100", "gpu", devices_per_node=4, peak_flops=312e12, efficiency=0.5, memory_gib=40.0,
              intra_bandwidth=76 * GB, inter_bandwidth=100 * GB, latency=10e-6, overlap=True,
              table=((1, 1, 2, 2, 76.0), (1, 1, 4, 4, 225.0), (1, 1, 8, 0, 80.0), (2, 2, 2, 2, 76.0),
                     (2, 2, 4, 0, 40.0), (4, 0, 1, 0, 20.0)),
              source="Perlmutter: 4 A100 40GB per node, NVLink 3, 4 x 200 Gb/s Slingshot; AxoNN's measured table; "
-                    "PCIe 4 x16 to 256 GB of host memory", host_bandwidth=25 * GB, host_memory_gib=60.0),
+                    "PCIe 4 x16 to 256 GB of host memory", host_bandwidth=25 * GB, host_memory_gib=60.0,
+             device_kinds=("a100",)),
     Hardware("tpu-v3", "tpu", devices_per_node=2048, peak_flops=61.5e12, efficiency=0.5, memory_gib=16.0,
              intra_bandwidth=70 * GB, inter_bandwidth=70 * GB, latency=5e-6, overlap=True,
              source="TPU v3 cores (2 per chip, 123 TFLOP/s bf16 per chip, 16 GiB HBM per core); a pod's 2D "
                     "torus ICI is one level; about 40 GiB of host memory per core over PCIe 3",
-             host_bandwidth=10 * GB, host_memory_gib=40.0),
+             host_bandwidth=10 * GB, host_memory_gib=40.0, device_kinds=("tpu v3",)),
     Hardware("aurora-pvc", "gpu", devices_per_node=12, peak_flops=419e12, efficiency=0.4, memory_gib=64.0,
              intra_bandwidth=100 * GB, inter_bandwidth=200 * GB, latency=10e-6, overlap=True,
              source="Aurora: 6 Max 1550 GPUs of 2 tiles per node (12 tiles, 64 GiB each), Xe Link, "
                     "8 x 200 Gb/s Slingshot; PCIe 5 per GPU shared by its 2 tiles, 1 TB of DDR5 per node",
-             host_bandwidth=25 * GB, host_memory_gib=80.0),
+             host_bandwidth=25 * GB, host_memory_gib=80.0, device_kinds=("max 1550",)),
 )}
+
+
+def for_device(device_kind: str) -> Optional[Hardware]:
+    """The built-in profile of a jax.Device.device_kind ("NVIDIA H100 80GB HBM3" -> h100-8), None if none
+    names it."""
+    kind = device_kind.lower()
+    for hw in PROFILES.values():
+        if any(piece in kind for piece in hw.device_kinds):
+            return hw
+    return None
 
 
 def from_json(path: str) -> Hardware:
@@ -179,6 +199,7 @@ def from_json(path: str) -> Hardware:
     if missing:
         raise ValueError(f"hardware profile {path}: missing fields {missing}")
     raw["table"] = tuple(tuple(r) for r in raw.get("table", ()))
+    raw["device_kinds"] = tuple(raw.get("device_kinds", ()))
     return Hardware(**raw)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+import warnings
 from typing import Callable, Mapping
 
 import jax
@@ -27,11 +28,27 @@ def median_times(fns: Mapping[str, Callable[[], object]], steps: int, warmup: in
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def device_kind() -> str:
+    """What the run's devices are ("NVIDIA H100 80GB HBM3", "cpu")."""
+    return jax.devices()[0].device_kind
+
+
 def peak_flops(cfg: configs.Config | configs.ConfigDict) -> float:
-    """Flop/s of one device for the mfu metric: train.peak_flops, else the hardware profile's."""
+    """Flop/s of one device for the mfu metric: train.peak_flops, else train.hardware's profile, else ("auto")
+    the built-in profile of the devices present; a ValueError where none knows them."""
     if cfg.train.peak_flops:
         return float(cfg.train.peak_flops)
-    return hardware.get(cfg.train.hardware).peak_flops
+    if cfg.train.hardware != "auto":
+        return hardware.get(cfg.train.hardware).peak_flops
+    kind = device_kind()
+    hw = hardware.for_device(kind)
+    if hw is None:
+        known = sorted(f"{k} ({h.name})" for h in hardware.PROFILES.values() for k in h.device_kinds)
+        raise ValueError(f"no peak flop/s is known for device kind {kind!r} (the built-in profiles know "
+                         f"{', '.join(known)}); set train.peak_flops to one device's dense bf16 flop/s, e.g. "
+                         f"--config.train.peak_flops=989e12 for an H100, or train.hardware to a profile's name or "
+                         f"JSON file (gshard-jax calibrate writes one)")
+    return hw.peak_flops
 
 
 def model_flops_per_token(cfg: configs.Config | configs.ConfigDict) -> float:
@@ -49,6 +66,7 @@ class Clock:
         self.first = self.prev = time.perf_counter()
         self.steps, self.seconds = 0, 0.0
         self.waits = {"data_wait_s": 0.0, "checkpoint_s": 0.0}
+        self.warned = False  # an mfu above 100% is said once
 
     def step_done(self, timed: bool) -> None:
         now = time.perf_counter()
@@ -72,9 +90,14 @@ class Clock:
         seconds = self.seconds if self.steps else time.perf_counter() - self.first
         steps = self.steps or 1
         tokens_per_s = steps * self.tokens_per_step / seconds
+        mfu = self.flops_per_token * tokens_per_s / (self.devices * self.peak)
+        if mfu > 1.0 and not self.warned:
+            self.warned = True
+            warnings.warn(f"mfu reads {mfu:.0%}: the devices compute faster than the peak it divides by "
+                          f"({self.peak:.3g} flop/s per device); set train.peak_flops to their dense bf16 peak, or "
+                          f"train.hardware to their profile", RuntimeWarning, stacklevel=2)
         row = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.devices,
-               "mfu": self.flops_per_token * tokens_per_s / (self.devices * self.peak),
-               "step_time_s": seconds / steps, **self.waits}
+               "mfu": mfu, "step_time_s": seconds / steps, **self.waits}
         self.steps, self.seconds = 0, 0.0
         self.waits = dict.fromkeys(self.waits, 0.0)
         return row
