@@ -121,6 +121,26 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    _setup(args)  # the devices; the config as written (a ConfigDict) is what calibrate reads
+    cfg = _load(args)
+    from .planner import calibrate
+    check = None
+    if args.check:
+        check = overrides.apply(_load(args), overrides.split_args([f"--config.{kv}" for kv in args.check])[1])
+    result = calibrate.run(cfg, args.workdir, args.out, args.config, base=args.base, steps=args.steps, check=check)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{result['device_kind']}: step {result['step_s'] * 1e3:.1f} ms, {result['flops'] / 1e12:.3g} TFLOP "
+          f"-> efficiency {result['efficiency']:.1%} of {result['peak_flops'] / 1e12:.3g} TFLOP/s; wrote {args.out}")
+    if check is not None:
+        c = result["check"]
+        print(f"check ({', '.join(args.check)}): measured {c['measured_step_s'] * 1e3:.1f} ms, planned "
+              f"{c['predicted_step_s'] * 1e3:.1f} ms ({c['predicted_over_measured']:.2f}x)")
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     from .planner import axonn, hardware, search
     cfg = _load(args)
@@ -267,6 +287,20 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--steps", type=int, default=5, help="timed steps per backend")
     q.add_argument("--json", action="store_true", help="print JSON")
     q.set_defaults(run=_compare)
+
+    q = sub.add_parser("calibrate", help="measure the compute efficiency of a config's step on the device "
+                       "present and write a hardware profile for plan --hardware",
+                       description="Time the config's train step on one device (no communication) and write "
+                       "the device's profile with the efficiency measured: plan --hardware OUT ranks on it.")
+    _run_args(q)
+    q.add_argument("--out", required=True, metavar="PROFILE.json", help="the hardware profile to write")
+    q.add_argument("--base", default="", metavar="PROFILE", help="the profile whose figures the new one keeps "
+                   "(default: the built-in profile of the device's kind)")
+    q.add_argument("--steps", type=int, default=10, help="timed steps (after 2 untimed)")
+    q.add_argument("--check", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="also time the "
+                   "config with this override (repeatable) and compare the planner's prediction for it")
+    q.add_argument("--json", action="store_true", help="print JSON")
+    q.set_defaults(run=_calibrate)
 
     q = sub.add_parser("plan", help="rank parallel configurations of N devices for a config",
                        description="Enumerate mesh factorisations (and axis orders), ZeRO stages, EPSO, "

@@ -211,9 +211,15 @@ def model_flops_per_token(shape: ModelShape) -> float:
     return configs.flops_per_token(shape.active_params, layers, shape.d_model, shape.seq)
 
 
+def recompute(remat: str) -> float:
+    """The step's flops over its model flops: full remat runs the forward twice (4/3); the other policies
+    recompute no matmul."""
+    return 4 / 3 if remat == "full" else 1.0
+
+
 def flops(shape: ModelShape, c: Candidate) -> float:
     """Model flops of a step, with the recomputed forward of full remat."""
-    return model_flops_per_token(shape) * shape.tokens * (4 / 3 if c.remat == "full" else 1.0)
+    return model_flops_per_token(shape) * shape.tokens * recompute(c.remat)
 
 
 def bubble(c: Candidate) -> float:

@@ -1,0 +1,83 @@
+"""gshard-jax calibrate: the efficiency written is the one the timed step implies, the profile reads back, and
+the planner prices steps on it. Times are stood in for (a device's clock is the benchmark's business), by a
+clock that runs a step in proportion to its model flops, so the prediction for a config never timed is exact
+exactly when the planner's formula and the measurement agree on what a step computes."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from gshard_jax import cli, configs
+from gshard_jax.partitioner import hardware
+from gshard_jax.planner import calibrate, search
+from gshard_jax.training import overrides, timing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "experiments", "tiny_dense_lm.py")
+SMALL = ["--config.model.num_layers=2", "--config.model.vocab_size=512", "--config.train.batch_size=4", "--config.train.seq_len=32"]
+RATE = 2e9  # flop/s of the stand-in clock: 4% of cpu-simulation's 50 GFLOP/s peak
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("data"))
+    assert cli.main(["prepare-data", "--out", d, "--vocab-size", "300", "--max-bytes", "300000"]) == 0
+    return d
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """median_times as a device would answer it if each step ran at RATE flop/s of the planner's flops."""
+    timed = []
+
+    def median_times(fns, steps, warmup=0):
+        for fn in fns.values():
+            fn()  # the compiled step runs (it must)
+        timed.append(steps)
+        return dict.fromkeys(fns, current["flops"] / RATE)
+    current = {}
+    real = calibrate.model_flops_per_step
+
+    def flops(cfg):
+        current["flops"] = real(cfg)
+        return current["flops"]
+    monkeypatch.setattr(timing, "median_times", median_times)
+    monkeypatch.setattr(calibrate, "model_flops_per_step", flops)
+    return timed
+
+
+def _cfg(*extra):
+    return overrides.apply(configs.load(CONFIG), overrides.split_args([*SMALL, *extra])[1])
+
+
+def test_calibrate_writes_the_measured_efficiency_and_the_planner_predicts_another_step(
+        data_dir, tmp_path, clock, capsys):
+    out = tmp_path / "measured.json"
+    args = ["calibrate", "--config", CONFIG, "--workdir", str(tmp_path), "--out", str(out), "--steps", "2",
+            f"--config.data.dir={data_dir}", *SMALL, "--check", "train.batch_size=8", "--check", "model.remat=full",
+            "--json"]
+    # the model flops are computed before the step is timed; the stand-in clock reads them
+    assert cli.main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert clock == [2, 2]  # the config and the check, each timed
+    hw = hardware.get(str(out))
+    assert hw.name == "cpu-simulation-calibrated" and hw.device_kinds == ("cpu",)
+    assert hw.efficiency == pytest.approx(RATE / hardware.PROFILES["cpu-simulation"].peak_flops)
+    assert "measured by gshard-jax calibrate on cpu" in hw.source and "tiny_dense_lm.py" in hw.source
+    # the check ran another batch with full remat (4/3 of the flops): predicted as measured
+    assert result["check"]["predicted_over_measured"] == pytest.approx(1.0)
+    checked = _cfg("--config.train.batch_size=8", "--config.model.remat=full")
+    assert result["check"]["predicted_step_s"] == pytest.approx(calibrate.predicted_step(checked, hw))
+    # plan ranks on the file: the one-device candidate with the config's remat is priced at the measured step
+    plan = search.plan(_cfg(), 1, hw, top=20)
+    row = next(r for r in plan.ranked if r.candidate.remat == "none" and r.candidate.microbatches == 1)
+    assert row.estimate.step == pytest.approx(result["step_s"], rel=1e-6)
+
+
+def test_an_unknown_device_needs_a_base_profile():
+    with pytest.raises(ValueError, match=r"'Imaginary 9000'.*--base"):
+        calibrate.base_profile("Imaginary 9000")
+    assert calibrate.base_profile("Imaginary 9000", "h100-8").peak_flops == 989e12
+    assert calibrate.base_profile("NVIDIA H100 80GB HBM3").name == "h100-8"
