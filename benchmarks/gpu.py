@@ -56,7 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps per backend (after 2 untimed)")
     p.add_argument("--cases", default="tiny_moe_lm,tiny_dense_lm,mula_1b",
                    help=f"comma-separated, from {sorted(CASES)}")
-    p.add_argument("--hardware", default="h100-8", help="planner hardware profile whose peak flops MFU uses")
+    p.add_argument("--hardware", default="auto", help="hardware profile (a name or a JSON file, e.g. one "
+                   "`gshard-jax calibrate` wrote) whose peak MFU divides by and whose efficiency prices the planned "
+                   "compute; auto: the built-in profile of the devices' kind")
     p.add_argument("--flags", default="on,off", help="overlap flag settings to run: on, off or both")
     p.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices (a smoke run without GPUs)")
     p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
@@ -122,6 +124,8 @@ def child(args) -> dict:
     n = jax.device_count()
     tokens = cfg.train.batch_size * cfg.train.seq_len
     tokens_per_s_dev = tokens / median_s["gshard"] / n
+    from gshard_jax.planner import calibrate
+    hw = calibrate.base_profile(jax.devices()[0].device_kind, "" if args.hardware == "auto" else args.hardware)
     return {"case": args.child, "flags": os.environ["GSHARD_BENCH_FLAGS"], "devices": n,
             "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__, "mesh": dict(trainer.mesh.shape),
             "tokens_per_step": tokens, "ours_ms": 1e3 * median_s["gshard"], "xla_ms": 1e3 * median_s["xla"],
@@ -129,7 +133,10 @@ def child(args) -> dict:
             "mfu": model_flops_per_token(cfg) * tokens_per_s_dev / peak_flops(cfg),
             "ours_memory_bytes": memory["gshard"], "xla_memory_bytes": memory["xla"],
             "peak_bytes_in_use": int(stats.get("peak_bytes_in_use", 0)), "peak_flops": peak_flops(cfg),
-            "loss_diff": abs(losses["gshard"] - losses["xla"]),
+            "loss_diff": abs(losses["gshard"] - losses["xla"]), "profile": hw.name, "efficiency": hw.efficiency,
+            # the planner's compute for this step (model flops over devices x peak x efficiency): on one device
+            # the whole planned step
+            "planned_compute_ms": 1e3 * calibrate.predicted_step(cfg, hw) / n,
             "ours_ragged_all_to_all": ops["gshard"]["ragged-all-to-all"], "xla_ragged_all_to_all":
             ops["xla"]["ragged-all-to-all"], "ours_permutes": ops["gshard"]["collective-permute"],
             "xla_permutes": ops["xla"]["collective-permute"]}
@@ -149,7 +156,7 @@ def run_case(name: str, flags: str, args) -> dict:
 
 
 def format_rows(rows: list[dict]) -> str:
-    lines = [f"{'case':<22} {'flags':<5} {'ours ms':>8} {'xla ms':>8} {'ours/xla':>8} {'tok/s/dev':>10} "
+    lines = [f"{'case':<22} {'flags':<5} {'ours ms':>8} {'xla ms':>8} {'ours/xla':>8} {'planned':>8} {'tok/s/dev':>10} "
              f"{'MFU':>6} {'ours mem':>10} {'xla mem':>10} {'peak mem':>10} {'|dloss|':>8} {'ragged':>7} "
              f"{'permutes':>9}"]
     for r in rows:
@@ -157,7 +164,8 @@ def format_rows(rows: list[dict]) -> str:
             lines.append(f"{r['case']:<22} {r['flags']:<5} failed: {r['error']}")
             continue
         lines.append(f"{r['case']:<22} {r['flags']:<5} {r['ours_ms']:>8.2f} {r['xla_ms']:>8.2f} "
-                     f"{r['ours_ms'] / r['xla_ms']:>8.2f} {r['tokens_per_s_per_device']:>10,.0f} "
+                     f"{r['ours_ms'] / r['xla_ms']:>8.2f} {r['planned_compute_ms']:>8.2f} "
+                     f"{r['tokens_per_s_per_device']:>10,.0f} "
                      f"{100 * r['mfu']:>5.1f}% {r['ours_memory_bytes'] / 2**20:>8.1f}Mi "
                      f"{r['xla_memory_bytes'] / 2**20:>8.1f}Mi {r['peak_bytes_in_use'] / 2**20:>8.1f}Mi "
                      f"{r['loss_diff']:>8.1e} {r['ours_ragged_all_to_all']:>3}/{r['xla_ragged_all_to_all']:<3} "
@@ -165,8 +173,9 @@ def format_rows(rows: list[dict]) -> str:
     ok = [r for r in rows if "error" not in r]
     if ok:
         lines.append(f"{ok[0]['devices']} x {ok[0]['device_kind']}, jax {ok[0]['jax']}, mesh per case as "
-                     f"configured or all on data; MFU against the {ok[0]['hardware']} profile's peak "
-                     f"({ok[0]['peak_flops'] / 1e12:.0f} TFLOP/s); ragged and permutes: the ragged "
+                     f"configured or all on data; MFU against the {ok[0]['profile']} profile's peak "
+                     f"({ok[0]['peak_flops'] / 1e12:.3g} TFLOP/s); planned: the planner's compute ms at its "
+                     f"efficiency {ok[0]['efficiency']:.0%}; ragged and permutes: the ragged "
                      f"all-to-alls and collective-permutes of each compiled step, ours/xla")
     for case in dict.fromkeys(r["case"] for r in ok):
         on = [r for r in ok if r["case"] == case and r["flags"] == "on"]

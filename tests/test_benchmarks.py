@@ -3,6 +3,7 @@ themselves are the benchmarks' to print, not the tests' to hold)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -61,3 +62,31 @@ def test_the_one_command_gpu_benchmark_runs_every_case():
     listed = next(line for line in script.splitlines() if "--cases" in line).split("--cases")[1].split()[0]
     assert sorted(listed.split(",")) == sorted(gpu.CASES)
     assert os.access(os.path.join(ROOT, "benchmarks", "gpu.sh"), os.X_OK)
+
+
+def test_the_gpu_check_script_sets_fields_the_configs_have():
+    """benchmarks/gpu_check.sh runs where a GPU is lent, for minutes: every override it passes must be one the
+    config takes, checked here where it costs nothing (the cuDNN variant builds; it runs only on a GPU)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import gpu
+    finally:
+        sys.path.pop(0)
+    from gshard_jax import configs
+    with open(os.path.join(ROOT, "benchmarks", "gpu_check.sh")) as f:
+        script = f.read()
+    variants = re.search(r"for variant in (.*); do", script).group(1)
+    sets = re.search(r'--set "model.attention=\$attention" "model.remat=\$remat" "train.offload_optimizer=\$offload"',
+                     script)
+    assert sets, "the variant loop's --set arguments changed: update this test"
+    for attention, remat, offload in (v.split() for v in re.findall(r'"([^"]+)"', variants)):
+        cfg = gpu.configure("mula_1b", 1, "auto", [f"model.attention={attention}", f"model.remat={remat}",
+                                                   f"train.offload_optimizer={offload}"])
+        typed = configs.typed(cfg)
+        assert (typed.model.transformer.attention, typed.model.transformer.remat) == (attention, remat)
+        assert typed.train.offload_optimizer == (offload == "true")
+    calibrate = script[script.index("gshard_jax.cli calibrate"):]
+    for key in re.findall(r"--config\.([\w.]+)=", calibrate) + re.findall(r"--check ([\w.]+)=", calibrate):
+        section, field = key.split(".")
+        assert field in configs.load(os.path.join(ROOT, "experiments", "mula_1b.py"))[section], key
+    assert os.access(os.path.join(ROOT, "benchmarks", "gpu_check.sh"), os.X_OK)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU figures docs/training.md reports, in one call on one GPU (about 8 minutes on an H100): the plain-JAX
+# anchor (../shared/gpu/anchor_lm.py) and our Mula-1B step (benchmarks/gpu.py: ours against XLA's partitioner,
+# the config's scanned layers) with einsum and cuDNN attention, remat dots and none, the optimizer offloaded,
+# and the planner's compute efficiency calibrated on one remat policy and checked on the other.
+#   benchmarks/gpu_check.sh [OUT_DIR] [ANCHOR]
+# Rows go to OUT_DIR (default .): anchor.jsonl, ours_*.json, calibrated.json and calibrate.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-.}"
+anchor="${2:-../shared/gpu/anchor_lm.py}"
+mkdir -p "$out"
+status=0
+step() { echo "== $*" >&2; "$@" || status=1; }
+
+# the project's flops per token for Mula-1B at 2,048 tokens, and the device's peak: the anchor's MFU is ours
+read -r flops peak < <(python - <<'EOF'
+import jax
+from gshard_jax import configs
+from gshard_jax.partitioner import hardware
+cfg = configs.load("experiments/mula_1b.py")
+cfg.train.seq_len = 2048
+hw = hardware.for_device(jax.devices()[0].device_kind)
+print(int(configs.model_flops_per_token(cfg)), hw.peak_flops if hw else 989e12)
+EOF
+)
+if [ -f "$anchor" ]; then
+  step python "$anchor" --flops-per-token "$flops" --peak "$peak" \
+    --variants einsum:dots,einsum:none,cudnn:dots,cudnn:none | tee "$out/anchor.jsonl"
+else
+  echo "no anchor at $anchor: pass its path as the second argument" >&2
+  status=1
+fi
+for variant in "cudnn dots false" "einsum dots false" "cudnn none false" "cudnn dots true"; do
+  read -r attention remat offload <<<"$variant"
+  step python benchmarks/gpu.py --steps 10 --cases mula_1b --flags on \
+    --set "model.attention=$attention" "model.remat=$remat" "train.offload_optimizer=$offload" \
+    --json "$out/ours_${attention}_${remat}_offload_${offload}.json"
+done
+work="$(mktemp -d)"
+step python -m gshard_jax.cli calibrate --config experiments/mula_1b.py --workdir "$work" \
+  --out "$out/calibrated.json" --config.train.batch_size=4 --config.train.seq_len=2048 \
+  --config.model.attention=cudnn --config.model.remat=none --check model.remat=dots --json \
+  | tee "$out/calibrate.json"
+exit "$status"
