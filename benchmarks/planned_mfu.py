@@ -5,10 +5,12 @@ profile's efficiency, the pipeline's bubble, and the communication its list sche
 
     python benchmarks/planned_mfu.py                     # every case (several minutes: 3,072 devices take 540 s)
     python benchmarks/planned_mfu.py --cases gpt_40b_64  # one
+    python benchmarks/planned_mfu.py --efficiency 0.35   # at a measured compute efficiency
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 from gshard_jax import configs
@@ -29,6 +31,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--verify", type=int, default=5, help="candidates planned by the partitioner (as --top)")
+    p.add_argument("--efficiency", type=float, default=None, help="the compute efficiency to plan at instead of "
+                   "the profile's (e.g. one `gshard-jax calibrate` measured)")
     a = p.parse_args()
     print(f"{'case':<18} {'#1 (planned)':<52} {'step s':>7} {'compute':>7} {'bubble':>6} {'comm':>6} "
           f"{'exposed':>7} {'MFU':>6} {'target':>6}")
@@ -39,6 +43,8 @@ def main() -> None:
             section, field = key.split(".")
             cfg[section][field] = value
         hw = hardware.get(hw_name)
+        if a.efficiency is not None:
+            hw = dataclasses.replace(hw, efficiency=a.efficiency)
         t0 = time.perf_counter()
         best = plan(cfg, devices, hw, top=a.verify, verify=a.verify, worker=True).best
         e = best.estimate

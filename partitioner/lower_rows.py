@@ -6,6 +6,7 @@ planner's Lowering.cost()); their collectives are counted as the backend sends t
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 from .cost import on_the_wire
@@ -62,3 +63,20 @@ class ReportRows:
         writes = tuple(id(v) for v in eqn.outvars) if values else ()
         self._add_row(eqn.index, eqn.source, self._prefix + eqn.name, ops, res, strategy, log, fallback, compute,
                       self._trips, reads, writes, issue)
+        self.report.rows[-1].host_moves = self._host_moves(eqn, made)
+
+    def _host_moves(self, eqn: Eqn, made: list[Sharding]) -> dict:
+        """Bytes per device of the results that land in another memory space than their operand (a move
+        between device and host memory, which the op does to each operand on its own)."""
+        moves: dict = {}
+        if len(eqn.invars) != len(eqn.outvars):
+            return moves
+        for x, v, m in zip(eqn.invars, eqn.outvars, made):
+            before = getattr(getattr(x, "aval", None), "memory_space", None)
+            after = getattr(v.aval, "memory_space", None)
+            if before is None or after is None or before == after or tuple(x.shape) != tuple(v.shape):
+                continue
+            way = "to_host" if "host" in str(after).lower() else "to_device"
+            local = math.prod(m.local_shape(tuple(v.shape), self.mesh_shape))
+            moves[way] = moves.get(way, 0) + local * v.aval.dtype.itemsize
+        return moves

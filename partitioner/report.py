@@ -110,6 +110,9 @@ class Row:
     writes: tuple = ()
     issue: Optional[int] = None
     calls: int = 1
+    # Bytes per device this op moves between device and host memory per call: {"to_host": n, "to_device": n}
+    # (a device_put of a value to the other memory space: offloaded optimizer state, parameters, gradients).
+    host_moves: dict = dataclasses.field(default_factory=dict)
 
     @property
     def origins(self) -> list[str]:
@@ -120,7 +123,7 @@ class Row:
                 "operands": [o.to_dict() for o in self.operands], "outputs": [r.to_dict() for r in self.outputs],
                 "strategy": self.strategy, "collectives": [c.to_dict() for c in self.collectives],
                 "fallback": self.fallback, "compute_time_s": self.compute_time, "comm_time_s": self.comm_time,
-                "trips": self.trips}
+                "trips": self.trips, **({"host_moves": self.host_moves} if self.host_moves else {})}
 
 
 def _argument(name: str) -> str:
@@ -214,6 +217,15 @@ class Report:
                 t["moved_bytes"] += c.moved * n
         return out
 
+    def host_transfers(self) -> dict:
+        """Bytes per device a step moves between device and host memory: {"to_host": n, "to_device": n}, each
+        move as many times as its row runs."""
+        out = {"to_host": 0, "to_device": 0}
+        for r in self.rows:
+            for way, n in r.host_moves.items():
+                out[way] += n * r.trips
+        return out
+
     @property
     def comm_time(self) -> float:
         return sum(r.comm_time * r.trips for r in self.rows)
@@ -250,6 +262,7 @@ class Report:
             "totals_per_call": self.totals(dynamic=True),  # per step: a loop's collectives times its trips
             "predicted_comm_time_s": self.comm_time, "predicted_compute_time_s": self.compute_time,
             "predicted_exposed_comm_time_s": self.exposed_comm_time,
+            "host_transfers_per_step": self.host_transfers(),
             "fallbacks": [r.index for r in self.fallbacks]}, default=str, **kw)
 
     def _overlap_dict(self, o) -> dict:
@@ -318,6 +331,10 @@ class Report:
             lines.append(_fit(f"  as the HLO lists them (a loop body once): {listed}", 4))
         lines.append(f"  predicted communication {self.comm_time * 1e6:.3g}us ({self.exposed_comm_time * 1e6:.3g}us "
                      f"exposed), compute {self.compute_time * 1e6:.3g}us per step; fallbacks: {len(self.fallbacks)}")
+        host = self.host_transfers()
+        if any(host.values()):
+            lines.append(f"  host transfers: to host {_fmt_bytes(host['to_host'])}, to device "
+                         f"{_fmt_bytes(host['to_device'])} per step")
         if self.inputs:
             lines.append(_fit(self._memory_line(), 2))
         return lines

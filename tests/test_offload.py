@@ -69,6 +69,10 @@ def test_the_device_argument_bytes_drop_by_the_optimizers_share(dtype):
     assert r1.memory["compiled"]["argument"] == r1.memory["predicted"]["total"] + opt
     assert "in host memory optimizer" in " ".join(str(r1).split())  # the memory line, unwrapped
     assert '"predicted_host"' in r1.to_json()
+    # the step streams the whole optimizer state through the device: in at its start, out at its end
+    assert r0.host_transfers() == {"to_host": 0, "to_device": 0}
+    assert r1.host_transfers() == {"to_host": opt, "to_device": opt}
+    assert "host transfers: to host" in str(r1) and '"host_transfers_per_step"' in r1.to_json()
 
 
 def test_xlas_partitioner_runs_the_offloaded_step_too():
