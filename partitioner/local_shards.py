@@ -7,9 +7,11 @@ fills report rows through lower_rows.py. In a walk without arrays (Lowering.cost
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import jax.numpy as jnp
+from jax.experimental.compute_on import compute_on
 
 from . import collective_matmul as CM, deferral as DF, factors as F, hooks as H, registry as REG, reshard as RS
 from .cost import Collective
@@ -104,7 +106,8 @@ class LocalShards:
         def bind(*args, **kw):
             if self.dry:
                 return [Token() for _ in eqn.outvars]
-            outs = eqn.prim.bind(*args, **kw)
+            with compute_on(eqn.compute_type) if eqn.compute_type else contextlib.nullcontext():
+                outs = eqn.prim.bind(*args, **kw)
             return list(outs) if eqn.prim.multiple_results else [outs]
 
         if rule is None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Optional
 
 from jax.extend import core, source_info_util
 
@@ -80,6 +80,9 @@ class Eqn:
     where: Any  # (JAX source info, name-stack scope of the inlined call it sits in); see `source`
     index: int = -1
     subs: dict = dataclasses.field(default_factory=dict)  # control flow: name -> Program
+    # Where the op computes when not on the device: "device_host" for an op traced under
+    # jax.experimental.compute_on (an offloaded optimizer's update); its local op is bound there too.
+    compute_type: Optional[str] = None
 
     @property
     def source(self) -> str:
@@ -195,7 +198,8 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
             bodies = form.bodies(eqn.params) if form else {}
             inner = _scope(eqn.source_info, scope) if bodies else ""
             subs = {name: sub_program(j, inner) for name, j in bodies.items()}
-            eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), (eqn.source_info, scope), len(eqns), subs))
+            eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), (eqn.source_info, scope), len(eqns), subs,
+                            getattr(eqn.ctx, "compute_type", None)))
         return [read(a) for a in jaxpr.outvars]
 
     def sub_program(j, scope: str = "") -> Program:

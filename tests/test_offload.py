@@ -93,3 +93,29 @@ def test_a_backend_without_host_memory_says_so():
     with pytest.raises(ValueError, match=r"'pinned_host' memory, but tpu device 0 has only \['device'\]"):
         train.check_host_memory(mesh)
     train.check_host_memory(jax.make_mesh((8,), ("data",)))  # XLA:CPU has one
+
+
+def test_ops_under_compute_on_host_stay_on_the_host_and_moves_are_counted():
+    """jax.experimental.compute_on("device_host"): the partitioned program computes those ops on the host
+    too (their local ops carry XLA's host compute type), and explain() counts the bytes moved each way."""
+    from jax.experimental.compute_on import compute_on
+    from jax.sharding import PartitionSpec as P
+
+    import gshard_jax as gs
+
+    def f(m, g):
+        m_host, g_host = jax.device_put((m, g * 2), jax.memory.Space.Host)
+        with compute_on("device_host"):
+            y = m_host * 0.9 + g_host
+        return jax.device_put(y, jax.memory.Space.Device)
+
+    mesh = gs.make_mesh({"data": 8})
+    x = np.arange(64, dtype=np.float32).reshape(16, 4)
+    ins = (P("data"), P("data"))
+    part = gs.partition(f, mesh, in_shardings=ins, out_shardings=P("data"))
+    np.testing.assert_allclose(part(x, x), jax.jit(f)(x, x))
+    host_ops = [line for line in part.lower(x, x).as_text().splitlines() if '_xla_compute_type = "host"' in line]
+    assert any("multiply" in line for line in host_ops) and any("add" in line for line in host_ops)
+    report = gs.explain(f, mesh, x, x, in_shardings=ins, out_shardings=P("data"))
+    local = 2 * 4 * 4  # a [2, 4] float32 shard
+    assert report.host_transfers() == {"to_host": 2 * local, "to_device": local}
