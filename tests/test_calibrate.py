@@ -16,7 +16,8 @@ from gshard_jax.training import overrides, timing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "experiments", "tiny_dense_lm.py")
-SMALL = ["--config.model.num_layers=2", "--config.model.vocab_size=512", "--config.train.batch_size=4", "--config.train.seq_len=32"]
+SMALL = ["--config.model.num_layers=2", "--config.model.vocab_size=512", "--config.train.batch_size=4",
+         "--config.train.seq_len=32"]
 RATE = 2e9  # flop/s of the stand-in clock: 4% of cpu-simulation's 50 GFLOP/s peak
 
 
