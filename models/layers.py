@@ -132,9 +132,14 @@ def attention_implementation(choice: str, q_BLHK: jax.Array) -> str:
     if choice != "auto":
         return choice
     head_dim = q_BLHK.shape[-1]
-    fused = (jax.default_backend() == "gpu" and q_BLHK.dtype in (jnp.bfloat16, jnp.float16)
-             and head_dim % 8 == 0 and head_dim <= 128)
+    fused = (on_nvidia_gpu() and q_BLHK.dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0
+             and head_dim <= 128)
     return "cudnn" if fused else "einsum"
+
+
+def on_nvidia_gpu() -> bool:
+    """Whether the default backend's devices are NVIDIA GPUs (cuDNN's; a ROCm GPU is "gpu" too)."""
+    return jax.default_backend() == "gpu" and "nvidia" in jax.devices()[0].device_kind.lower()
 
 
 class Attention(nn.Module):

@@ -46,7 +46,7 @@ def test_xla_attention_partitions_to_the_einsum_models_loss_and_gradients(name):
 def test_auto_takes_cudnn_only_on_a_gpu_with_half_precision_heads_it_fits(monkeypatch):
     q = lambda dtype, head: jnp.zeros((1, 4, 2, head), dtype)
     assert layers.attention_implementation("auto", q(jnp.bfloat16, 128)) == "einsum"  # this CPU
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(layers, "on_nvidia_gpu", lambda: True)
     assert layers.attention_implementation("auto", q(jnp.bfloat16, 128)) == "cudnn"
     assert layers.attention_implementation("auto", q(jnp.float16, 64)) == "cudnn"
     assert layers.attention_implementation("auto", q(jnp.float32, 128)) == "einsum"
