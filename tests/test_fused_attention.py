@@ -92,10 +92,12 @@ def _fused_eqns(jaxpr) -> list:
     return found
 
 
+@pytest.mark.newest_jax  # cuDNN's primitives and params are private: checked on each end of the range
 def test_the_layout_values_are_jaxs(cudnn_traces):
     assert (FA.BTNH, FA.BNTH) == (FAS.AttentionLayout.BTNH.value, FAS.AttentionLayout.BNTH.value)
 
 
+@pytest.mark.newest_jax
 def test_cudnn_attention_runs_on_each_devices_batch_and_kv_head_groups(cudnn_traces):
     """GQA: 8 query heads share 4 K/V heads; `model` (4) splits the K/V heads, each device keeps its 2 query
     heads with their one K/V head (never repeated), `data` the batch. No collective but the loss's sum."""
@@ -121,6 +123,7 @@ def test_cudnn_attention_runs_on_each_devices_batch_and_kv_head_groups(cudnn_tra
     assert bwd.compute_time == pytest.approx(2.5 * flops / report.profile.flops)
 
 
+@pytest.mark.newest_jax
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_split_sequence_is_gathered_where_the_mask_needs_positions(cudnn_traces, causal):
     """Keys are always read whole (the kernel's softmax spans them); query rows split freely without a
