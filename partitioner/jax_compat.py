@@ -18,15 +18,26 @@ Parameters, read by what the equation carries, never by version strings:
   how many of each in `num_consts`/`num_carry` (and `linear`); JAX 0.11 replaced them by `ft_in`/`ft_out`,
   flat trees of the (consts, carry, xs) and (carry, ys) groups.
 
+- `bind_on`: an op bound to compute on the host (`jax.experimental.compute_on`). JAX 0.10's compute_on is a
+  context (its ops carry `ctx.compute_type`); from 0.11 it is a function transformation that makes a
+  `compute_on` primitive with the body as a jaxpr, which program.py inlines as a call.
+
 Primitive names: `NOT_IN_EVERY_RELEASE` lists the registry's entries that some supported release lacks, each
 with the releases that emit it; tests/test_registry.py accepts those (and only those) as absent.
 """
 from __future__ import annotations
 
+import inspect
+from typing import Callable, Sequence
+
 from jax._src.interpreters import partial_eval as _pe, pxla as _pxla
 from jax._src.interpreters.partial_eval import convert_constvars_jaxpr
+from jax.experimental.compute_on import compute_on as _compute_on
 
-__all__ = ["NOT_IN_EVERY_RELEASE", "clear_compilation_cache", "convert_constvars_jaxpr", "scan_counts", "to_lojax"]
+__all__ = ["NOT_IN_EVERY_RELEASE", "bind_on", "clear_compilation_cache", "convert_constvars_jaxpr", "scan_counts",
+           "to_lojax"]
+
+_COMPUTE_ON_TAKES_SPACES = "out_memory_spaces" in inspect.signature(_compute_on).parameters  # JAX 0.11+
 
 NOT_IN_EVERY_RELEASE = {  # registry entry -> the releases that emit it
     "log2": "JAX 0.11 and later (0.10 emits log and a division)",
@@ -61,3 +72,13 @@ def to_lojax(closed):
     if not getattr(jaxpr, "is_high", False):
         return closed
     return _pe.lower_jaxpr2(jaxpr)
+
+
+def bind_on(compute_type: str, bind: Callable[..., list], args: Sequence, out_avals: Sequence) -> list:
+    """bind(*args) (a list of results) computed where `compute_type` says ("device_host": on the host), its
+    results in the memory spaces of `out_avals`."""
+    if _COMPUTE_ON_TAKES_SPACES:
+        spaces = [a.memory_space for a in out_avals]
+        return list(_compute_on(compute_type=compute_type, out_memory_spaces=spaces)(lambda *a: list(bind(*a)))(*args))
+    with _compute_on(compute_type):
+        return bind(*args)

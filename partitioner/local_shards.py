@@ -7,14 +7,13 @@ fills report rows through lower_rows.py. In a walk without arrays (Lowering.cost
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import jax.numpy as jnp
-from jax.experimental.compute_on import compute_on
 
 from . import collective_matmul as CM, deferral as DF, factors as F, hooks as H, registry as REG, reshard as RS
 from .cost import Collective
+from .jax_compat import bind_on
 from .program import Const, Eqn, Value
 from .report import Operand, Result
 from .sharding import Sharding
@@ -106,9 +105,13 @@ class LocalShards:
         def bind(*args, **kw):
             if self.dry:
                 return [Token() for _ in eqn.outvars]
-            with compute_on(eqn.compute_type) if eqn.compute_type else contextlib.nullcontext():
-                outs = eqn.prim.bind(*args, **kw)
-            return list(outs) if eqn.prim.multiple_results else [outs]
+
+            def run(*a):
+                outs = eqn.prim.bind(*a, **kw)
+                return list(outs) if eqn.prim.multiple_results else [outs]
+            if eqn.compute_type:
+                return bind_on(eqn.compute_type, run, args, [v.aval for v in eqn.outvars])
+            return run(*args)
 
         if rule is None:
             return bind(*local_in, **params)

@@ -32,6 +32,7 @@ CALL_PRIMITIVES = {
     "closed_call": "call_jaxpr",
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
+    "compute_on": "jaxpr",  # JAX 0.11+: ops computed elsewhere (the host); its ops keep the compute_type
 }
 
 
@@ -154,7 +155,9 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
         consts.append((v, val))
         return v
 
-    def walk(jaxpr: core.Jaxpr, const_vals, in_operands, eqns: list, scope: str = "") -> list:
+    def walk(jaxpr: core.Jaxpr, const_vals, in_operands, eqns: list, scope: str = "",
+             placed: Optional[str] = None) -> list:
+        """placed: where the ops of a compute_on body compute (JAX 0.11+); JAX 0.10's ops carry it in ctx."""
         env: dict = {}
 
         def read(a):
@@ -170,7 +173,7 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
             ins = [read(a) for a in eqn.invars]
             if eqn.primitive.name == "remat2":
                 body_eqns: list[Eqn] = []
-                outs = walk(eqn.params["jaxpr"], [], ins, body_eqns, _scope(eqn.source_info, scope))
+                outs = walk(eqn.params["jaxpr"], [], ins, body_eqns, _scope(eqn.source_info, scope), placed)
                 produced = {v for e in body_eqns for v in e.outvars}
                 made = list(dict.fromkeys(o for o in outs if isinstance(o, Value) and o in produced))
                 body = Program(list(ins), outs, body_eqns, [])
@@ -183,10 +186,11 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
             if key is not None and key in eqn.params:
                 sub = eqn.params[key]
                 inner = _scope(eqn.source_info, scope)
+                where = eqn.params.get("compute_type", placed) if eqn.primitive.name == "compute_on" else placed
                 if isinstance(sub, core.ClosedJaxpr):
-                    outs = walk(sub.jaxpr, sub.consts, ins, eqns, inner)
+                    outs = walk(sub.jaxpr, sub.consts, ins, eqns, inner, where)
                 else:
-                    outs = walk(sub, [], ins, eqns, inner)
+                    outs = walk(sub, [], ins, eqns, inner, where)
                 for var, out in zip(eqn.outvars, outs):
                     env[var] = out
                 continue
@@ -199,7 +203,7 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
             inner = _scope(eqn.source_info, scope) if bodies else ""
             subs = {name: sub_program(j, inner) for name, j in bodies.items()}
             eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), (eqn.source_info, scope), len(eqns), subs,
-                            getattr(eqn.ctx, "compute_type", None)))
+                            placed or getattr(eqn.ctx, "compute_type", None)))
         return [read(a) for a in jaxpr.outvars]
 
     def sub_program(j, scope: str = "") -> Program:
