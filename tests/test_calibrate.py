@@ -82,3 +82,10 @@ def test_an_unknown_device_needs_a_base_profile():
         calibrate.base_profile("Imaginary 9000")
     assert calibrate.base_profile("Imaginary 9000", "h100-8").peak_flops == 989e12
     assert calibrate.base_profile("NVIDIA H100 80GB HBM3").name == "h100-8"
+
+
+def test_the_built_in_efficiencies_are_the_assumptions_docs_planner_lists():
+    """docs/planner.md, "Calibrating": none of these was measured; a calibrated profile is a JSON file."""
+    assert {name: hw.efficiency for name, hw in hardware.PROFILES.items()} == {
+        "generic-accelerator": 1.0, "generic-cpu": 1.0, "cpu-simulation": 0.5, "h100-8": 0.5, "h200-8": 0.5,
+        "perlmutter-a100": 0.5, "tpu-v3": 0.5, "aurora-pvc": 0.4}
