@@ -118,3 +118,15 @@ def test_the_layering_check_sees_an_upward_import(tmp_path):
     path.write_text("def f():\n    from .training import train\n")
     found = [t for t, _ in _imports("gshard_jax.configs", str(path))]
     assert "gshard_jax.training" in found and _layer("gshard_jax.training") > _layer("gshard_jax.configs")
+
+
+def test_every_case_slow_cases_lists_is_a_test():
+    """tests/slow_cases.txt (the heaviest cases, marked slow by conftest.py) names tests that exist: a renamed
+    test would otherwise drop back into the default suite, unnoticed."""
+    with open(os.path.join(ROOT, "tests", "slow_cases.txt")) as f:
+        ids = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    assert len(ids) == len(set(ids)) and ids
+    for node in ids:
+        path, name = node.split("::")
+        with open(os.path.join(ROOT, path)) as f:
+            assert re.search(rf"^def {re.escape(name.split('[')[0])}\(", f.read(), re.M), node
