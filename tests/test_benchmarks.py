@@ -49,16 +49,26 @@ def test_benchmark_runs_at_its_smallest_size(script):
     assert expect in p.stdout, p.stdout[-3000:]
 
 
-def test_the_one_command_gpu_benchmark_runs_every_case():
-    """benchmarks/gpu.sh names every case of benchmarks/gpu.py (the dropless one cannot compile on XLA:CPU, so
-    the script itself runs where GPUs are)."""
+def _gpu_benchmark():
+    """benchmarks/gpu.py as a module (its CASES and configure)."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         import gpu
     finally:
         sys.path.pop(0)
-    with open(os.path.join(ROOT, "benchmarks", "gpu.sh")) as f:
-        script = f.read()
+    return gpu
+
+
+def _script(name: str) -> str:
+    with open(os.path.join(ROOT, "benchmarks", name)) as f:
+        return f.read()
+
+
+def test_the_one_command_gpu_benchmark_runs_every_case():
+    """benchmarks/gpu.sh names every case of benchmarks/gpu.py (the dropless one cannot compile on XLA:CPU, so
+    the script itself runs where GPUs are)."""
+    gpu = _gpu_benchmark()
+    script = _script("gpu.sh")
     listed = next(line for line in script.splitlines() if "--cases" in line).split("--cases")[1].split()[0]
     assert sorted(listed.split(",")) == sorted(gpu.CASES)
     assert os.access(os.path.join(ROOT, "benchmarks", "gpu.sh"), os.X_OK)
@@ -67,14 +77,9 @@ def test_the_one_command_gpu_benchmark_runs_every_case():
 def test_the_gpu_check_script_sets_fields_the_configs_have():
     """benchmarks/gpu_check.sh runs where a GPU is lent, for minutes: every override it passes must be one the
     config takes, checked here where it costs nothing (the cuDNN variant builds; it runs only on a GPU)."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import gpu
-    finally:
-        sys.path.pop(0)
+    gpu = _gpu_benchmark()
     from gshard_jax import configs
-    with open(os.path.join(ROOT, "benchmarks", "gpu_check.sh")) as f:
-        script = f.read()
+    script = _script("gpu_check.sh")
     variants = re.search(r"for variant in (.*); do", script).group(1)
     sets = re.search(r'--set "model.attention=\$attention" "model.remat=\$remat" "train.offload_optimizer=\$offload"',
                      script)
