@@ -44,6 +44,9 @@ class Hardware:
     source: str = ""  # where the figures come from
     host_bandwidth: float = 25 * GB  # bytes/s one device moves to or from host memory (PCIe): offloaded state
     host_memory_gib: float = 0.0  # host memory per device for offloaded optimizer state (0: no offload)
+    # Bytes/s of host memory one device's offloaded optimizer update streams through the host's cores (the
+    # state read and written, the gradients read): assumed, a share of a two-socket host's DRAM bandwidth.
+    host_update_bandwidth: float = 20 * GB
     # Whether device memory is a concern to the partitioner: then a windowed op (convolution, pooling, pad,
     # slice) never gathers a split dim where a halo exchange keeps it split, however much time a gather saves.
     memory_matters: bool = True

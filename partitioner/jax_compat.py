@@ -20,7 +20,8 @@ Parameters, read by what the equation carries, never by version strings:
 
 - `bind_on`: an op bound to compute on the host (`jax.experimental.compute_on`). JAX 0.10's compute_on is a
   context (its ops carry `ctx.compute_type`); from 0.11 it is a function transformation that makes a
-  `compute_on` primitive with the body as a jaxpr, which program.py inlines as a call.
+  `compute_on` primitive with the body as a jaxpr, which program.py inlines as a call. `on_host` calls a
+  function there the same way on every release (the offloaded optimizer update).
 
 Primitive names: `NOT_IN_EVERY_RELEASE` lists the registry's entries that some supported release lacks, each
 with the releases that emit it; tests/test_registry.py accepts those (and only those) as absent.
@@ -28,14 +29,15 @@ with the releases that emit it; tests/test_registry.py accepts those (and only t
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
+import jax
 from jax._src.interpreters import partial_eval as _pe, pxla as _pxla
 from jax._src.interpreters.partial_eval import convert_constvars_jaxpr
 from jax.experimental.compute_on import compute_on as _compute_on
 
-__all__ = ["NOT_IN_EVERY_RELEASE", "bind_on", "clear_compilation_cache", "convert_constvars_jaxpr", "scan_counts",
-           "to_lojax"]
+__all__ = ["NOT_IN_EVERY_RELEASE", "bind_on", "clear_compilation_cache", "convert_constvars_jaxpr", "on_host",
+           "scan_counts", "to_lojax"]
 
 _COMPUTE_ON_TAKES_SPACES = "out_memory_spaces" in inspect.signature(_compute_on).parameters  # JAX 0.11+
 
@@ -82,3 +84,13 @@ def bind_on(compute_type: str, bind: Callable[..., list], args: Sequence, out_av
         return list(_compute_on(compute_type=compute_type, out_memory_spaces=spaces)(lambda *a: list(bind(*a)))(*args))
     with _compute_on(compute_type):
         return bind(*args)
+
+
+def on_host(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) computed by the host's cores (compute_on "device_host"), its results in host memory; args
+    should already be there (jax.device_put(x, jax.memory.Space.Host)), as JAX requires one memory space
+    per op."""
+    if _COMPUTE_ON_TAKES_SPACES:
+        return _compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(fn)(*args)
+    with _compute_on("device_host"):
+        return jax.jit(fn)(*args)

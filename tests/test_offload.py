@@ -1,7 +1,6 @@
-"""The optimizer state in host memory (train.offload_optimizer): AdamW's moments, and bf16's float32 master
-weights, live in pinned_host memory between steps and stream through the device in the step. On 8 simulated
-CPU devices (XLA:CPU has a pinned_host memory too)."""
-import inspect
+"""The optimizer state in host memory (train.offload_optimizer): AdamW's moments and float32 master weights
+live in pinned_host memory and are updated there by the host's cores; a step moves only the gradients down
+and the params up. On 8 simulated CPU devices (XLA:CPU has a pinned_host memory too)."""
 import re
 import types
 
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 from test_sharded_state import batches, make
 
+from gshard_jax.partitioner import jax_compat
 from gshard_jax.training import train
 
 ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
@@ -28,6 +28,8 @@ def kinds(state) -> set:
 
 @pytest.mark.parametrize("zero_stage", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_offloaded_state_lives_in_host_memory_and_trains_to_the_same_losses(zero_stage):
+    """The update on the host (float32 master weights kept there, clipping given the device's norm) trains
+    to the on-device optimizer's losses, params and moments."""
     base, off = make("d2e4", zero_stage=zero_stage), make("d2e4", zero_stage=zero_stage, offload_optimizer=True)
     data = batches(base, 3)
     got = {}
@@ -42,15 +44,20 @@ def test_offloaded_state_lives_in_host_memory_and_trains_to_the_same_losses(zero
     assert losses == pytest.approx(want, rel=1e-6)
     assert kinds(state["opt_state"]) == {"pinned_host"} and kinds(state["params"]) == {"device"}
     assert kinds(base_state["opt_state"]) == {"device"}
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(base_state)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-8)
+    pairs = ((state["params"], base_state["params"]), (state["opt_state"]["master"], base_state["params"]),
+             (state["opt_state"]["adam"], base_state["opt_state"]), (state["step"], base_state["step"]))
+    for mine, theirs in pairs:
+        assert jax.tree.structure(mine) == jax.tree.structure(theirs)
+        for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-8)
 
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_the_device_argument_bytes_drop_by_the_optimizers_share(dtype):
-    """explain()'s memory: the optimizer state (with bf16's float32 master weights) moves from the device's
-    arguments to the host's; the compiled program's host-memory parameters (layout S(5)) hold exactly what
-    the report predicts there."""
+    """explain()'s memory: the optimizer state leaves the device's arguments for the host's, with float32
+    master weights beside the moments (the host's own copy, for float32 params too); the compiled program's
+    host-memory parameters (layout S(5)) hold exactly what the report predicts there. A step moves the
+    gradients down and the params up in the params' dtype, each device its ZeRO-1 slice, and no state."""
     reports = {}
     for offload in (False, True):
         t = make("d8", dense=True, zero_stage=1, offload_optimizer=offload, dtype=dtype)
@@ -58,22 +65,40 @@ def test_the_device_argument_bytes_drop_by_the_optimizers_share(dtype):
         batch = jax.device_put(batches(t, 1)[0], t.batch_sharding)
         reports[offload] = (t.explain(state, batch), t.step_fn.lower(state, batch).compile())
     (r0, _), (r1, compiled) = reports[False], reports[True]
-    opt = r0.memory["predicted"]["optimizer"]
+    on_device = r0.memory["predicted"]["optimizer"]
+    host = r1.memory["predicted_host"]["optimizer"]
     params = sum(x.size for x in jax.tree.leaves(t.param_shapes))
-    per_param = 12 if dtype == "bfloat16" else 8  # float32 master weights and two moments, or the moments
-    assert opt == pytest.approx(per_param * params / 8, rel=1e-3)  # ZeRO-1 over data 8
-    assert opt > 0 and "optimizer" not in r1.memory["predicted"]
-    assert r1.memory["predicted"]["total"] == r0.memory["predicted"]["total"] - opt
-    assert r1.memory["predicted_host"] == {"optimizer": opt, "total": opt}
-    assert host_param_bytes(compiled) == opt
+    itemsize = 2 if dtype == "bfloat16" else 4
+    assert on_device == pytest.approx((12 if dtype == "bfloat16" else 8) * params / 8, rel=1e-3)  # ZeRO-1, data 8
+    assert host == pytest.approx(12 * params / 8, rel=1e-3)  # master weights and two moments
+    assert "optimizer" not in r1.memory["predicted"]
+    assert r1.memory["predicted"]["total"] == r0.memory["predicted"]["total"] - on_device
+    assert r1.memory["predicted_host"] == {"optimizer": host, "total": host}
+    assert host_param_bytes(compiled) == host
     # XLA:CPU's memory is host memory: its memory_analysis counts the pinned_host arguments with the rest.
-    assert r1.memory["compiled"]["argument"] == r1.memory["predicted"]["total"] + opt
+    assert r1.memory["compiled"]["argument"] == r1.memory["predicted"]["total"] + host
     assert "in host memory optimizer" in " ".join(str(r1).split())  # the memory line, unwrapped
     assert '"predicted_host"' in r1.to_json()
-    # the step streams the whole optimizer state through the device: in at its start, out at its end
     assert r0.host_transfers() == {"to_host": 0, "to_device": 0}
-    assert r1.host_transfers() == {"to_host": opt, "to_device": opt}
+    moved = r1.host_transfers()
+    assert moved["to_device"] == itemsize * params / 8  # the new params' slices
+    assert 0 < moved["to_host"] - itemsize * params / 8 <= 16  # the gradients' slices, the norm and step counts
     assert "host transfers: to host" in str(r1) and '"host_transfers_per_step"' in r1.to_json()
+
+
+def test_a_skipped_step_leaves_the_offloaded_state_as_it_was():
+    """nan_policy="skip" drops a non-finite step's update on both sides: the params on the device and the
+    master weights and moments on the host stay as they were; only the step count moves."""
+    t = make("d8", offload_optimizer=True, nan_policy="skip", debug=dict(nan_at_step=2))
+    state, step = t.init_fn(jax.random.key(0)), t.step_fn
+    data = [jax.device_put(b, t.batch_sharding) for b in batches(t, 2)]
+    before, m1 = step(state, data[0])
+    after, m2 = step(before, data[1])
+    assert bool(m1["finite"]) and not bool(m2["finite"])
+    assert int(after["step"]) == 2 and kinds(after["opt_state"]) == {"pinned_host"}
+    for a, b in zip(jax.tree.leaves((after["params"], after["opt_state"])),
+                    jax.tree.leaves((before["params"], before["opt_state"]))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_xlas_partitioner_runs_the_offloaded_step_too():
@@ -96,16 +121,6 @@ def test_a_backend_without_host_memory_says_so():
     train.check_host_memory(jax.make_mesh((8,), ("data",)))  # XLA:CPU has one
 
 
-def on_host(fn, *args):
-    """fn(*args) under jax.experimental.compute_on("device_host"): a context on JAX 0.10, a transformation
-    (results in host memory) from 0.11."""
-    from jax.experimental.compute_on import compute_on
-    if "out_memory_spaces" in inspect.signature(compute_on).parameters:
-        return compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(fn)(*args)
-    with compute_on("device_host"):
-        return fn(*args)
-
-
 @pytest.mark.newest_jax  # compute_on changed form in JAX 0.11
 def test_ops_under_compute_on_host_stay_on_the_host_and_moves_are_counted():
     """jax.experimental.compute_on("device_host"): the partitioned program computes those ops on the host
@@ -116,7 +131,7 @@ def test_ops_under_compute_on_host_stay_on_the_host_and_moves_are_counted():
 
     def f(m, g):
         m_host, g_host = jax.device_put((m, g * 2), jax.memory.Space.Host)
-        y = on_host(lambda a, b: a * 0.9 + b, m_host, g_host)
+        y = jax_compat.on_host(lambda a, b: a * 0.9 + b, m_host, g_host)
         return jax.device_put(y, jax.memory.Space.Device)
 
     mesh = gs.make_mesh({"data": 8})

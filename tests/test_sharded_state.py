@@ -29,6 +29,7 @@ def make(mesh="d8", dense=False, **train_kw):
     cfg = configs.load(os.path.join(ROOT, "experiments", "tiny_moe_lm.py"))
     cfg.mesh.update({**dict(data=1, expert=1), **(MESHES[mesh] if isinstance(mesh, str) else mesh)})
     cfg.pipeline.update(train_kw.pop("pipeline", {}))
+    cfg.debug.update(train_kw.pop("debug", {}))
     dtype = train_kw.pop("dtype", "float32")
     cfg.model.update({**dict(num_layers=2, vocab_size=256, dtype=dtype), **train_kw.pop("model", {})})
     if dense:

@@ -231,7 +231,7 @@ def bubble(c: Candidate) -> float:
 
 def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
     """Bytes per device by kind: params, gradients, optimizer, activations, transient, logits; offloaded, the
-    optimizer's are host_optimizer's, and the device's peak adds update_stream (`offloaded`)."""
+    optimizer's (with float32 master weights) are host_optimizer's (`offloaded`)."""
     s = c.sizes
     p, d, z, e, y, x = (s[a] for a in ("stage", "data", "z", "expert", "y", "x"))
     b, m = shape.param_bytes, c.microbatches
@@ -244,12 +244,14 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
         held = n[cls] / split[cls]
         out["params"] += held * b / (zero[cls] if c.zero_stage == 3 else 1)
         out["gradients"] += held * 4 / (zero[cls] if c.zero_stage >= 2 else 1)
-        out["optimizer"] += held * (8 + 4 * mixed) / (zero[cls] if c.zero_stage >= 1 else 1)
+        out["optimizer"] += held * (8 + 4 * (mixed or c.offload)) / (zero[cls] if c.zero_stage >= 1 else 1)
     tokens_mb = shape.tokens / (c.token_shards * m)
     ff = shape.d_ff * (shape.k * shape.capacity_factor if shape.experts else 1)
     cx = c.size("context")  # ring attention holds a query chunk's logits over one key tile, not the sequence
     scores = shape.heads * (shape.seq if cx == 1 else min(RING_TILE, shape.seq // (2 * cx)))
-    per_token_layer = {"none": 10 * shape.d_model + 3 * ff + 2.5 * scores,
+    # kept for the backward: the einsum's scores and probabilities, or a fused kernel's float32 log-sum-exp
+    attention = 4 * shape.heads / b if shape.fused_attention else 2.5 * scores
+    per_token_layer = {"none": 10 * shape.d_model + 3 * ff + attention,
                        "dots": 4 * shape.d_model + 3 * ff, "full": shape.d_model}[c.remat] * b / max(x * y, 1)
     layers = shape.layers * (2 if shape.kind == "encoder_decoder" else 1) / p
     in_flight = 1
@@ -263,18 +265,21 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
         out["transient"] = per_layer * b
     out["logits"] = tokens_mb * shape.vocab / y * 4
     if c.offload:
-        offloaded(out, out.pop("optimizer"))
+        offloaded(out, out.pop("optimizer"), b)
     out["total"] = device_total(out)
     return out
 
 
-def offloaded(mem: dict, host_bytes: float) -> None:
-    """mem (bytes per device by kind) with the optimizer state in host memory (`host_optimizer`): between steps
-    the device holds none of it; the update streams it through the device after the backward has freed the
-    activations, so only what exceeds them (`update_stream`) adds to the device's peak."""
+HOST_STATE_BYTES = 12  # per parameter of an offloaded optimizer state: float32 master weights and two moments
+
+
+def offloaded(mem: dict, host_bytes: float, param_bytes: int) -> None:
+    """mem (bytes per device by kind) with the optimizer state in host memory (`host_optimizer`), updated
+    there: the device holds none of it, and a step moves only its slice of the gradients down and of the
+    params up, in the params' dtype (`host_exchange` bytes each way)."""
     mem["optimizer"] = 0.0
     mem["host_optimizer"] = host_bytes
-    mem["update_stream"] = max(0.0, host_bytes - mem["activations"] - mem["transient"] - mem["logits"])
+    mem["host_exchange"] = host_bytes / HOST_STATE_BYTES * param_bytes
 
 
 def device_total(mem: dict) -> float:
@@ -283,8 +288,12 @@ def device_total(mem: dict) -> float:
 
 
 def host_transfer_s(hw: Hardware, c: Candidate, mem: dict) -> float:
-    """Seconds a step spends moving an offloaded optimizer state to the device and back (counted exposed)."""
-    return 2 * mem.get("host_optimizer", 0.0) / hw.host_bandwidth if c.offload else 0.0
+    """Seconds a step spends on an offloaded update (counted exposed): the exchange both ways over the host
+    link, and the host's cores reading and writing the state and reading the gradients."""
+    if not c.offload:
+        return 0.0
+    exchange = mem.get("host_exchange", 0.0)
+    return 2 * exchange / hw.host_bandwidth + (2 * mem.get("host_optimizer", 0.0) + exchange) / hw.host_update_bandwidth
 
 
 @dataclasses.dataclass

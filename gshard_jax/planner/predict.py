@@ -106,7 +106,7 @@ def plan_one(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware) -> tupl
         _STATES[key] = abstract_state(cfg, c)
     report = explain(cfg, c, hw, state=_STATES[key])
     found = comms(report)
-    compute = E.compute_time(SP.model_shape(cfg), c, hw, math.prod(c.sizes.values()))
+    compute = E.compute_time(SP.model_shape(cfg, hw.platform), c, hw, math.prod(c.sizes.values()))
     by_comm = sorted(SP.orders(c.sizes), key=lambda o: E.combine(
         hw, dataclasses.replace(c, mesh=o), compute, found, {}).comm_total)
     args = dict(report.argument_bytes(), **{f"host_{k}": v for k, v in report.argument_bytes(host=True).items()

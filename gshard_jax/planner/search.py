@@ -257,7 +257,7 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
           start) -> Plan:
     """plan()'s search (count: candidates to plan with the partitioner)."""
     budget = (memory_gb if memory_gb is not None else hardware.memory_gib) * GiB
-    shape = SP.model_shape(cfg)
+    shape = SP.model_shape(cfg, hardware.platform)
     screened: list[Ranked] = []
     rejected: list[tuple] = []
     dominated = 0
@@ -457,7 +457,7 @@ def _verify(cfg, shape, screened: list[Ranked], count: int, hw: Hardware, budget
             mem["params"], mem["optimizer"] = args.get("params", 0), args.get("optimizer", 0)
             mem["batch"] = args.get("batch", 0) + args.get("step", 0)  # the rest of the step's arguments
             if c.offload:
-                E.offloaded(mem, args.get("host_optimizer", 0))
+                E.offloaded(mem, args.get("host_optimizer", 0), shape.param_bytes)
             mem["total"] = E.device_total(mem)
             host = hw.host_memory_gib * GiB
             if mem["total"] > budget or mem.get("host_optimizer", 0) > host:

@@ -50,6 +50,7 @@ class ModelShape:
     exchange: str = "all_to_all"  # how dropless tokens reach their experts (moe.exchange)
     peer_bound: float = 0.0  # dropless all-to-all buffer per peer, in multiples of rows / peers (0: none)
     ffn_inputs: int = 1  # the FFN's input matrices: 2 under SwiGLU (gate and up), else 1
+    fused_attention: bool = False  # attention by a fused kernel (cuDNN's): no [heads, S] scores kept per token
 
     @property
     def total_params(self) -> int:
@@ -60,14 +61,18 @@ class ModelShape:
         return self.batch * self.seq
 
 
-def model_shape(cfg: ml_collections.ConfigDict) -> ModelShape:
-    """The ModelShape of a config (its parameters counted from shapes with jax.eval_shape: nothing allocated)."""
+def model_shape(cfg: ml_collections.ConfigDict, platform: str = "") -> ModelShape:
+    """The ModelShape of a config (its parameters counted from shapes with jax.eval_shape: nothing allocated) on
+    a profile's `platform`, which decides what model.attention="auto" runs (models/layers.py)."""
     import flax.linen as nn
     import jax
 
     from .. import configs
     m, t = cfg.model, cfg.train
-    module = configs.build_model(m)
+    counted = m.copy_and_resolve_references()
+    if "attention" in counted:  # parameters do not depend on it; cuDNN's kernel only traces where it runs
+        counted.attention = "einsum"
+    module = configs.build_model(counted)
     boxed = jax.eval_shape(module.init, jax.random.key(0), *configs.example_inputs(m))
     specs = jax.tree_util.tree_leaves(nn.get_partition_spec(boxed), is_leaf=lambda x: isinstance(x, tuple))
     shapes = jax.tree_util.tree_leaves(nn.unbox(boxed))
@@ -93,7 +98,17 @@ def model_shape(cfg: ml_collections.ConfigDict) -> ModelShape:
                       active_params=int(active),
                       dropless=bool(moe.num_experts) and moe.get("dispatch", "einsum") == "dropless",
                       exchange=moe.get("exchange", "all_to_all"), peer_bound=float(moe.get("peer_bound") or 0.0),
-                      ffn_inputs=2 if (moe.activation if moe.num_experts else m.ffn_activation) == "swiglu" else 1)
+                      ffn_inputs=2 if (moe.activation if moe.num_experts else m.ffn_activation) == "swiglu" else 1,
+                      fused_attention=fused_attention(m, platform))
+
+
+def fused_attention(m: ml_collections.ConfigDict, platform: str) -> bool:
+    """Whether the model's attention runs cuDNN's fused kernel on `platform`: model.attention="cudnn", or
+    "auto" on a GPU with the heads cuDNN takes (layers.attention_implementation's test, by the config)."""
+    choice = m.get("attention", "auto")
+    if choice == "auto":
+        return platform == "gpu" and m.dtype in ("bfloat16", "float16") and m.head_dim % 8 == 0 and m.head_dim <= 128
+    return choice == "cudnn"
 
 
 @dataclasses.dataclass(frozen=True)

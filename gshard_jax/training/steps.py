@@ -23,6 +23,7 @@ import optax
 from .. import configs
 from ..models import layers, pipelined
 from ..models.transformer import loss_fn
+from ..partitioner import jax_compat
 from . import faults, layout as state_layout, optim
 
 METRICS = ("cross_entropy", "aux_loss", "z_loss", "dropped", "router_confidence")  # per step, from loss_fn
@@ -44,31 +45,26 @@ class StepConfig:
     nan_at_step: int  # debug.nan_at_step: the step whose loss is poisoned with NaN (-1: never)
     pipeline: Optional[pipelined.PipelineConfig]  # the model's pipeline (it runs the microbatches itself)
     shards: int  # the batch's shards: non-finite rows are counted per shard
-    mixed: bool  # a low-precision model: its params in compute_dtype, float32 master weights in the opt state
-    offload: bool  # train.offload_optimizer: the optimizer state kept in host memory between steps
+    master: bool  # float32 master weights in the opt state: a low-precision model's, or an offloaded update's
+    offload: bool  # train.offload_optimizer: the optimizer state in host memory, updated there (host_update)
 
     @property
     def compute_dtype(self) -> Any:
         return self.model.cfg.compute_dtype
 
 
-def opt_to(state: dict, space: jax.memory.Space, c: StepConfig) -> dict:
-    """Under offload_optimizer, the state with its optimizer state moved to `space`: Device at a step's start
-    (the step streams it through the device), Host at its end (where it is kept between steps)."""
-    return dict(state, opt_state=jax.device_put(state["opt_state"], space)) if c.offload else state
-
-
 def init_state(key: jax.Array, *, c: StepConfig) -> dict:
     """A fresh state: params (in the stack's storage order), optimizer state (with master weights when
-    mixed), step 0."""
+    c.master; in host memory when offloaded), step 0."""
     params = nn.unbox(c.init_model.init(key, *configs.example_tokens(c.kind, 1, c.train.seq_len)))
     params = pipelined.reorder(params, c.layout.stacked, pipelined.order_key(None), c.layer_order)
     opt_state = c.opt.init(params)
-    if c.mixed:
+    if c.master:
         opt_state = {"master": params, "adam": opt_state}
         params = jax.tree.map(lambda p: p.astype(c.compute_dtype), params)
-    return opt_to({"params": params, "opt_state": opt_state, "step": jnp.zeros([], jnp.int32)},
-                  jax.memory.Space.Host, c)
+    if c.offload:
+        opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
+    return {"params": params, "opt_state": opt_state, "step": jnp.zeros([], jnp.int32)}
 
 
 def gradients(params: Any, batch: dict, step: jax.Array, *, c: StepConfig
@@ -118,7 +114,7 @@ def apply_update(state: dict, grads: Any, *, c: StepConfig) -> dict:
     """The optimizer step: float32 gradients (in the layout's gradient spec) -> the next state. The moments
     (and master weights) are updated where they are sharded; the new params are gathered to their spec."""
     lo = c.layout
-    if c.mixed:
+    if c.master:
         master, inner = state["opt_state"]["master"], state["opt_state"]["adam"]
         updates, inner = c.opt.update(grads, inner, master)
         master = optax.apply_updates(master, updates)
@@ -131,10 +127,38 @@ def apply_update(state: dict, grads: Any, *, c: StepConfig) -> dict:
     return {"params": state_layout.constrain(params, lo.stored), "opt_state": opt_state, "step": state["step"] + 1}
 
 
+def host_update(state: dict, grads: Any, grad_norm: jax.Array, ok: Optional[jax.Array], *, c: StepConfig
+                ) -> dict:
+    """ZeRO-Offload's update, for an optimizer state kept in host memory: the gradients go down in the
+    params' dtype (2 bytes a parameter for bf16), the host's cores update the float32 master weights and
+    moments where they live, and the new params come up in their dtype; clipping takes the norm the device
+    computed. Under nan_policy="skip" an update whose `ok` is false is dropped on both sides."""
+    lo = c.layout
+    dtypes = jax.tree.map(lambda p: p.dtype, state["params"])
+    low = jax.tree.map(lambda g, d: g.astype(d), state_layout.constrain(grads, lo.optimizer), dtypes)
+    moved = jax.device_put((low, grad_norm, ok), jax.memory.Space.Host)
+
+    def update(opt_state, g, norm, ok):
+        master, inner = opt_state["master"], opt_state["adam"]
+        g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
+        updates, inner = c.opt.update(g, inner, master, global_norm=norm)
+        new = {"master": optax.apply_updates(master, updates), "adam": inner}
+        if ok is not None:
+            new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, opt_state)
+        return new, jax.tree.map(lambda m, d: m.astype(d), new["master"], dtypes)
+
+    opt_state, params = jax_compat.on_host(update, state["opt_state"], *moved)
+    opt_state = jax.device_put(opt_state, jax.memory.Space.Host)  # step counts: scalars XLA may keep on the device
+    params = state_layout.constrain(jax.device_put(params, jax.memory.Space.Device), lo.stored)
+    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
+
+
 def update(state: dict, grads: Any, *, c: StepConfig) -> dict:
-    """The optimizer step as a function of its own (Trainer's "update" partitioned function), the optimizer
-    state streamed through the device under offload_optimizer."""
-    return opt_to(apply_update(opt_to(state, jax.memory.Space.Device, c), grads, c=c), jax.memory.Space.Host, c)
+    """The optimizer step as a function of its own (Trainer's "update" partitioned function): on the device,
+    or on the host under offload_optimizer."""
+    if c.offload:
+        return host_update(state, grads, optax.tree.norm(grads), None, c=c)
+    return apply_update(state, grads, c=c)
 
 
 def train_step(state: dict, batch: dict, *, c: StepConfig) -> tuple[dict, dict]:
@@ -145,14 +169,19 @@ def train_step(state: dict, batch: dict, *, c: StepConfig) -> tuple[dict, dict]:
         batch = dict(batch, weights=optim.goldfish_weights(batch["inputs"], t.goldfish_k, t.goldfish_h))
     value, m, grads, bad_S = gradients(state["params"], batch, step, c=c)
     grad_norm = optax.tree.norm(grads)
-    state = opt_to(state, jax.memory.Space.Device, c)
-    new = apply_update(state, grads, c=c)
     ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
-    if t.nan_policy == "skip":
-        new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, dict(state, step=step))
+    skip = t.nan_policy == "skip"
+    if c.offload:
+        new = host_update(state, grads, grad_norm, ok if skip else None, c=c)
+        if skip:
+            new["params"] = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new["params"], state["params"])
+    else:
+        new = apply_update(state, grads, c=c)
+        if skip:
+            new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, dict(state, step=step))
     out = {"loss": value, "grad_norm": grad_norm, "learning_rate": c.schedule(step - 1), "finite": ok,
            "nonfinite_rows": bad_S, **m}
-    return opt_to(new, jax.memory.Space.Host, c), out
+    return new, out
 
 
 def eval_step(params: Any, batch: dict, *, c: StepConfig) -> jax.Array:

@@ -160,13 +160,14 @@ class Trainer:
         self.layout, self.param_shapes = state_layout.of_model(self.init_model, example, dict(self.mesh.shape),
                                                           t.zero_stage, t.epso)
         # bf16 models keep bf16 params (forward, backward and gradient collectives in bf16) and float32
-        # master weights beside AdamW's moments in the optimizer state (seed 001's 16 bytes per parameter).
-        self.mixed = self.model.cfg.compute_dtype != jnp.float32
+        # master weights beside AdamW's moments in the optimizer state (seed 001's 16 bytes per parameter);
+        # an offloaded update keeps them too, so the host never needs the device's params.
+        self.offload = bool(t.offload_optimizer)
+        self.master = self.model.cfg.compute_dtype != jnp.float32 or self.offload
         opt_specs = state_layout.optimizer_specs(self.opt, jax.eval_shape(self.opt.init, self.param_shapes),
                                             self.layout.optimizer)
-        if self.mixed:
+        if self.master:
             opt_specs = {"master": self.layout.optimizer, "adam": opt_specs}
-        self.offload = bool(t.offload_optimizer)
         if self.offload:
             check_host_memory(self.mesh)
             opt_specs = jax.tree.map(lambda s: NamedSharding(self.mesh, s, memory_kind=HOST_MEMORY), opt_specs,
@@ -179,7 +180,7 @@ class Trainer:
         self.step_config = steps.StepConfig(
             model=self.model, eval_model=self.eval_model, init_model=self.init_model, kind=cfg.model.kind,
             opt=self.opt, schedule=self.schedule, layout=self.layout, layer_order=self.layer_order, train=t,
-            nan_at_step=cfg.debug.nan_at_step, pipeline=self.pipeline, shards=shards, mixed=self.mixed,
+            nan_at_step=cfg.debug.nan_at_step, pipeline=self.pipeline, shards=shards, master=self.master,
             offload=self.offload)
         # The step functions with their static config bound: what partition, explain and jit take.
         self.init_state = functools.partial(steps.init_state, c=self.step_config)
@@ -252,7 +253,7 @@ class Trainer:
             out = dict(tree, params=move(tree["params"]))
             if "opt_state" in tree:
                 o = tree["opt_state"]
-                out["opt_state"] = {"master": move(o["master"]), "adam": move_opt(o["adam"])} if self.mixed \
+                out["opt_state"] = {"master": move(o["master"]), "adam": move_opt(o["adam"])} if self.master \
                     else move_opt(o)
             return out
         specs = self.state_specs if "opt_state" in tree else {"params": self.layout.stored}
