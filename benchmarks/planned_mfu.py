@@ -21,8 +21,7 @@ CASES = {
     "gpt_20b_32": ("gpt_20b", 32, "perlmutter-a100", {}, 0.42),
     "gpt_40b_64": ("gpt_40b", 64, "perlmutter-a100", {}, 0.40),
     "gpt_80b_4096": ("gpt_80b", 4096, "perlmutter-a100", {}, 0.45),
-    # one sequence per tile: the config's 1,024 sequences do not split over 3,072 tiles
-    "mula_100b_3072": ("mula_100b_a7b", 3072, "aurora-pvc", {"train.batch_size": 3072}, None),
+    "mula_100b_3072": ("mula_100b_a7b", 3072, "aurora-pvc", {}, None),  # the file's batch: one sequence per tile
     "gshard_600b_2048": ("gshard_moe_2048e_36l", 2048, "tpu-v3", {}, None),
 }
 

@@ -167,7 +167,8 @@ def _plan(args: argparse.Namespace) -> int:
                 print(f"{i:>3} {g.gr:>5} {g.gc:>5} {g.gd:>5} {g.gdata:>6} {g.seconds:>10.4f}")
         return 0
     result = search.plan(cfg, args.devices, hw, memory_gb=args.memory_gb, top=args.top, verify=args.verify,
-                         config_name=args.config, pin=[_mesh_arg(m) for m in args.rank_of], worker=True)
+                         config_name=args.config, pin=[_mesh_arg(m) for m in args.rank_of], worker=True,
+                         own_mesh=True)
     if args.out:
         with open(args.out, "w") as f:
             f.write(result.to_json() + "\n")
@@ -323,7 +324,8 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--min-tp", type=int, default=1, metavar="T", help="--comm-model axonn: the least Gc Gr Gd")
     q.add_argument("--rank-of", action="append", default=[], metavar="AXIS=N,...", help="a mesh to place in "
                    "the ranking whatever its rank (a paper's own configuration): its best variant is planned by "
-                   "the partitioner too and compared with #1 (repeatable)")
+                   "the partitioner too and compared with #1 (repeatable). The config's own mesh section is "
+                   "always, where it resolves on --devices")
     q.add_argument("--json", action="store_true", help="print the plan as JSON")
     q.add_argument("--out", default="", metavar="PLAN.json", help="write the plan as JSON (for train --plan)")
     q.set_defaults(run=_plan)

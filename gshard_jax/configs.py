@@ -205,7 +205,9 @@ def mula(num_layers: int, d_model: int, num_heads: int, d_ff: int, num_experts: 
     model = model_section("decoder_lm", moe, vocab_size=50304, d_model=d_model, num_heads=num_heads, head_dim=128,
                           d_ff=d_ff, ffn_activation="swiglu", num_layers=num_layers, moe_every=1, norm="rmsnorm",
                           rope=True, tie_embeddings=False, scan=True, remat="dots", dtype="bfloat16", **kw)
-    return skeleton(model, dict(data=-1, expert=1), batch_size=1024, seq_len=2048, warmup_steps=2500)
+    # seed 001 trained every Mula model with a global batch of 6.3M tokens: 3,072 sequences of 2,048 (one per
+    # tile of 3,072 Aurora tiles)
+    return skeleton(model, dict(data=-1, expert=1), batch_size=3072, seq_len=2048, warmup_steps=2500)
 
 
 def gpt(num_layers: int, d_model: int, num_heads: int, batch_size: int = 256) -> ConfigDict:

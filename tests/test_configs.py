@@ -118,12 +118,30 @@ def test_the_default_run_is_the_model_readme_describes():
 
 @pytest.mark.parametrize("name,stages", [("mula_100b_a7b", 4), ("mula_220b_a10b", 8)])
 def test_mula_configs_pipeline_as_seed_001(name, stages):
-    """Seed 001 trains Mula-100B-A7B on 4 and 220B-A10B on 8 pipeline stages with 1F1B."""
+    """Seed 001 trains Mula-100B-A7B on 4 and 220B-A10B on 8 pipeline stages with 1F1B, expert parallelism
+    over 12 tiles, with 3,072 sequences of 2,048 tokens on 3,072 tiles: each microbatch splits over the
+    data x expert shards, as many microbatches as that allows."""
     from gshard_jax.models import pipelined
+    from gshard_jax.planner import space
     cfg = configs.load(os.path.join(ROOT, "experiments", f"{name}.py"))
     pc = configs.pipeline_config(cfg, cfg.mesh.stage)
-    assert (pc.stages, pc.schedule) == (stages, "1f1b") and pc.microbatches == 4 * stages
+    assert (pc.stages, pc.schedule) == (stages, "1f1b")
     pipelined.check(pc, cfg.model.num_layers // cfg.model.moe_every)  # the layers split into the stages
+    assert (cfg.train.batch_size, cfg.train.seq_len) == (3072, 2048)
+    sizes = space.config_mesh(cfg, 3072)
+    assert sizes["stage"] == stages and sizes["expert"] == 12
+    shards = sizes["data"] * sizes["expert"]
+    assert cfg.train.batch_size // pc.microbatches == shards  # one sequence per shard per microbatch
+
+
+@pytest.mark.parametrize("name,mesh", [("mula_1b", {"data": 3072}), ("mula_7b_a1b", {"data": 3072}),
+                                       ("mula_20b_a2b", {"data": 256, "expert": 12})])
+def test_mula_configs_carry_seed_001s_batch_and_layout(name, mesh):
+    """Every Mula file: 3,072 sequences of 2,048 tokens (6.3M), and seed 001's layout on its 3,072 tiles."""
+    from gshard_jax.planner import space
+    cfg = configs.load(os.path.join(ROOT, "experiments", f"{name}.py"))
+    assert (cfg.train.batch_size, cfg.train.seq_len) == (3072, 2048)
+    assert {a: n for a, n in space.config_mesh(cfg, 3072).items() if n > 1} == mesh
 
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=[name(p) for p in EXPERIMENTS])

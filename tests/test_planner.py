@@ -171,6 +171,26 @@ def test_a_pinned_mesh_is_planned_and_placed_in_the_ranking():
         plan(cfg, 8, CPU, top=1, verify=0, remats=("none",), pin=[{"data": 4}])
 
 
+def test_the_configs_own_mesh_is_planned_beside_the_best_with_its_ratio():
+    """own_mesh (the CLI's default): the config file's mesh section, resolved on the devices, is planned
+    whatever its rank and reported with its step over #1's; a section that does not resolve pins nothing."""
+    cfg = _config("tiny_moe_lm")
+    cfg.mesh.update(dict(data=-1, expert=4))
+    assert SP.config_mesh(cfg, 8) == {a: 1 for a in SP.AXES} | {"data": 2, "expert": 4}
+    assert SP.config_mesh(cfg, 6) is None and SP.config_mesh(cfg, 4) == {a: 1 for a in SP.AXES} | {"expert": 4}
+    a = plan(cfg, 8, CPU, top=1, verify=1, remats=("none",), own_mesh=True)
+    assert a.own == {a_: 1 for a_ in SP.AXES} | {"data": 2, "expert": 4}
+    (sizes, rank, r, _), = a.pinned
+    assert r.candidate.sizes == a.own and r.estimate.source == "partitioner"
+    ratio = r.estimate.step / a.ranked[0].estimate.step
+    assert ratio >= 1.0 or r is a.ranked[0]
+    assert f"the config's own mesh data2.expert4: its best variant ranks {rank}" in str(a)
+    assert f"({ratio:.2f}x #1's)" in str(a)
+    entry = json.loads(a.to_json())["pinned"][0]
+    assert entry["own"] is True and entry["step_ratio_to_best"] == pytest.approx(ratio)
+    assert not plan(cfg, 8, CPU, top=1, verify=0, remats=("none",)).pinned  # the API pins only when asked
+
+
 @pytest.mark.slow  # starts a worker process
 def test_a_worker_process_plans_the_same():
     """plan(worker=True), as the CLI calls it: every second candidate planned in a spawned process, the
@@ -291,6 +311,9 @@ def test_cli_plan_writes_a_plan_that_train_applies(tmp_path, capsys):
     saved = json.loads(out.read_text())
     best = saved["ranked"][0]
     assert best["key"] in printed and best["comm_source"] == "partitioner"
+    own, = saved["pinned"]  # the file's own mesh section (data -1: all 8 devices) is planned beside #1
+    assert own["own"] is True and own["mesh"] == {a: 8 if a == "data" else 1 for a in SP.AXES}
+    assert "the config's own mesh data8" in printed
     applied = configs.load(config)
     from gshard_jax.training import overrides
     overrides.apply(applied, cli._plan_overrides(str(out)))

@@ -55,6 +55,7 @@ class Plan:
     sensitivity: dict  # bandwidth factor -> the top candidates' keys in their new order
     dominated: int = 0  # candidates not evaluated: a lighter remat, fewer microbatches or data for context fits
     pinned: list = dataclasses.field(default_factory=list)  # (mesh sizes, formula rank, Ranked or None, why)
+    own: Optional[dict] = None  # the config's own mesh section on these devices (pinned), where it resolves
     seconds: float = 0.0  # time the search took (not in the JSON: the plan is deterministic)
 
     @functools.cached_property
@@ -129,9 +130,17 @@ class Plan:
                 "ranked": [self._ranked_dict(r) for r in self.ranked], "why": self.why(),
                 "screened": len(self.screened), **self._rejections_dict(),
                 "rejection_counts": self.rejection_counts(), "dominated": self.dominated,
-                "pinned": [{"mesh": m, "formula_rank": k, "planned": self._ranked_dict(r) if r else None, "why": w}
+                "pinned": [{"mesh": m, "formula_rank": k, "planned": self._ranked_dict(r) if r else None, "why": w,
+                            "own": self._is_own(m), "step_ratio_to_best": self._ratio(r)}
                            for m, k, r, w in self.pinned],
                 "sensitivity": self.sensitivity}
+
+    def _is_own(self, sizes: dict) -> bool:
+        return self.own is not None and {a: 1 for a in SP.AXES} | dict(sizes) == self.own
+
+    def _ratio(self, r: Optional[Ranked]) -> Optional[float]:
+        """A pinned candidate's planned step over #1's."""
+        return r.estimate.step / self.ranked[0].estimate.step if r is not None and self.ranked else None
 
     def _ranked_dict(self, r: Ranked) -> dict:
         return dict(r.to_dict(), mfu=r.mfu(self.shape, self.hardware, self.devices))
@@ -175,11 +184,12 @@ class Plan:
             lines.append("run it: gshard-jax train --config " + self.config + " " +
                          " ".join(self.best.candidate.overrides()))
         for sizes, rank, r, why in self.pinned:
-            name = ".".join(f"{a}{n}" for a, n in sizes.items())
-            lines.append(f"pinned {name}: " + "; ".join(why) if r is None else
-                         f"pinned {name}: its best variant ranks {rank} of {len(self.screened)} by formula; "
-                         f"planned {r.candidate.key}: step {r.estimate.step * 1e3:.2f} ms, memory "
-                         f"{r.estimate.memory['total'] / GiB:.2f} GiB")
+            name = ("the config's own mesh " if self._is_own(sizes) else "pinned ") + ".".join(
+                f"{a}{n}" for a, n in sizes.items() if n > 1)
+            lines.append(f"{name}: " + "; ".join(why) if r is None else
+                         f"{name}: its best variant ranks {rank} of {len(self.screened)} by formula; "
+                         f"planned {r.candidate.key}: step {r.estimate.step * 1e3:.2f} ms "
+                         f"({self._ratio(r):.2f}x #1's), memory {r.estimate.memory['total'] / GiB:.2f} GiB")
             if r is not None and self.ranked:
                 lines += ["  " + w for w in self.best_against(r)]
         for f, keys in self.sensitivity.items():
@@ -232,11 +242,12 @@ def _best_order(c: SP.Candidate, comms, compute: float, mem: dict, hw: Hardware,
 def plan(cfg: ml_collections.ConfigDict, devices: int, hardware: Hardware, memory_gb: Optional[float] = None,
          top: int = 5, verify: Optional[int] = None, remats: Sequence[str] = SP.REMATS,
          zero_stages: Sequence[int] = SP.ZERO_STAGES, config_name: str = "config",
-         pin: Sequence[dict] = (), worker: bool = False) -> Plan:
+         pin: Sequence[dict] = (), worker: bool = False, own_mesh: bool = False) -> Plan:
     """Rank the configurations of `devices` devices of `hardware` for config `cfg` (see module docstring).
 
     pin: meshes ({axis: size}) to place in the ranking whatever their rank (a paper's own configuration):
     the best variant of each by formula is planned by the partitioner too, and compared with #1.
+    own_mesh: pin the config's own mesh section too, where it resolves on `devices` (the CLI does).
     worker: plan every second candidate in a spawned process (the same result, sooner on 2+ cores); the
     process imports the caller's __main__, so only a script with an `if __name__ == "__main__"` guard
     should ask (the CLI does).
@@ -247,8 +258,13 @@ def plan(cfg: ml_collections.ConfigDict, devices: int, hardware: Hardware, memor
     count = max(verify if verify is not None else top, 0)
     workers = Workers(count, worker)
     try:
-        return _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, config_name, pin, workers,
-                     start)
+        own = SP.config_mesh(cfg, devices) if own_mesh else None
+        full = [{a: 1 for a in SP.AXES} | dict(sizes) for sizes in pin]
+        pin = list(pin) + ([own] if own is not None and own not in full else [])
+        out = _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, config_name, pin, workers,
+                    start)
+        out.own = own
+        return out
     finally:
         workers.close()
 

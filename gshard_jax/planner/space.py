@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Iterator, Optional, Sequence
 
 import ml_collections
@@ -100,6 +101,21 @@ def model_shape(cfg: ml_collections.ConfigDict, platform: str = "") -> ModelShap
                       exchange=moe.get("exchange", "all_to_all"), peer_bound=float(moe.get("peer_bound") or 0.0),
                       ffn_inputs=2 if (moe.activation if moe.num_experts else m.ffn_activation) == "swiglu" else 1,
                       fused_attention=fused_attention(m, platform))
+
+
+def config_mesh(cfg: ml_collections.ConfigDict, devices: int) -> Optional[dict]:
+    """The config's own mesh section on `devices` devices ({axis: size} over AXES; its -1 axis takes what the
+    others leave; `model` is y's other name), or None where it does not resolve to exactly that many."""
+    sizes = {a: int(cfg.mesh.get(a, 1)) for a in AXES}
+    if int(cfg.mesh.get("model", 1)) != 1:
+        sizes["y"] = int(cfg.mesh.model)
+    fixed = math.prod(n for n in sizes.values() if n != -1)
+    free = [a for a, n in sizes.items() if n == -1]
+    if len(free) > 1 or devices % fixed or (not free and fixed != devices):
+        return None
+    if free:
+        sizes[free[0]] = devices // fixed
+    return sizes
 
 
 def fused_attention(m: ml_collections.ConfigDict, platform: str) -> bool:
