@@ -14,7 +14,9 @@ and back in one of three ways (the ``exchange`` knob):
   computes its own experts' share and the results are reduce-scattered back
   (seed 001 found this faster on its network);
 - ``"ragged"``: ``jax.lax.ragged_all_to_all`` moves exactly the assigned rows
-  (GPU/TPU; XLA:CPU cannot compile it).
+  (GPU/TPU; XLA:CPU cannot compile it);
+- ``"auto"`` (default): ragged where the backend has it (GPU, TPU), else the
+  dense all-to-all (`exchange_for`).
 
 Expert hidden units split over a model axis are summed with one psum.
 """
@@ -32,7 +34,18 @@ import gshard_jax as gs
 
 from .grouped import grouped_matmul
 
-EXCHANGES = ("all_to_all", "all_gather", "ragged")
+EXCHANGES = ("auto", "all_to_all", "all_gather", "ragged")
+RAGGED_PLATFORMS = ("gpu", "tpu")  # backends that compile ragged_all_to_all (XLA:CPU does not)
+
+
+def exchange_for(choice: str, platform: str) -> str:
+    """The exchange `choice` means on `platform` ("gpu", "tpu", "cpu"): "auto" moves only the routed rows
+    (ragged) where the backend can, else the dense all-to-all of per-peer buffers."""
+    if choice not in EXCHANGES:
+        raise ValueError(f"dropless exchange={choice!r}; expected one of {EXCHANGES}")
+    if choice != "auto":
+        return choice
+    return "ragged" if platform in RAGGED_PLATFORMS else "all_to_all"
 
 
 def expert_ffn(x_RM: jax.Array, ids_R: jax.Array, weights: dict, num_groups: int, *, activation: Callable,
@@ -143,7 +156,7 @@ def _ragged(x_TM, experts_TK, gates_TK, weights, ffn, num_experts, axes, peers, 
 
 def dropless(x_TM: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, weights: dict,
              activation: Callable, *, num_experts: int, token_axes: Sequence[str] = (),
-             expert_axes: Sequence[str] = (), model_axes: Sequence[str] = (), exchange: str = "all_to_all",
+             expert_axes: Sequence[str] = (), model_axes: Sequence[str] = (), exchange: str = "auto",
              peer_bound: Optional[float] = None, matmul: str = "auto") -> tuple[jax.Array, jax.Array]:
     """(y_TM, dropped fraction) for tokens x_TM routed to experts_TK with weights gates_TK.
 
@@ -151,8 +164,7 @@ def dropless(x_TM: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, weight
     region: tokens split over token_axes (which must include expert_axes), experts over expert_axes,
     expert hidden units over model_axes.
     """
-    if exchange not in EXCHANGES:
-        raise ValueError(f"dropless exchange={exchange!r}; expected one of {EXCHANGES}")
+    exchange = exchange_for(exchange, jax.default_backend())
     ffn = functools.partial(expert_ffn, activation=activation, matmul=matmul)
     mesh = gs.annotations.current_mesh()
     T, K = experts_TK.shape
@@ -172,7 +184,19 @@ def dropless(x_TM: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, weight
     rows = (T // shards) * K
     bound = rows if peer_bound is None else max(1, min(rows, math.ceil(peer_bound * rows / peers)))
 
+    # The expert weights are whole over the token axes that are not expert axes (data, ...), so their
+    # gradients are summed over those axes. Entering as a broadcast copy per device (no data moves) makes the
+    # region return each device's partial gradient; the sum is then the broadcast's transpose outside it,
+    # which the partitioner reduces once per step after the microbatch and pipeline loops, like every other
+    # gradient, rather than inside each layer's backward.
+    copies = tuple(a for a in token_axes if a not in expert_axes)
+    n_copies = math.prod(size[a] for a in copies)
+    if copies:
+        weights = {n: jnp.broadcast_to(w, (n_copies, *w.shape)) for n, w in weights.items()}
+
     def body(x, e, g, w):
+        if copies:
+            w = {n: v[0] for n, v in w.items()}
         if peers == 1:
             y, dropped = _local(x, e, g, w, ffn, num_experts)
         elif exchange == "all_gather":
@@ -188,6 +212,7 @@ def dropless(x_TM: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, weight
     tok = P(token_axes or None, None)
     exp = expert_axes or None
     mod = model_axes or None
-    w_specs = {n: P(exp, None, mod) if n != "wo" else P(exp, mod, None) for n in weights}
+    lead = (copies,) if copies else ()
+    w_specs = {n: P(*lead, exp, None, mod) if n != "wo" else P(*lead, exp, mod, None) for n in weights}
     return gs.manual(body, in_specs=(tok, tok, tok, w_specs), out_specs=(tok, P()))(
         x_TM, experts_TK, gates_TK, weights)

@@ -38,7 +38,8 @@ class MoeConfig:
     group_size: Optional[int] = None  # tokens per local group S (None: num_groups, or one group per sequence)
     num_groups: Optional[int] = None  # local groups G (used when group_size is None)
     dispatch: str = "einsum"  # "einsum" (GSEC one-hot, with capacity) or "dropless" (sort + grouped matmul)
-    exchange: str = "all_to_all"  # dropless under expert parallelism: "all_to_all" | "all_gather" | "ragged"
+    exchange: str = "auto"  # dropless under expert parallelism: "auto" (ragged on GPU/TPU, else all_to_all) |
+    # "all_to_all" | "all_gather" | "ragged"
     grouped_matmul: str = "auto"  # dropless: "ragged_dot" (GPU/TPU kernel), "blocked" (scan), "auto": by backend
     peer_bound: Optional[float] = None  # dropless all_to_all/ragged: per-peer rows / average (None: never drop)
     router_jitter: float = 0.0  # training: router input scaled by U(1 - eps, 1 + eps) (Switch); 0 = off

@@ -167,12 +167,19 @@ def collectives(jaxpr, mesh_shape: Mapping[str, int], runs: int = 1) -> list[Col
             for x, y in zip(e.invars, e.outvars):
                 if group <= 1:
                     continue
+                note = "inside the manual region"
                 if kind == "all-gather":
                     payload = _nbytes(y.aval)
+                elif e.primitive.name == "ragged_all_to_all":
+                    # Only the rows its sizes name move, which the trace does not know: counted at the
+                    # router's balance, where each device sends and receives as many rows as its smaller
+                    # buffer holds (its rows going out; the rows it received, coming back).
+                    payload = min(_nbytes(x.aval), _nbytes(y.aval))
+                    note = "inside the manual region, ragged: the rows routed, at the router's balance"
                 else:  # all-reduce, all-to-all, permute: operand = result; reduce-scatter: the operand
                     payload = _nbytes(x.aval)
                 out.append(Collective(kind, axes, group, payload, tuple(y.aval.shape), str(y.aval.dtype),
-                                      "inside the manual region", runs))
+                                      note, runs))
         inner = runs * (e.params["length"] if e.primitive.name == "scan" else 1)
         for sub in jcore.jaxprs_in_params(e.params):
             out += collectives(sub, mesh_shape, inner)

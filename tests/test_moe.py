@@ -206,6 +206,30 @@ def test_dropless_ragged_exchange_offsets_with_an_emulated_collective(monkeypatc
     assert bounded == float(gs.partition(lambda p, x: ref.apply(p, x)[2]["dropped"], mesh)(params, x)) > 0.3
 
 
+def test_the_ragged_exchange_moves_the_routed_rows_and_auto_picks_it_where_the_backend_has_it():
+    """explain() counts what each form moves: the dense all-to-all sends each of the 4 peers a buffer of every
+    local row (k x tokens / 8 shards), the ragged one each row once (the router's balance: k x tokens / peers
+    per peer), and says so; "auto" is ragged on GPU and TPU and the dense form on CPU."""
+    from gshard_jax.models import dropless
+    assert [dropless.exchange_for("auto", p) for p in ("gpu", "tpu", "cpu")] == ["ragged", "ragged", "all_to_all"]
+    assert dropless.exchange_for("all_gather", "gpu") == "all_gather"
+    with pytest.raises(ValueError, match="expected one of"):
+        dropless.exchange_for("alltoall", "gpu")
+    mesh = gs.make_mesh(MESHES["d2e4"])
+    moved = {}
+    for exchange in ("all_to_all", "ragged"):
+        m, params, x = layer(shape=(8, 16, 24), dispatch="dropless", exchange=exchange,
+                             gating=dataclasses.replace(AMPLE, capacity_factor=1.0))
+        report = gs.explain(lambda p, x: m.apply(p, x)[0], mesh, params, x, trace_per_device=False)
+        moved[exchange] = [c for r in report.rows for c in r.collectives
+                           if c.kind == "all-to-all" and c.shape[-1:] == (24,)]  # the rows, there and back
+    rows = 8 * 16 * 2 // 8  # k x tokens over the 8 token shards
+    assert [c.payload for c in moved["all_to_all"]] == [4 * rows * 24 * 4] * 2  # 4 peers x every row, float32
+    assert [c.payload for c in moved["ragged"]] == [rows * 24 * 4] * 2
+    assert all("ragged" in c.note for c in moved["ragged"])
+    assert MoeConfig().exchange == "auto"
+
+
 @pytest.mark.parametrize("sizes", [[60, 0, 100, 40, 90], [300, 0, 0, 0, 0], [0, 0, 0, 0, 0], [1, 2, 3, 4, 5]])
 def test_blocked_grouped_matmul_equals_ragged_dot(sizes):
     """Empty groups, one full group and rows past the groups (which give 0), forward and grad."""

@@ -19,6 +19,10 @@ def _report(trainer) -> gs.Report:
                       trace_per_device=False)
 
 
+def _leaves(tree) -> list:
+    return [(jax.tree_util.keystr(k), x) for k, x in jax.tree_util.tree_leaves_with_path(tree)]
+
+
 def _in_loops(report) -> list:
     """(row, collective) pairs that run more than once per step and reduce more than a scalar over `data` (a
     gradient's reduction; a tensor-parallel layer's activations are reduced over its own axes, per microbatch)."""
@@ -93,3 +97,27 @@ def test_accumulation_under_remat_reduces_once(remat):
     report = _report(make(dict(data=2, y=4), dense=True, microbatches=4, model={"remat": remat}))
     assert not _in_loops(report), _in_loops(report)
     assert any("deferred past the loop" in r.strategy for r in report.rows)
+
+
+@pytest.mark.parametrize("zero,schedule", [(0, None), (1, None), pytest.param(0, "1f1b", marks=pytest.mark.slow)])
+def test_dropless_expert_gradients_are_reduced_once_per_step(zero, schedule):
+    """The dropless layer's expert weights enter its manual region as one copy per token shard, so their
+    gradients leave it partial over `data`: the microbatch scan (or the pipeline's tick loop) keeps them so and
+    the step reduces them once, by reduce-scatter under ZeRO-1 (EPSO's layout), like every other gradient;
+    the compiled program agrees and the step equals the unpartitioned one."""
+    mesh = dict(data=2, expert=4) if schedule is None else dict(stage=2, data=2, expert=2)
+    kw = {} if schedule is None else dict(pipeline={"schedule": schedule})
+    trainer = make(mesh, microbatches=2, zero_stage=zero, model={"moe": {"dispatch": "dropless"}}, **kw)
+    report = _report(trainer)
+    assert not _in_loops(report), _in_loops(report)
+    # the expert-split weights' gradients (wi_gate, wi_up and wo of 2 layers: 3 stacked, or 6), once each
+    experts = [c for r in report.rows if r.trips == 1 for c in r.collectives
+               if tuple(c.axes) == ("data",) and c.kind in ("all-reduce", "reduce-scatter")]
+    assert len(experts) == (6 if schedule is None else 3)
+    assert {c.kind for c in experts} == ({"all-reduce"} if zero == 0 else {"reduce-scatter"})
+    per_device = sum(x.size for k, x in _leaves(trainer.param_shapes) if "moe" in k and "router" not in k) // 4
+    assert sum(c.payload for c in experts) == 4 * per_device  # float32, over expert 4 (or stage 2 x expert 2)
+    state = jax.eval_shape(trainer.init_state, jax.random.key(0))
+    assert_per_step_matches_hlo(report, trainer.step_fn.lower(state, batches(trainer, 1)[0]).compile())
+    data = batches(trainer, 1)
+    assert_same_run(run(trainer, data=data), run(trainer, partitioned=False, data=data), 1e-5, atol=1e-6)

@@ -169,23 +169,20 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
         if c.zero_stage == 3:
             continue
         store = n / (z if z > 1 else 1)
-        reduced = cls == "expert" and shape.dropless  # the region's own all-reduce (above) did it
         if c.zero_stage == 0:
-            if not reduced:
-                add("all-reduce", dp_axes[cls], store * 4, 1)
+            add("all-reduce", dp_axes[cls], store * 4, 1)
         else:
             axes = dp_axes[cls] if c.epso or cls == "expert" else ("data",)
-            if not reduced:
-                add("reduce-scatter", axes, store * 4, m if c.zero_stage == 2 else 1)
+            add("reduce-scatter", axes, store * 4, m if c.zero_stage == 2 else 1)
             add("all-gather", axes, store * b, 1)
     # A dropless MoE layer is a manual region over the token (data, z), expert and FFN (y) axes, run once per
-    # microbatch (per tick in a pipeline, bubbles included): its expert weights, whole over the other axes,
-    # leave gradients (in their dtype) all-reduced over them (data, z, x) every run, and along x it gathers
-    # tokens and weights
-    # and all-reduces its output.
+    # microbatch (per tick in a pipeline, bubbles included). Its expert weights enter as one copy per token
+    # shard, so their gradients leave it partial over data and z and are reduced once per step with the
+    # others (above); along x it gathers tokens and weights, all-reduces the weights' gradients (in their
+    # dtype) and its output.
     if shape.dropless:
         per_layer = shape.expert_params / max(shape.periods, 1) / (e * y)
-        add("all-reduce", tuple(a for a in ("data", "z", "x") if s[a] > 1), per_layer * b, moe_layers * runs)
+        add("all-reduce", ("x",), per_layer * b, moe_layers * runs)
         add("all-gather", ("x",), act * x, (fwd + 1) * moe_layers * runs)
         add("all-gather", ("x",), per_layer * b, (fwd + 1) * moe_layers * runs)
         add("all-reduce", ("x",), act * x, (fwd + 1) * moe_layers * runs)

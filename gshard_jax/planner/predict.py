@@ -63,8 +63,11 @@ def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware, trace_pe
     depend on the model alone, not on the mesh or the training options: `abstract_state`)."""
     import gshard_jax as gs
 
+    from ..models import dropless
     from ..training.train import Trainer, state_kind
     run = apply(cfg, c)
+    if run.model.moe.num_experts:  # the exchange the run gets on hw's platform, not on this machine's
+        run.model.moe.exchange = dropless.exchange_for(run.model.moe.get("exchange", "auto"), hw.platform)
     trainer = Trainer(run, "", mesh=abstract_mesh(c))
     if state is None:
         state = jax.eval_shape(trainer.init_state, jax.random.key(0))

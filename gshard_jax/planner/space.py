@@ -48,7 +48,7 @@ class ModelShape:
     vocab_params: int  # embedding and LM head
     active_params: int  # per token
     dropless: bool = False  # experts dispatched by sort + grouped matmul in a manual region (moe.dispatch)
-    exchange: str = "all_to_all"  # how dropless tokens reach their experts (moe.exchange)
+    exchange: str = "all_to_all"  # how dropless tokens reach their experts (moe.exchange, "auto" resolved)
     peer_bound: float = 0.0  # dropless all-to-all buffer per peer, in multiples of rows / peers (0: none)
     ffn_inputs: int = 1  # the FFN's input matrices: 2 under SwiGLU (gate and up), else 1
     fused_attention: bool = False  # attention by a fused kernel (cuDNN's): no [heads, S] scores kept per token
@@ -69,6 +69,7 @@ def model_shape(cfg: ml_collections.ConfigDict, platform: str = "") -> ModelShap
     import jax
 
     from .. import configs
+    from ..models import dropless
     m, t = cfg.model, cfg.train
     counted = m.copy_and_resolve_references()
     if "attention" in counted:  # parameters do not depend on it; cuDNN's kernel only traces where it runs
@@ -98,7 +99,8 @@ def model_shape(cfg: ml_collections.ConfigDict, platform: str = "") -> ModelShap
                       expert_params=int(expert), layer_params=int(layer), vocab_params=int(vocab),
                       active_params=int(active),
                       dropless=bool(moe.num_experts) and moe.get("dispatch", "einsum") == "dropless",
-                      exchange=moe.get("exchange", "all_to_all"), peer_bound=float(moe.get("peer_bound") or 0.0),
+                      exchange=dropless.exchange_for(moe.get("exchange", "auto"), platform or "cpu"),
+                      peer_bound=float(moe.get("peer_bound") or 0.0),
                       ffn_inputs=2 if (moe.activation if moe.num_experts else m.ffn_activation) == "swiglu" else 1,
                       fused_attention=fused_attention(m, platform))
 
