@@ -192,3 +192,24 @@ def test_storage_order_puts_each_stages_chunks_in_its_block():
     np.testing.assert_array_equal(moved, PM.storage_order(16, 2, 2))
     np.testing.assert_array_equal(PM.reorder(moved, True, two, four), PM.storage_order(16, 4, 2))
     np.testing.assert_array_equal(PM.reorder(PM.reorder(moved, True, two, four), True, four, PM.order_key(None)), a)
+
+
+def test_a_pipeline_stage_runs_the_dense_exchange_for_auto_and_refuses_ragged():
+    """Stages are vmapped and jax.lax.ragged_all_to_all has no batching rule (XLA:CPU and GPU alike), so a
+    stage's dropless MoE runs "auto" as the dense all-to-all, refuses "ragged" naming what runs, and leaves
+    the other exchanges (and dense models) as they are."""
+    import dataclasses
+
+    import pytest
+
+    from gshard_jax.models import pipelined
+    from gshard_jax.models.moe import MoeConfig
+    from gshard_jax.models.transformer import TransformerConfig
+    base = TransformerConfig(moe=MoeConfig(num_experts=4, d_ff=8, dispatch="dropless"))
+    assert pipelined.vmappable(base).moe.exchange == "all_to_all"  # "auto"
+    gathered = dataclasses.replace(base, moe=dataclasses.replace(base.moe, exchange="all_gather"))
+    assert pipelined.vmappable(gathered) is gathered
+    dense = TransformerConfig()
+    assert pipelined.vmappable(dense) is dense
+    with pytest.raises(ValueError, match="no batching rule; use 'auto'"):
+        pipelined.vmappable(dataclasses.replace(base, moe=dataclasses.replace(base.moe, exchange="ragged")))

@@ -78,6 +78,24 @@ def test_the_screen_follows_the_dropless_region(mesh):
         assert formula[key] == pytest.approx(planned[key], rel=0.01), key
 
 
+def test_the_formula_prices_the_exchange_the_platform_runs():
+    """A dropless layer's expert exchange by formula: on a GPU profile ("auto": ragged) each routed row once,
+    a 1/peers share of the dense all-to-all's worst-case buffers on CPU; a pipeline's stages run the dense
+    one whatever the platform (models/pipelined.vmappable)."""
+    cfg = _config("tiny_moe_lm")
+    cfg.model.moe.dispatch = "dropless"
+
+    def exchanged(platform, c):
+        shape = SP.model_shape(cfg, platform)
+        return shape.exchange, sum(cm.moved for cm in E.collectives(shape, c) if cm.kind == "all-to-all")
+    flat = SP.Candidate((("data", 2), ("expert", 4)), zero_stage=0, microbatches=1)
+    (gpu, ragged), (cpu, dense) = exchanged("gpu", flat), exchanged("cpu", flat)
+    assert (gpu, cpu) == ("ragged", "all_to_all") and ragged * 4 == pytest.approx(dense)
+    staged = SP.Candidate((("stage", 2), ("data", 2), ("expert", 2)), zero_stage=0, microbatches=2,
+                          schedule="1f1b")
+    assert exchanged("gpu", staged)[1] == exchanged("cpu", staged)[1] > 0
+
+
 @pytest.mark.parametrize("mesh,opts", [
     ((("data", 2), ("context", 4)), {}), ((("data", 2), ("context", 2), ("y", 2)), {}),
     ((("stage", 2), ("context", 2), ("data", 2)), dict(microbatches=4, schedule="1f1b")),
