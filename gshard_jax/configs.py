@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 from typing import Any, Mapping, Optional
 
@@ -116,6 +117,13 @@ class MeshConfig:
         """{axis: size} in name order: the mesh's axis order when mesh_order gives none (the order a
         ConfigDict section iterates in)."""
         return {name: getattr(self, name) for name in sorted(f.name for f in dataclasses.fields(self))}
+
+    def on(self, devices: int) -> dict[str, int]:
+        """sizes() on `devices` devices: the -1 axis (at most one) takes what the others leave, which must
+        divide it (the product is checked by the caller)."""
+        sizes = self.sizes()
+        known = math.prod(s for s in sizes.values() if s != -1)
+        return {k: (devices // known if s == -1 else s) for k, s in sizes.items()}
 
 
 @dataclasses.dataclass(frozen=True)

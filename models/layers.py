@@ -131,10 +131,13 @@ def attention_implementation(choice: str, q_BLHK: jax.Array) -> str:
         raise ValueError(f"attention={choice!r}; expected one of {ATTENTION_IMPLEMENTATIONS}")
     if choice != "auto":
         return choice
-    head_dim = q_BLHK.shape[-1]
-    fused = (on_nvidia_gpu() and q_BLHK.dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0
-             and head_dim <= 128)
-    return "cudnn" if fused else "einsum"
+    return "cudnn" if on_nvidia_gpu() and cudnn_takes(q_BLHK.dtype, q_BLHK.shape[-1]) else "einsum"
+
+
+def cudnn_takes(dtype, head_dim: int) -> bool:
+    """Whether cuDNN's flash attention takes heads of this dtype and size (bf16 or fp16, a multiple of 8, at
+    most 128): what "auto" asks of the heads, here and in the planner."""
+    return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
 
 
 def on_nvidia_gpu() -> bool:

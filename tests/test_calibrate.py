@@ -89,3 +89,8 @@ def test_the_built_in_efficiencies_are_the_assumptions_docs_planner_lists():
     assert {name: hw.efficiency for name, hw in hardware.PROFILES.items()} == {
         "generic-accelerator": 1.0, "generic-cpu": 1.0, "cpu-simulation": 0.5, "h100-8": 0.5, "h200-8": 0.5,
         "perlmutter-a100": 0.5, "tpu-v3": 0.5, "aurora-pvc": 0.4}
+
+
+def test_every_built_in_profile_assumes_the_host_update_bandwidth_docs_planner_states():
+    """docs/planner.md (offload): the host's update runs at an assumed 20 GB/s per device in every profile."""
+    assert {hw.host_update_bandwidth for hw in hardware.PROFILES.values()} == {20e9}

@@ -108,24 +108,25 @@ def model_shape(cfg: ml_collections.ConfigDict, platform: str = "") -> ModelShap
 def config_mesh(cfg: ml_collections.ConfigDict, devices: int) -> Optional[dict]:
     """The config's own mesh section on `devices` devices ({axis: size} over AXES; its -1 axis takes what the
     others leave; `model` is y's other name), or None where it does not resolve to exactly that many."""
-    sizes = {a: int(cfg.mesh.get(a, 1)) for a in AXES}
-    if int(cfg.mesh.get("model", 1)) != 1:
-        sizes["y"] = int(cfg.mesh.model)
-    fixed = math.prod(n for n in sizes.values() if n != -1)
-    free = [a for a, n in sizes.items() if n == -1]
-    if len(free) > 1 or devices % fixed or (not free and fixed != devices):
+    from .. import configs
+    mesh = configs.section(configs.MeshConfig, "mesh", cfg.mesh)
+    given = mesh.sizes()
+    if list(given.values()).count(-1) > 1:
         return None
-    if free:
-        sizes[free[0]] = devices // fixed
-    return sizes
+    sizes = mesh.on(devices)
+    if math.prod(sizes.values()) != devices:
+        return None
+    model = sizes.pop("model")
+    return {a: sizes[a] * model if a == "y" else sizes[a] for a in AXES}
 
 
 def fused_attention(m: ml_collections.ConfigDict, platform: str) -> bool:
     """Whether the model's attention runs cuDNN's fused kernel on `platform`: model.attention="cudnn", or
     "auto" on a GPU with the heads cuDNN takes (layers.attention_implementation's test, by the config)."""
+    from ..models import layers
     choice = m.get("attention", "auto")
     if choice == "auto":
-        return platform == "gpu" and m.dtype in ("bfloat16", "float16") and m.head_dim % 8 == 0 and m.head_dim <= 128
+        return platform == "gpu" and layers.cudnn_takes(m.dtype, m.head_dim)
     return choice == "cudnn"
 
 

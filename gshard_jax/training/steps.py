@@ -150,6 +150,8 @@ def host_update(state: dict, grads: Any, grad_norm: jax.Array, ok: Optional[jax.
     opt_state, params = jax_compat.on_host(update, state["opt_state"], *moved)
     opt_state = jax.device_put(opt_state, jax.memory.Space.Host)  # step counts: scalars XLA may keep on the device
     params = state_layout.constrain(jax.device_put(params, jax.memory.Space.Device), lo.stored)
+    if ok is not None:
+        params = jax.tree.map(lambda a, b: jnp.where(ok, a, b), params, state["params"])
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
 
 
@@ -173,8 +175,6 @@ def train_step(state: dict, batch: dict, *, c: StepConfig) -> tuple[dict, dict]:
     skip = t.nan_policy == "skip"
     if c.offload:
         new = host_update(state, grads, grad_norm, ok if skip else None, c=c)
-        if skip:
-            new["params"] = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new["params"], state["params"])
     else:
         new = apply_update(state, grads, c=c)
         if skip:

@@ -95,8 +95,7 @@ def mesh_for(cfg: configs.Config | ml_collections.ConfigDict) -> jax.sharding.Me
         raise ValueError(f"mesh.model={sizes['model']} and mesh.y={sizes['y']}: `model` is another name for "
                          f"`y`; set one of them")
     n = jax.device_count()
-    known = math.prod(s for s in sizes.values() if s != -1)
-    sizes = {k: (n // known if s == -1 else s) for k, s in sizes.items()}
+    sizes = mesh.on(n)
     kept = {k: s for k, s in sizes.items() if s != 1} or {"data": 1}
     order = [a for a in mesh_order.split(",") if a]
     if order:
