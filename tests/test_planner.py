@@ -182,7 +182,16 @@ def test_a_pinned_mesh_is_planned_and_placed_in_the_ranking():
     assert a.screened[rank - 1].candidate.sizes == r.candidate.sizes
     assert all(x.candidate.sizes != r.candidate.sizes for x in a.screened[:rank - 1])  # its best variant's rank
     text = str(a)
-    assert f"pinned data8: its best variant ranks {rank} of {len(a.screened)}" in text
+    # Pruned meshes may hold candidates between the cut and a pinned mesh's slower best: its rank among the
+    # costed ones is then a bound, and says so; costing every candidate gives the rank.
+    exact = json.loads(a.to_json())["pinned"][0]["formula_rank_exact"]
+    assert exact == (a.screened[rank - 1].estimate.step <= a.floor_cut)
+    assert (f"pinned data8: its best variant ranks {rank} of {len(a.screened)} by formula" in text) == exact
+    assert exact or f"pinned data8: its best variant ranks {rank} or lower (candidates not costed" in text
+    every = plan(cfg, 8, CPU, top=1, verify=1, remats=("none",), pin=[{"data": 8}], prune=False)
+    (_, every_rank, _, _), = every.pinned
+    assert every_rank >= rank and (every_rank == rank or not exact)
+    assert f"pinned data8: its best variant ranks {every_rank} of {len(every.screened)} by formula" in str(every)
     assert no_rank is None and none is None and "layers per stage" in reasons[0]  # 2 layers over 8 stages
     assert json.loads(a.to_json())["pinned"][0]["planned"]["key"] == r.candidate.key
     with pytest.raises(ValueError, match="multiplying to 8 devices"):
@@ -504,3 +513,61 @@ def test_fused_attention_keeps_no_scores_for_the_backward(attention, dtype, plat
     dots = dataclasses.replace(c, remat="dots")  # remat recomputes the scores either way
     assert E.memory(shape, dots)["activations"] == E.memory(dataclasses.replace(shape, fused_attention=False),
                                                             dots)["activations"]
+
+
+@pytest.mark.parametrize("name,hw,dropless", [("tiny_dense_lm", "aurora-pvc", False), ("tiny_moe_lm", "h100-8", True),
+                                              ("tiny_moe_encdec", "perlmutter-a100", False)])
+def test_no_candidate_screens_below_its_meshs_floor(name, hw, dropless):
+    """bound.py's floors against the screen: every option of every mesh (both twins, offloaded or not, every
+    order of the axes) costs at least its option group's floor, which is at least its mesh's."""
+    from gshard_jax.planner import bound
+    cfg = _config(name)
+    cfg.train.seq_len = 64
+    if dropless:
+        cfg.model.moe.dispatch = "dropless"
+    hw = PROFILES[hw]
+    shape = SP.model_shape(cfg, hw.platform)
+    costed = 0
+    for sizes in SP.factorizations(8, SP.AXES):
+        if SP.mesh_reason(shape, sizes):
+            continue
+        low = bound.floor(shape, sizes, hw)
+        for (m, sched, r), reason, variants in SP.option_groups(shape, sizes):
+            if reason:
+                continue
+            group = bound.group_floor(shape, sizes, hw, m, sched, r)
+            assert group >= low * (1 - 1e-12)
+            for zero, epso, remat in variants:
+                c = SP.Candidate(tuple((a, n) for a, n in sizes.items() if n > 1), zero, epso, m, sched, r, remat)
+                for twin in (c, dataclasses.replace(c, sequence_parallel=True), dataclasses.replace(c, offload=True)):
+                    comms, mem = E.collectives(shape, twin), E.memory(shape, twin)
+                    compute = E.compute_time(shape, twin, hw, 8)
+                    for order in SP.orders(sizes):
+                        step = E.combine(hw, dataclasses.replace(twin, mesh=order), compute, comms, mem).step
+                        assert step >= group * (1 - 1e-12), (twin.key, order)  # (rounding of sums in other orders)
+                        costed += 1
+    assert costed > 10_000
+
+
+def test_pruning_keeps_the_exhaustive_ranking_and_costs_few_candidates():
+    """plan() costs meshes in the order of their floors and stops where a floor passes the step of the last
+    configuration it may plan: the screen up to that step, the planned ranking and the pick are the
+    exhaustive screen's, from a fraction of its candidates (counted, not timed)."""
+    cfg = _config("tiny_moe_lm")
+    cfg.train.update(dict(seq_len=64, batch_size=64))
+    hw = PROFILES["aurora-pvc"]
+    exhaustive = plan(cfg, 32, hw, top=0, verify=0)  # nothing planned: every mesh costed
+    assert not exhaustive.pruned and not exhaustive.pruned_groups
+    pruned = plan(cfg, 32, hw, top=1, verify=1)
+    assert pruned.pruned > 0 and pruned.pruned_groups > 0
+    within = [(r.candidate.key, r.estimate.step) for r in exhaustive.screened
+              if r.estimate.step <= pruned.floor_cut]
+    assert [(r.candidate.key, r.estimate.step) for r in pruned.screened[:len(within)]] == within
+    assert len(within) >= 3  # the 3 x verify configurations it may plan are among them
+    full = plan(cfg, 32, hw, top=1, verify=1, prune=False)
+    assert not full.pruned and [r.to_dict() for r in full.ranked] == [r.to_dict() for r in pruned.ranked]
+    assert full.why() == pruned.why() and len(full.screened) == len(exhaustive.screened)
+    costed = len(pruned.screened) + pruned.rejection_counts().get("over memory", 0)
+    everything = len(exhaustive.screened) + exhaustive.rejection_counts().get("over memory", 0)
+    assert costed * 10 < everything, (costed, everything)
+    assert f"{pruned.pruned} meshes and {pruned.pruned_groups} option groups not costed" in str(pruned)

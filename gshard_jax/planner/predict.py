@@ -93,7 +93,7 @@ def abstract_state(cfg: ml_collections.ConfigDict, c: Candidate) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type), state)
 
 
-_STATES: dict = {}  # the abstract train state per model config (this process's)
+_STATES: dict = {}  # the abstract train state and ModelShape per platform, of one model config (this process's)
 
 
 ORDERS_SCHEDULED = 3  # axis orders, fastest by communication, whose step is list-scheduled (overlap.py)
@@ -108,10 +108,13 @@ def plan_one(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware) -> tupl
     key = cfg.model.to_json() + cfg.train.to_json()
     if key not in _STATES:
         _STATES.clear()
-        _STATES[key] = abstract_state(cfg, c)
-    report = explain(cfg, c, hw, state=_STATES[key])
+        _STATES[key] = abstract_state(cfg, c), {}
+    state, shapes = _STATES[key]
+    report = explain(cfg, c, hw, state=state)
     found = comms(report)
-    compute = E.compute_time(SP.model_shape(cfg, hw.platform), c, hw, math.prod(c.sizes.values()))
+    if hw.platform not in shapes:
+        shapes[hw.platform] = SP.model_shape(cfg, hw.platform)
+    compute = E.compute_time(shapes[hw.platform], c, hw, math.prod(c.sizes.values()))
     by_comm = sorted(SP.orders(c.sizes), key=lambda o: E.combine(
         hw, dataclasses.replace(c, mesh=o), compute, found, {}).comm_total)
     args = dict(report.argument_bytes(), **{f"host_{k}": v for k, v in report.argument_bytes(host=True).items()

@@ -18,6 +18,7 @@ import ml_collections
 
 from ..partitioner.hardware import Hardware, scaled
 from . import axonn, estimate as E, space as SP
+from .bound import floor, group_floor
 from .workers import Workers
 
 GiB = 1024 ** 3
@@ -54,6 +55,9 @@ class Plan:
     rejections: list[tuple]  # (Candidate or mesh name, kind of reason, reason)
     sensitivity: dict  # bandwidth factor -> the top candidates' keys in their new order
     dominated: int = 0  # candidates not evaluated: a lighter remat, fewer microbatches or data for context fits
+    pruned: int = 0  # meshes not costed: their floor (bound.py) passes every configuration that may be planned
+    pruned_groups: int = 0  # option groups (microbatches, schedule) of costed meshes not costed, by their floor
+    floor_cut: float = math.inf  # the step a mesh's floor passed to be pruned (seconds)
     pinned: list = dataclasses.field(default_factory=list)  # (mesh sizes, formula rank, Ranked or None, why)
     own: Optional[dict] = None  # the config's own mesh section on these devices (pinned), where it resolves
     seconds: float = 0.0  # time the search took (not in the JSON: the plan is deterministic)
@@ -130,10 +134,24 @@ class Plan:
                 "ranked": [self._ranked_dict(r) for r in self.ranked], "why": self.why(),
                 "screened": len(self.screened), **self._rejections_dict(),
                 "rejection_counts": self.rejection_counts(), "dominated": self.dominated,
-                "pinned": [{"mesh": m, "formula_rank": k, "planned": self._ranked_dict(r) if r else None, "why": w,
+                "pruned_meshes": self.pruned, "pruned_option_groups": self.pruned_groups,
+                "floor_cut_s": self.floor_cut if self.pruned or self.pruned_groups else None,
+                "pinned": [{"mesh": m, "formula_rank": k, "formula_rank_exact": self._exact(k),
+                            "planned": self._ranked_dict(r) if r else None, "why": w,
                             "own": self._is_own(m), "step_ratio_to_best": self._ratio(r)}
                            for m, k, r, w in self.pinned],
                 "sensitivity": self.sensitivity}
+
+    def _beyond(self, rank: Optional[int]) -> str:
+        """What a pinned mesh's formula rank leaves out: pruned meshes could hold candidates above one slower
+        than the cut."""
+        return "" if self._exact(rank) else (
+            f" or lower (candidates not costed, each slower than {self.floor_cut * 1e3:.2f} ms, may rank above it)")
+
+    def _exact(self, rank: Optional[int]) -> bool:
+        """Whether a formula rank among the costed candidates is the rank among all of them."""
+        return rank is None or not (self.pruned or self.pruned_groups) or \
+            self.screened[rank - 1].estimate.step <= self.floor_cut
 
     def _is_own(self, sizes: dict) -> bool:
         return self.own is not None and {a: 1 for a in SP.AXES} | dict(sizes) == self.own
@@ -168,8 +186,9 @@ class Plan:
                      f"{hw.peak_flops / 1e12:.0f} TFLOP/s x {hw.efficiency:.0%}), memory budget "
                      f"{self.memory_budget / GiB:.1f} GiB per device; {len(self.screened)} feasible by formula, "
                      f"{len(self.ranked)} planned by the partitioner, {len(self.rejections)} rejected, "
-                     f"{self.dominated} "
-                     f"dominated"
+                     f"{self.dominated} dominated"
+                     + (f", {self.pruned} meshes and {self.pruned_groups} option groups not costed (their floor "
+                        f"passes {self.floor_cut * 1e3:.2f} ms)" if self.pruned or self.pruned_groups else "")
                      + (f" ({self.seconds:.1f} s)" if self.seconds else ""))
         for i, r in enumerate(self.ranked, 1):
             e = r.estimate
@@ -187,7 +206,8 @@ class Plan:
             name = ("the config's own mesh " if self._is_own(sizes) else "pinned ") + ".".join(
                 f"{a}{n}" for a, n in sizes.items() if n > 1)
             lines.append(f"{name}: " + "; ".join(why) if r is None else
-                         f"{name}: its best variant ranks {rank} of {len(self.screened)} by formula; "
+                         f"{name}: its best variant ranks {rank}{self._beyond(rank)} of {len(self.screened)} by "
+                         f"formula; "
                          f"planned {r.candidate.key}: step {r.estimate.step * 1e3:.2f} ms "
                          f"({self._ratio(r):.2f}x #1's), memory {r.estimate.memory['total'] / GiB:.2f} GiB")
             if r is not None and self.ranked:
@@ -242,12 +262,14 @@ def _best_order(c: SP.Candidate, comms, compute: float, mem: dict, hw: Hardware,
 def plan(cfg: ml_collections.ConfigDict, devices: int, hardware: Hardware, memory_gb: Optional[float] = None,
          top: int = 5, verify: Optional[int] = None, remats: Sequence[str] = SP.REMATS,
          zero_stages: Sequence[int] = SP.ZERO_STAGES, config_name: str = "config",
-         pin: Sequence[dict] = (), worker: bool = False, own_mesh: bool = False) -> Plan:
+         pin: Sequence[dict] = (), worker: bool = False, own_mesh: bool = False, prune: bool = True) -> Plan:
     """Rank the configurations of `devices` devices of `hardware` for config `cfg` (see module docstring).
 
     pin: meshes ({axis: size}) to place in the ranking whatever their rank (a paper's own configuration):
     the best variant of each by formula is planned by the partitioner too, and compared with #1.
     own_mesh: pin the config's own mesh section too, where it resolves on `devices` (the CLI does).
+    prune: cost meshes in the order of their floors (bound.py) and skip those, and the option groups, whose
+    floor passes the last configuration that may be planned: the same plan, from a fraction of the screen.
     worker: plan every second candidate in a spawned process (the same result, sooner on 2+ cores); the
     process imports the caller's __main__, so only a script with an `if __name__ == "__main__"` guard
     should ask (the CLI does).
@@ -262,7 +284,7 @@ def plan(cfg: ml_collections.ConfigDict, devices: int, hardware: Hardware, memor
         full = [{a: 1 for a in SP.AXES} | dict(sizes) for sizes in pin]
         pin = list(pin) + ([own] if own is not None and own not in full else [])
         out = _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, config_name, pin, workers,
-                    start)
+                    start, prune)
         out.own = own
         return out
     finally:
@@ -270,19 +292,34 @@ def plan(cfg: ml_collections.ConfigDict, devices: int, hardware: Hardware, memor
 
 
 def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, config_name, pin, workers,
-          start) -> Plan:
+          start, prune) -> Plan:
     """plan()'s search (count: candidates to plan with the partitioner)."""
+    prune = prune and count > 0  # a screen alone (nothing planned) costs every candidate
     budget = (memory_gb if memory_gb is not None else hardware.memory_gib) * GiB
     shape = SP.model_shape(cfg, hardware.platform)
     screened: list[Ranked] = []
     rejected: list[tuple] = []
     dominated = 0
     pinned = [{a: 1 for a in SP.AXES} | dict(sizes) for sizes in pin]
+    forced = pinned + (kept_meshes(shape, devices, hardware) if prune else [])
+    meshes = []
     for sizes in SP.factorizations(devices, SP.AXES):
         mesh_key = ".".join(f"{a}{n}" for a, n in sizes.items() if n > 1) or "one-device"
         reason = SP.mesh_reason(shape, sizes)
         if reason:
             rejected.append((mesh_key, reason.split(":")[0], reason))
+        else:
+            costs: dict = {}  # the mesh's collectives' costs, shared by its floor and its option groups' floors
+            meshes.append((floor(shape, sizes, hardware, remats, zero_stages, costs) if prune else 0.0, len(meshes),
+                           sizes, costs))
+    # Meshes in the order of their floor; once a floor passes the step of the last configuration _verify may
+    # plan (the 3 x count-th distinct one), no candidate left can be planned: the rest are counted, not costed.
+    meshes.sort(key=lambda t: t[:2])
+    cut = _Best(3 * count if prune else 0)
+    pruned = pruned_groups = 0
+    for low, _, sizes, costs in meshes:
+        if low > cut.threshold and sizes not in forced:
+            pruned += 1
             continue
         canonical = tuple((a, sizes[a]) for a in SP.AXES if sizes[a] > 1)  # the screen's order (orders()[0])
         data_twin = None if sizes in pinned else _data_twin(shape, sizes, remats, zero_stages)
@@ -290,6 +327,10 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
         staged = sizes["stage"] > 1
         for (m, sched, r), reason, variants in SP.option_groups(shape, sizes, remats, zero_stages):
             kind = reason.split(":")[0] if reason else None
+            if not reason and prune and sizes not in forced and group_floor(
+                    shape, sizes, hardware, m, sched, r, remats, zero_stages, costs) > cut.threshold:
+                pruned_groups += 1  # its microbatches and schedule alone cost more than the cut
+                continue
             for zero, epso, remat in variants:
                 # Dominated, not evaluated: a heavier remat where a lighter one of the same options fits (more
                 # compute, no less communication), or without stages more microbatches where fewer fit (no
@@ -328,15 +369,16 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
                     if fewer is not None:
                         fit.add(fewer)
                 compute = E.compute_time(shape, c, hardware, devices)
-                best = None
+                chosen = None
                 # screened as the better of the twins (both are planned); without stages the formula gives
                 # the sequence-parallel twin the same bytes at more latency (its rings), so it never is
                 for twin in twins(c) if staged else [c]:
                     comms = E.collectives(shape, twin)
                     cand = dataclasses.replace(twin, mesh=_heuristic_order(twin, comms))
                     got = Ranked(cand, E.combine(hardware, cand, compute, comms, mem), 1)
-                    best = got if best is None or got.estimate.step < best.estimate.step else best
-                screened.append(best)
+                    chosen = got if chosen is None or got.estimate.step < chosen.estimate.step else chosen
+                screened.append(chosen)
+                cut.add(chosen)
     screened.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.order_key))
     ranked = _verify(cfg, shape, screened, count, hardware, budget, rejected, workers)
     if count:  # the families the formula may misjudge are planned whatever their rank (KEPT)
@@ -358,7 +400,8 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
             again.append((E.combine(hw2, r.candidate, e.compute, r.comms, e.memory, e.source, share * comm).step,
                           r.candidate.key))
         sensitivity[str(factor)] = [k for _, k in sorted(again)]
-    out = Plan(config_name, devices, hardware, budget, shape, ranked, screened, rejected, sensitivity, dominated)
+    out = Plan(config_name, devices, hardware, budget, shape, ranked, screened, rejected, sensitivity, dominated,
+               pruned=pruned, pruned_groups=pruned_groups, floor_cut=cut.threshold)
     out.pinned = [_pinned(cfg, out, sizes, hardware, budget) for sizes in pin]
     for _, _, r, _ in out.pinned:  # a pinned candidate that plans faster than #1 ranks where its step puts it
         if r is not None and r not in out.ranked and (not out.ranked or r.estimate.step < out.ranked[-1].estimate.step):
@@ -367,6 +410,24 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
             out.ranked = out.ranked[:top] if top else out.ranked
     out.seconds = time.perf_counter() - start
     return out
+
+
+class _Best:
+    """The best formula step of each distinct configuration _verify may plan (`_shape_key`), the `n` fastest:
+    `threshold` is the n-th's step (infinite until there are n), the floor a mesh must not pass to be costed."""
+
+    def __init__(self, n: int):
+        self.n, self.steps, self.threshold = n, {}, math.inf
+
+    def add(self, r: Ranked) -> None:
+        if not self.n or r.estimate.step >= self.threshold:
+            return
+        key = _shape_key(r.candidate)
+        self.steps[key] = min(r.estimate.step, self.steps.get(key, math.inf))
+        if len(self.steps) > self.n:
+            del self.steps[max(self.steps, key=self.steps.get)]
+        if len(self.steps) == self.n:
+            self.threshold = max(self.steps.values())
 
 
 def _offloaded(shape: SP.ModelShape, c: SP.Candidate, hw: Hardware, budget: float, rejected: list):

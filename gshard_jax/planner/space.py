@@ -10,6 +10,7 @@ over its shards, a layer stack that does not divide into stages) is rejected onc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Iterator, Optional, Sequence
@@ -207,8 +208,9 @@ class Candidate:
                 "sequence_parallel": self.sequence_parallel, "offload": self.offload}
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@functools.lru_cache(maxsize=1024)
+def divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def factorizations(n: int, axes: Sequence[str]) -> Iterator[dict[str, int]]:

@@ -24,35 +24,43 @@ class Workers:
             self.pool.submit(_warm)
 
     def run(self, cfg, batch: list, hw: Hardware) -> list:
-        """plan_one for each candidate of `batch` (the last in the worker), results or exceptions, in order."""
-        remote, batch_last = None, batch[-1:]
+        """plan_one for each candidate of `batch` (every second one in the worker), results or exceptions, in
+        order."""
+        remote: dict = {}
         if self.pool is not None and len(batch) > 1:
             try:
-                remote = self.pool.submit(PR.plan_one, cfg, batch[-1], hw)
-                batch = batch[:-1]
+                remote = {i: self.pool.submit(PR.plan_one, cfg, c, hw) for i, c in enumerate(batch) if i % 2}
             except concurrent.futures.process.BrokenProcessPool:
-                self.close()
-                self.pool = None
-        out = []
-        for c in batch:
+                self._lost()
+        out: list = [None] * len(batch)
+        for i, c in enumerate(batch):
+            if i not in remote:
+                out[i] = _attempt(cfg, c, hw)
+        for i, future in remote.items():
             try:
-                out.append(PR.plan_one(cfg, c, hw))
+                out[i] = future.result()
             except (ValueError, TypeError, NotImplementedError) as e:
-                out.append(e)
-        if remote is not None:
-            try:
-                out.append(remote.result())
-            except (ValueError, TypeError, NotImplementedError) as e:
-                out.append(e)
-            except concurrent.futures.process.BrokenProcessPool:  # the worker died: plan it here, and alone
-                self.close()
-                self.pool = None
-                out += self.run(cfg, batch_last, hw)
+                out[i] = e
+            except concurrent.futures.process.BrokenProcessPool:  # the worker died: plan the rest here
+                self._lost()
+                out[i] = _attempt(cfg, batch[i], hw)
         return out
+
+    def _lost(self) -> None:
+        self.close()
+        self.pool = None
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(cancel_futures=True)
+
+
+def _attempt(cfg, c, hw: Hardware):
+    """plan_one's result, or the error that says why the candidate cannot be planned."""
+    try:
+        return PR.plan_one(cfg, c, hw)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        return e
 
 
 def _warm() -> None:
