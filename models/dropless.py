@@ -157,27 +157,37 @@ def _ragged(x_TM, experts_TK, gates_TK, weights, ffn, num_experts, axes, peers, 
 def dropless(x_TM: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, weights: dict,
              activation: Callable, *, num_experts: int, token_axes: Sequence[str] = (),
              expert_axes: Sequence[str] = (), model_axes: Sequence[str] = (), exchange: str = "auto",
-             peer_bound: Optional[float] = None, matmul: str = "auto") -> tuple[jax.Array, jax.Array]:
+             peer_bound: Optional[float] = None, matmul: str = "auto",
+             length_axes: Sequence[str] = ()) -> tuple[jax.Array, jax.Array]:
     """(y_TM, dropped fraction) for tokens x_TM routed to experts_TK with weights gates_TK.
 
     Outside a partition (or with no mesh axes) everything runs on one device. Inside, it is a manual
     region: tokens split over token_axes (which must include expert_axes), experts over expert_axes,
-    expert hidden units over model_axes.
+    expert hidden units over model_axes. Tokens may also come as [B, L, M] (experts and gates [B, L, K]),
+    B split over token_axes and L over length_axes (context parallelism): the region takes them as they lie
+    and flattens each device's block, where merging a split L into B's split would gather them.
     """
     exchange = exchange_for(exchange, jax.default_backend())
     ffn = functools.partial(expert_ffn, activation=activation, matmul=matmul)
     mesh = gs.annotations.current_mesh()
-    T, K = experts_TK.shape
-    if mesh is None or not (token_axes or expert_axes or model_axes):
-        y, _ = _local(x_TM, experts_TK, gates_TK, weights, ffn, num_experts)
-        return y, jnp.zeros((), jnp.float32)
+    lead, K = experts_TK.shape[:-1], experts_TK.shape[-1]
+    T = math.prod(lead)
+    if mesh is None or not (token_axes or expert_axes or model_axes or length_axes):
+        y, _ = _local(x_TM.reshape(T, -1), experts_TK.reshape(T, K), gates_TK.reshape(T, K), weights, ffn,
+                      num_experts)
+        return y.reshape(x_TM.shape), jnp.zeros((), jnp.float32)
     token_axes, expert_axes, model_axes = tuple(token_axes), tuple(expert_axes), tuple(model_axes)
+    length_axes = tuple(length_axes)
+    if length_axes and len(lead) != 2:
+        raise ValueError(f"dropless: length_axes {length_axes} split the L of tokens [B, L, M]; got tokens of "
+                         f"shape {tuple(x_TM.shape)}")
+    every = token_axes + length_axes  # the axes a device's tokens are split over
     missing = [a for a in expert_axes if a not in token_axes]
     if missing:
         raise ValueError(f"dropless: expert axes {missing} must also split the tokens (token axes {token_axes})")
     size = dict(mesh.shape)
     peers = math.prod(size[a] for a in expert_axes)
-    shards = math.prod(size[a] for a in token_axes)
+    shards = math.prod(size[a] for a in every)
     if num_experts % peers or T % shards:
         raise ValueError(f"dropless: {num_experts} experts over {peers} devices and {T} tokens over {shards} "
                          f"devices must divide evenly")
@@ -189,12 +199,14 @@ def dropless(x_TM: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, weight
     # region return each device's partial gradient; the sum is then the broadcast's transpose outside it,
     # which the partitioner reduces once per step after the microbatch and pipeline loops, like every other
     # gradient, rather than inside each layer's backward.
-    copies = tuple(a for a in token_axes if a not in expert_axes)
+    copies = tuple(a for a in every if a not in expert_axes)
     n_copies = math.prod(size[a] for a in copies)
     if copies:
         weights = {n: jnp.broadcast_to(w, (n_copies, *w.shape)) for n, w in weights.items()}
 
     def body(x, e, g, w):
+        shape = x.shape
+        x, e, g = x.reshape(-1, shape[-1]), e.reshape(-1, K), g.reshape(-1, K)  # this device's block of tokens
         if copies:
             w = {n: v[0] for n, v in w.items()}
         if peers == 1:
@@ -207,12 +219,12 @@ def dropless(x_TM: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, weight
             y, dropped = _all_to_all(x, e, g, w, ffn, num_experts, expert_axes, peers, bound)
         if model_axes:
             y = jax.lax.psum(y, model_axes)
-        return y, jax.lax.psum(dropped, token_axes) / (T * K)
+        return y.reshape(shape), jax.lax.psum(dropped, every) / (T * K)
 
-    tok = P(token_axes or None, None)
+    tok = P(token_axes or None, *([length_axes or None] if len(lead) == 2 else []), None)
     exp = expert_axes or None
     mod = model_axes or None
-    lead = (copies,) if copies else ()
-    w_specs = {n: P(*lead, exp, None, mod) if n != "wo" else P(*lead, exp, mod, None) for n in weights}
+    lead_w = (copies,) if copies else ()
+    w_specs = {n: P(*lead_w, exp, None, mod) if n != "wo" else P(*lead_w, exp, mod, None) for n in weights}
     return gs.manual(body, in_specs=(tok, tok, tok, w_specs), out_specs=(tok, P()))(
         x_TM, experts_TK, gates_TK, weights)

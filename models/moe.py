@@ -132,9 +132,15 @@ class MoeFFN(nn.Module):
         if G * S != T:
             x_TM = jnp.pad(x_TM, ((0, G * S - T), (0, 0)))
         mask_GS = (jnp.arange(G * S) < T).reshape(G, S) if G * S != T else None  # None: no padding
-        x_GSM = constrain(x_TM.reshape(G, S, M).astype(self.dtype), ("group", None, "embed"), self.rules)
+        # Dropless routing has no capacity, so its groups shape only the balance loss. With one group per
+        # sequence (the default) and sequences split (context), the groups are [batch, length] as the tokens
+        # lie: merging a split length into the batch's split would gather every token of the layer.
+        as_laid = cfg.dispatch == "dropless" and (G, S) == (B, L) and bool(self._split("length"))
+        groups_in = ("batch", "length") if as_laid else ("group", None)
+        x_GSM = constrain((x_BLM if as_laid else x_TM.reshape(G, S, M)).astype(self.dtype), (*groups_in, "embed"),
+                          self.rules)
         logits_GSE = Router(cfg.num_experts, cfg.router_jitter, cfg.router_logit_cap, name="router")(x_GSM, train)
-        logits_GSE = constrain(logits_GSE, ("group", None, None), self.rules)
+        logits_GSE = constrain(logits_GSE, (*groups_in, None), self.rules)
         g = cfg.gating if train else dataclasses.replace(cfg.gating, second_policy="all")
         needs_rng = train and cfg.gating.second_policy != "all" and g.k > 1 and g.routing == "token_choice"
         rng = self.make_rng("gating") if needs_rng else None
@@ -144,10 +150,17 @@ class MoeFFN(nn.Module):
             y_GSM = self._einsums(x_GSM, r.combine_GSEC, r.dispatch_GSEC, w)
             aux, stats = r.aux_loss, r.stats
         else:
-            y_GSM, aux, stats = self._dropless(x_GSM, logits_GSE, g, rng, mask_GS, w)
-        y_TM = y_GSM.reshape(G * S, M)[:T]
+            y_GSM, aux, stats = self._dropless(x_GSM, logits_GSE, g, rng, mask_GS, w, as_laid)
+        y_BLM = y_GSM if as_laid else y_GSM.reshape(G * S, M)[:T].reshape(B, L, M)
         losses = {"aux_loss": aux, "z_loss": gating.z_loss(logits_GSE, mask_GS)}
-        return y_TM.reshape(B, L, M).astype(x_BLM.dtype), losses, stats
+        return y_BLM.astype(x_BLM.dtype), losses, stats
+
+    def _split(self, name: str) -> tuple:
+        """The mesh axes the rules split logical axis `name` over in the current mesh (after "batch")."""
+        mesh = gs.annotations.current_mesh()
+        if mesh is None:
+            return ()
+        return axes_of(mesh_spec(("batch", name), self.rules, mesh.axis_names)[1])
 
     def _ffn(self, x, w):
         """Expert FFN on dispatched tokens [E, G, C, M]."""
@@ -168,7 +181,8 @@ class MoeFFN(nn.Module):
         y_GECM = constrain(self._ffn(x_EGCM, w), ("group", None, None, "embed"), rules)
         return constrain(jnp.einsum("GSEC,GECM->GSM", combine, y_GECM), ("group", None, "embed"), rules)
 
-    def _dropless(self, x_GSM, logits_GSE, g, rng, mask_GS, w):
+    def _dropless(self, x_GSM, logits_GSE, g, rng, mask_GS, w, as_laid: bool = False):
+        """as_laid: x_GSM is [batch, length, M] split as the activations are (length over context)."""
         G, S, M = x_GSM.shape
         choice = gating.choose(logits_GSE, g, rng, mask_GS)
         gates_GSK = choice.gates_GSK
@@ -177,17 +191,20 @@ class MoeFFN(nn.Module):
             gates_GSK = gates_GSK / jnp.where(total > 0, total, 1.0)
         mesh = gs.annotations.current_mesh()
         names = None if mesh is None else mesh.axis_names
-        group_axes = axes_of(mesh_spec(("group",), self.rules, names)[0]) if names else ()
+        group_axes = axes_of(mesh_spec(("batch" if as_laid else "group",), self.rules, names)[0]) if names else ()
+        length_axes = self._split("length") if as_laid else ()
         expert_axes = axes_of(mesh_spec(("expert",), self.rules, names)[0]) if names else ()
         model_axes = axes_of(mesh_spec(("expert", "mlp"), self.rules, names)[1]) if names else ()
         token_axes = group_axes + tuple(a for a in expert_axes if a not in group_axes)
         K = g.k
         experts = jnp.where(choice.valid_GSK, choice.experts_GSK, self.cfg.num_experts)  # invalid: no expert
-        y_TM, dropped = D.dropless(x_GSM.reshape(G * S, M), experts.reshape(G * S, K),
-                                   gates_GSK.reshape(G * S, K), w, _activation(self.cfg.activation),
+        tokens = (G, S) if as_laid else (G * S,)  # as laid: the region takes [batch, length] as it lies
+        y_TM, dropped = D.dropless(x_GSM.reshape(*tokens, M), experts.reshape(*tokens, K),
+                                   gates_GSK.reshape(*tokens, K), w, _activation(self.cfg.activation),
                                    num_experts=self.cfg.num_experts, token_axes=token_axes,
                                    expert_axes=expert_axes, model_axes=model_axes, exchange=self.cfg.exchange,
-                                   peer_bound=self.cfg.peer_bound, matmul=self.cfg.grouped_matmul)
+                                   peer_bound=self.cfg.peer_bound, matmul=self.cfg.grouped_matmul,
+                                   length_axes=length_axes)
         used_E = jnp.sum(jax.nn.one_hot(experts, self.cfg.num_experts, dtype=jnp.float32), axis=(0, 1, 2))
         stats = {"dropped": dropped, "dropped_per_choice": jnp.zeros((K,), jnp.float32) + dropped,
                  "expert_usage": used_E / jnp.maximum(jnp.sum(used_E), 1.0),

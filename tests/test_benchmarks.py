@@ -28,7 +28,7 @@ RUNS = {
     "pipeline.py": (["--layers", "4", "--width", "32", "--micro", "2", "--steps", "1", "--schedules", "gpipe"],
                     "gpipe"),
     "planned_mfu.py": (["--cases", "gpt_20b_32", "--verify", "1"], "gpt_20b_32"),
-    "planner.py": (TINY + ["--devices", "8", "--verify", "1"], "planned comm"),
+    "planner.py": (TINY + ["--devices", "8", "--top", "1"], "formula comm"),
     "ring_attention.py": (["--seq", "256", "--block-sizes", "16,8"], "| ring, tile 8 |"),
     "sharded_state.py": (TINY + ["--steps", "1"] + SMALL_MODEL, "EPSO"),
     "step_reductions.py": (["--no-xla"], "interleaved_1f1b"),

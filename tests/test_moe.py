@@ -154,6 +154,44 @@ def test_dropless_layer_partitions_under_expert_parallelism(exchange, mesh_name)
     assert_close(gs.partition(vg, mesh, backend="xla")(params, x), vg(params, x), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("exchange", ["all_to_all", "all_gather"])
+def test_dropless_tokens_stay_as_laid_under_context_parallelism(exchange):
+    """Sequences split over context (the activations' [batch, length] layout) and 3 sequences per data shard:
+    the region takes the tokens as they lie. Merging the split length into the batch's split would gather
+    every token of the layer; instead the layer moves only its exchange over expert, the expert gradients
+    reduced once over data and context, and scalars."""
+    from gshard_jax.models.logical import constrain
+    mesh = gs.make_mesh({"data": 2, "expert": 2, "context": 2})
+    m, params, x = layer(shape=(12, 16, 24), dispatch="dropless", exchange=exchange,
+                         gating=dataclasses.replace(AMPLE, capacity_factor=1.0))
+
+    def f(params, x):
+        x = constrain(x, ("batch", "length", "embed"), RULES)  # as the model's residual stream lies
+        y, losses, _ = m.apply(params, x)
+        y = constrain(y, ("batch", "length", "embed"), RULES)
+        return jnp.sum(y ** 2) + 0.01 * losses["aux_loss"] + 0.001 * losses["z_loss"]
+    vg = jax.value_and_grad(f)
+    pg = gs.partition(vg, mesh)
+    assert_close(pg(params, x), vg(params, x), rtol=1e-4, atol=1e-4)
+    report = gs.explain(vg, mesh, params, x)
+    assert report.fallbacks == []
+    assert_report_matches_hlo(report, hlo_stats(pg, params, x))
+    moved = {}
+    for r in report.rows:
+        for c in r.collectives:
+            moved[(c.kind, c.axes)] = moved.get((c.kind, c.axes), 0) + c.moved * r.trips * c.runs
+    expert_weights = sum(v.size for k, v in params["params"].items() if k != "router") * 4  # float32
+    exchange_kind = "all-to-all" if exchange == "all_to_all" else "all-gather"
+    assert moved.pop((exchange_kind, ("expert",))) > 0
+    if exchange == "all_gather":
+        assert moved.pop(("reduce-scatter", ("expert",))) > 0
+    assert moved.pop(("all-reduce", ("data", "context"))) == pytest.approx(expert_weights / 2 * 2 * 3 / 4)
+    router = params["params"]["router"]["kernel"].size * 4  # its gradient, summed over every token axis
+    assert moved.pop(("all-reduce", ("data", "expert", "context"))) == pytest.approx(router * 2 * 7 / 8, abs=32)
+    tokens = x.size * 4 / 8  # one device's block of the layer's input, float32
+    assert all(kind == "all-reduce" and v < tokens / 10 for (kind, _), v in moved.items()), moved  # scalars
+
+
 def test_dropless_peer_bound_counts_what_it_drops():
     """A per-peer buffer smaller than the load drops assignments and says how many; no bound drops none."""
     mesh = gs.make_mesh(MESHES["e8"])
