@@ -30,6 +30,7 @@ RUNS = {
     "planned_mfu.py": (["--cases", "gpt_20b_32", "--verify", "1"], "gpt_20b_32"),
     "planner.py": (TINY + ["--devices", "8", "--top", "1"], "formula comm"),
     "ring_attention.py": (["--seq", "256", "--block-sizes", "16,8"], "| ring, tile 8 |"),
+    "scaling.py": (TINY + ["--devices", "4,8", "--top", "1", "--per-device", "2"], "weak-scaling efficiency"),
     "sharded_state.py": (TINY + ["--steps", "1"] + SMALL_MODEL, "EPSO"),
     "step_reductions.py": (["--no-xla"], "interleaved_1f1b"),
 }
