@@ -7,7 +7,7 @@ import gc
 from typing import Any, Callable, Optional
 
 import jax
-from jax.sharding import AbstractMesh, AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 from . import annotations as A, passes as P, sources as SRC, specs as S
 from .partitioner import subaxes as SUB
@@ -139,7 +139,18 @@ class Partitioned:
         return self._jits[key]
 
     def __call__(self, *args, **kwargs):
-        return self._jit(args, kwargs)(*args, **kwargs)
+        outs = self._jit(args, kwargs)(*args, **kwargs)
+        if isinstance(self._given, Mesh) and self._given is not self._mesh:
+            outs = jax.tree.map(self._on_given, outs)
+        return outs
+
+    def _on_given(self, x):
+        """A result on the user's own mesh, axis types included (the per-device program runs on its Auto twin):
+        the same buffers, relabelled; a tracer (a caller's trace) stays as its trace makes it."""
+        sharding = getattr(x, "sharding", None)
+        if isinstance(x, jax.core.Tracer) or not isinstance(sharding, NamedSharding) or sharding.mesh != self._mesh:
+            return x
+        return jax.device_put(x, NamedSharding(self._given, sharding.spec))
 
     def lower(self, *args, **kwargs):
         with _gc_paused():  # also while JAX lowers the per-device program to StableHLO
@@ -197,7 +208,7 @@ def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings:
     outputs (one entry per output when the function returns a tuple or list).
     backend="gshard" uses this project's partitioner; backend="xla" turns the
     annotations into sharding constraints and lets XLA's SPMD partitioner do
-    the work. A mesh with Explicit axes is used as the same mesh with Auto axes.
+    the work. A mesh with Explicit axes is partitioned as its Auto twin; results come back on the mesh given.
     profile: the machine (gs.Hardware, or a planner profile: gs.hardware.get("h100-8")) the cost model decides
     on; default gs.hardware.default_for the mesh's platform: a generic accelerator's figures, without overlap
     of communication and compute on CPU devices. collective_matmul: "auto"
