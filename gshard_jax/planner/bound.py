@@ -6,11 +6,12 @@ reductions, alone cost more than the best candidates' whole step. plan() screens
 their floor and stops where the floor passes the step of the candidates it may plan, so the candidates it
 plans, and their order, are the exhaustive screen's (test_planner checks the floor against every candidate).
 
-Each term is one of collectives()'s at the options that make it smallest: no recompute (remat none), one
-microbatch's collectives' latencies but the whole step's bytes (a microbatch's bytes times the microbatches,
-or in a pipeline times its forward ticks, at least the step's), the cheapest ZeRO stage and EPSO choice, and
-each group of axes at the fastest bandwidth any order of the axes gives it. A pipeline's own transfers and
-an offloaded update's host transfers count nothing.
+Each term is one of collectives()'s at the options that make it smallest: no recompute (remat none), the
+cheapest ZeRO stage and EPSO choice, and each group of axes at the fastest bandwidth any order of the axes
+gives it. A mesh's floor takes one microbatch's latencies and the whole step's bytes (a microbatch's bytes
+times the microbatches, or in a pipeline times its forward ticks, at least the step's), the smallest bubble
+and no pipeline transfers; an option group's (microbatches, schedule, repeats fixed) takes its own counts,
+bubble and transfers over stage. An offloaded update's host transfers count nothing.
 """
 from __future__ import annotations
 
