@@ -108,23 +108,9 @@ def _specs(stack: nn.Module, init: Callable):
     return params, state
 
 
-def vmappable(c):
-    """The stack's config as a stage runs it: stages are vmapped, and jax.lax.ragged_all_to_all has no
-    batching rule, so a dropless MoE exchange of "auto" runs its dense all-to-all there (and "ragged" is
-    refused, naming the choices that run)."""
-    moe = c.moe
-    if moe is None or moe.exchange not in ("auto", "ragged"):
-        return c
-    if moe.exchange == "ragged":
-        raise ValueError("model.moe.exchange='ragged' cannot run in a pipeline stage: stages are vmapped and "
-                         "jax.lax.ragged_all_to_all has no batching rule; use 'auto' (the dense all-to-all "
-                         "there), 'all_to_all' or 'all_gather'")
-    return dataclasses.replace(c, moe=dataclasses.replace(moe, exchange="all_to_all"))
-
-
 def _setup(stack: nn.Module, n: int, x, enc, mask, periods: Callable):
     """(stacked params as [stages] or [repeats, stages] chunks, stage function, state, specs)."""
-    c, pc = vmappable(stack.cfg), stack.cfg.pipeline
+    c, pc = stack.cfg, stack.cfg.pipeline
     check(pc, n)
     p, r = pc.stages, pc.repeats
     chunk = n // (p * r)

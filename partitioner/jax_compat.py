@@ -23,6 +23,13 @@ Parameters, read by what the equation carries, never by version strings:
   `compute_on` primitive with the body as a jaxpr, which program.py inlines as a call. `on_host` calls a
   function there the same way on every release (the offloaded optimizer update).
 
+A fix installed on import:
+- `ragged_all_to_all` under `jax.vmap`: JAX's batching rule (0.10 to 0.12) asserts when an offset or size
+  operand is not batched while the rows are (a receive offset from `axis_index`, say), which is how a
+  pipeline's vmapped stage runs the dropless layer's ragged exchange. The rule installed here broadcasts
+  those operands over the batch first (the same values for every batch element, so the same exchange) and
+  hands them to JAX's own rule.
+
 Primitive names: `NOT_IN_EVERY_RELEASE` lists the registry's entries that some supported release lacks, each
 with the releases that emit it; tests/test_registry.py accepts those (and only those) as absent.
 """
@@ -32,8 +39,9 @@ import inspect
 from typing import Any, Callable, Sequence
 
 import jax
-from jax._src.interpreters import partial_eval as _pe, pxla as _pxla
+from jax._src.interpreters import batching as _batching, partial_eval as _pe, pxla as _pxla
 from jax._src.interpreters.partial_eval import convert_constvars_jaxpr
+from jax._src.lax import parallel as _parallel
 from jax.experimental.compute_on import compute_on as _compute_on
 
 __all__ = ["NOT_IN_EVERY_RELEASE", "bind_on", "clear_compilation_cache", "convert_constvars_jaxpr", "on_host",
@@ -94,3 +102,23 @@ def on_host(fn: Callable[..., Any], *args: Any) -> Any:
         return _compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(fn)(*args)
     with _compute_on("device_host"):
         return jax.jit(fn)(*args)
+
+
+def _ragged_all_to_all_batched(rule: Callable) -> Callable:
+    """JAX's batching rule for ragged_all_to_all, with unbatched offsets and sizes broadcast first."""
+    def batched(axis_data, vals, dims, **params):
+        if all(d is None for d in dims):
+            return rule(axis_data, vals, dims, **params)
+        vals, dims = list(vals), list(dims)
+        for i in range(2, len(vals)):  # input_offsets, send_sizes, output_offsets, recv_sizes
+            if dims[i] is None:
+                vals[i] = jax.numpy.broadcast_to(vals[i][None], (axis_data.size, *vals[i].shape))
+                dims[i] = 0
+        return rule(axis_data, vals, dims, **params)
+    batched.fixes = rule
+    return batched
+
+
+_rule = _batching.fancy_primitive_batchers[_parallel.ragged_all_to_all_p]
+if not hasattr(_rule, "fixes"):  # once, however often this module is reloaded
+    _batching.fancy_primitive_batchers[_parallel.ragged_all_to_all_p] = _ragged_all_to_all_batched(_rule)

@@ -1,11 +1,15 @@
 """Shared test helpers: random arrays, random shardings, HLO collective counts."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import primitives as _primitives
+from jax.interpreters import mlir
 
 import gshard_jax as gs
 from gshard_jax.partitioner.hlo import collective_stats, summary
@@ -132,3 +136,46 @@ def flax_optax_step(batch: int, features: int, hidden: int, classes: int):
         return optax.apply_updates(params, updates), opt_state, value
 
     return step, args
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name, axis_index_groups=None):
+    """jax.lax.ragged_all_to_all's documented semantics from all_gather (XLA:CPU cannot compile the real op):
+    with k = len(send_sizes) / peers updates per peer, peer i sends operand[input_offsets[u]:][:send_sizes[u]]
+    to peer u // k, which writes it at output_offsets[u] (k > 1 where a vmap batches the exchange)."""
+    assert axis_index_groups is None
+    me = jax.lax.axis_index(axis_name)
+    ops = jax.lax.all_gather(operand, axis_name)  # [P, R, ...]
+    peers = ops.shape[0]
+    k = input_offsets.shape[0] // peers
+    mine = me * k + jnp.arange(k)  # the updates each source sends me
+    starts = jax.lax.all_gather(input_offsets, axis_name)[:, mine]  # [P, k]: where each source's rows begin
+    sizes = jax.lax.all_gather(send_sizes, axis_name)[:, mine]
+    dests = jax.lax.all_gather(output_offsets, axis_name)[:, mine]
+    rows = jnp.arange(output.shape[0])
+    for i in range(peers):
+        for j in range(k):
+            inside = (rows >= dests[i, j]) & (rows < dests[i, j] + sizes[i, j])
+            src = jnp.clip(starts[i, j] + rows - dests[i, j], 0, operand.shape[0] - 1)
+            mask = inside.reshape((-1,) + (1,) * (output.ndim - 1))
+            output = jnp.where(mask, jnp.take(ops[i], src, axis=0), output)
+    del recv_sizes  # the receiver's view of sizes; the sender's send_sizes decide what lands
+    return output
+
+
+@contextlib.contextmanager
+def ragged_all_to_all_emulated_on_cpu():
+    """The real jax.lax.ragged_all_to_all primitive (traced, batched, differentiated and partitioned as on a
+    GPU) lowered on XLA:CPU by `emulated_ragged_all_to_all`; JAX's own lowering is back afterwards."""
+    prim = _primitives.ragged_all_to_all_p
+    table = mlir._platform_specific_lowerings["cpu"]
+    before = table.get(prim)
+    mlir.register_lowering(prim, mlir.lower_fun(emulated_ragged_all_to_all, multiple_results=False),
+                           platform="cpu")
+    try:
+        yield
+    finally:
+        if before is None:
+            table.pop(prim, None)
+        else:
+            table[prim] = before

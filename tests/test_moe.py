@@ -14,7 +14,7 @@ from gshard_jax.models.gating import GatingConfig
 from gshard_jax.models.grouped import block_rows, grouped_matmul
 from gshard_jax.models.logical import DEFAULT_RULES
 from gshard_jax.models.moe import MoeConfig, MoeFFN
-from helpers import assert_close, assert_report_matches_hlo, hlo_stats
+from helpers import assert_close, assert_report_matches_hlo, hlo_stats, ragged_all_to_all_emulated_on_cpu
 
 RULES = DEFAULT_RULES  # the models' own table: axes these meshes lack drop out of it
 AMPLE = GatingConfig(k=2, capacity_factor=8.0, min_capacity=1, second_policy="all")
@@ -206,31 +206,16 @@ def test_dropless_peer_bound_counts_what_it_drops():
     assert float(gs.partition(lambda p, x: unbounded.apply(p, x)[2]["dropped"], mesh)(params, x)) == 0.0
 
 
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                               axis_name, axis_index_groups=None):
-    """jax.lax.ragged_all_to_all's documented semantics from all_gather (XLA:CPU cannot compile the real op):
-    peer i sends operand[input_offsets[j]:][:send_sizes[j]] to peer j, which writes it at output_offsets[j]."""
-    assert axis_index_groups is None
-    me = jax.lax.axis_index(axis_name)
-    ops = jax.lax.all_gather(operand, axis_name)  # [P, R, ...]
-    starts = jax.lax.all_gather(input_offsets, axis_name)[:, me]  # where each source's rows for me begin
-    sizes = jax.lax.all_gather(send_sizes, axis_name)[:, me]
-    dests = jax.lax.all_gather(output_offsets, axis_name)[:, me]
-    rows = jnp.arange(output.shape[0])
-    for i in range(ops.shape[0]):
-        inside = (rows >= dests[i]) & (rows < dests[i] + sizes[i])
-        src = jnp.clip(starts[i] + rows - dests[i], 0, operand.shape[0] - 1)
-        mask = inside.reshape((-1,) + (1,) * (output.ndim - 1))
-        output = jnp.where(mask, jnp.take(ops[i], src, axis=0), output)
-    del recv_sizes  # the receiver's view of sizes; the sender's send_sizes decide what lands
-    return output
-
-
 @pytest.mark.parametrize("mesh_name", ["e8", "d2e2m2"])
-def test_dropless_ragged_exchange_offsets_with_an_emulated_collective(monkeypatch, mesh_name):
+def test_dropless_ragged_exchange_offsets_with_an_emulated_collective(mesh_name):
     """The ragged exchange's offsets and sizes (there and back) give the local result, forward and grad, and a
-    peer bound drops what overflows; the collective is emulated because XLA:CPU has no ragged-all-to-all."""
-    monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+    peer bound drops what overflows; the collective is lowered by an emulation because XLA:CPU has no
+    ragged-all-to-all."""
+    with ragged_all_to_all_emulated_on_cpu():
+        _ragged_exchange_case(mesh_name)
+
+
+def _ragged_exchange_case(mesh_name):
     mesh = gs.make_mesh(MESHES[mesh_name])
     m, params, x = layer(shape=(8, 16, 24), dispatch="dropless", exchange="ragged",
                          gating=dataclasses.replace(AMPLE, capacity_factor=1.0))
@@ -242,6 +227,30 @@ def test_dropless_ragged_exchange_offsets_with_an_emulated_collective(monkeypatc
     bounded = float(gs.partition(lambda p, x: m.apply(p, x)[2]["dropped"], mesh)(params, x))
     ref = MoeFFN(dataclasses.replace(m.cfg, exchange="all_to_all"), RULES)
     assert bounded == float(gs.partition(lambda p, x: ref.apply(p, x)[2]["dropped"], mesh)(params, x)) > 0.3
+
+
+@pytest.mark.parametrize("spmd", [True, False], ids=["stage_vmap", "plain_vmap"])
+def test_ragged_all_to_all_batches_with_unbatched_offsets(spmd):
+    """A pipeline's stage vmap over a ragged exchange whose receive offsets come from axis_index (not batched):
+    JAX's rule asserted; partitioner/jax_compat.py's broadcasts them, and every batch element (one per device
+    under the stage axis, two per device under a plain vmap) swaps its own rows."""
+    from jax.sharding import PartitionSpec as P
+    mesh = jax.make_mesh((2, 4), ("stage", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)  # as the
+    # partitioner runs a per-device program (under Explicit axes the emulation's slices of a batched dim fail)
+
+    def body(x_RM):  # each peer gets 2 of my 8 rows: rows 2j, 2j+1 to peer j, written at 2 * my index
+        me = jax.lax.axis_index("expert")
+        sizes = jnp.full((4,), 2, jnp.int32)
+        return jax.lax.ragged_all_to_all(x_RM, jnp.zeros_like(x_RM), jnp.arange(4, dtype=jnp.int32) * 2, sizes,
+                                         jnp.full((4,), me * 2, jnp.int32), sizes, axis_name="expert")
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert"))
+    vf = jax.vmap(f, spmd_axis_name="stage") if spmd else jax.vmap(f)
+    x = np.arange(2 * 32 * 3, dtype=np.float32).reshape(2, 32, 3)
+    with ragged_all_to_all_emulated_on_cpu():
+        got = np.asarray(jax.jit(vf)(x))
+    # device d's block of each batch element: from peer p, p's rows 2d and 2d + 1, at 2p
+    want = x.reshape(2, 4, 4, 2, 3).transpose(0, 2, 1, 3, 4).reshape(2, 32, 3)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_the_ragged_exchange_moves_the_routed_rows_and_auto_picks_it_where_the_backend_has_it():

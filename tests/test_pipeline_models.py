@@ -10,16 +10,18 @@ import gshard_jax as gs
 from gshard_jax.models import pipelined as PM, transformer as T
 from gshard_jax.models.moe import MoeConfig
 from gshard_jax.models.pipelined import PipelineConfig
-from helpers import hlo_stats
+from helpers import hlo_stats, ragged_all_to_all_emulated_on_cpu
 
 B, L, V = 16, 8, 64
 
 
-def _config(moe, **kw) -> T.TransformerConfig:
-    """moe: False, True (GShard's einsum dispatch) or "dropless" (sort + grouped matmul in a manual region)."""
+def _config(moe, exchange="auto", **kw) -> T.TransformerConfig:
+    """moe: False, True (GShard's einsum dispatch) or "dropless" (sort + grouped matmul in a manual region,
+    its tokens moved to their experts by `exchange`)."""
     dispatch = "dropless" if moe == "dropless" else "einsum"
     fields = dict(vocab_size=V, d_model=32, num_heads=2, head_dim=16, d_ff=64, num_layers=8, scan=True,
-                  moe=MoeConfig(num_experts=4, d_ff=32, dispatch=dispatch) if moe else None, moe_every=1)
+                  moe=MoeConfig(num_experts=4, d_ff=32, dispatch=dispatch, exchange=exchange) if moe else None,
+                  moe_every=1)
     return T.TransformerConfig(**dict(fields, **kw))
 
 
@@ -117,11 +119,11 @@ MESHES = {"stage8": {"stage": 8}, "stage4_data2": {"stage": 4, "data": 2},
           "stage2_x2_y2": {"stage": 2, "x": 2, "y": 2}}  # AxoNN's tensor axes inside each stage
 
 
-def _partitioned_case(mesh_name, schedule, moe, m_per_stage=2):
+def _partitioned_case(mesh_name, schedule, moe, m_per_stage=2, exchange="auto"):
     shape = MESHES[mesh_name]
     p = shape["stage"]
     r = 2 if schedule in ("circular", "interleaved_1f1b") else 1
-    cfg = _config(moe, num_layers=8 * r if p == 8 else 8)
+    cfg = _config(moe, exchange, num_layers=8 * r if p == 8 else 8)
     base = T.DecoderLM(cfg)
     batch = _batch()
     params = base.init(jax.random.key(1), batch["inputs"])
@@ -194,22 +196,18 @@ def test_storage_order_puts_each_stages_chunks_in_its_block():
     np.testing.assert_array_equal(PM.reorder(PM.reorder(moved, True, two, four), True, four, PM.order_key(None)), a)
 
 
-def test_a_pipeline_stage_runs_the_dense_exchange_for_auto_and_refuses_ragged():
-    """Stages are vmapped and jax.lax.ragged_all_to_all has no batching rule (XLA:CPU and GPU alike), so a
-    stage's dropless MoE runs "auto" as the dense all-to-all, refuses "ragged" naming what runs, and leaves
-    the other exchanges (and dense models) as they are."""
-    import dataclasses
-
-    import pytest
-
-    from gshard_jax.models import pipelined
-    from gshard_jax.models.moe import MoeConfig
-    from gshard_jax.models.transformer import TransformerConfig
-    base = TransformerConfig(moe=MoeConfig(num_experts=4, d_ff=8, dispatch="dropless"))
-    assert pipelined.vmappable(base).moe.exchange == "all_to_all"  # "auto"
-    gathered = dataclasses.replace(base, moe=dataclasses.replace(base.moe, exchange="all_gather"))
-    assert pipelined.vmappable(gathered) is gathered
-    dense = TransformerConfig()
-    assert pipelined.vmappable(dense) is dense
-    with pytest.raises(ValueError, match="no batching rule; use 'auto'"):
-        pipelined.vmappable(dataclasses.replace(base, moe=dataclasses.replace(base.moe, exchange="ragged")))
+@pytest.mark.slow  # 70 s; the batching it rests on is test_moe.py's ragged vmap test
+def test_a_pipeline_stage_runs_the_ragged_exchange():
+    """Stages are vmapped over the stage axis, and a dropless layer's ragged exchange runs inside them: the
+    real ragged_all_to_all primitive, batched by the stage vmap (partitioner/jax_compat.py fixes JAX's rule
+    for its unbatched receive offsets), partitioned and lowered by an emulation on XLA:CPU, gives the
+    unpipelined model's loss and gradients, and explain() counts each routed row once per trip."""
+    with ragged_all_to_all_emulated_on_cpu():
+        jitted, params, batch, mesh, f = _partitioned_case("stage2_expert2_data2", "1f1b", "dropless",
+                                                           exchange="ragged")
+    report = gs.explain(f, mesh, params, batch, trace_per_device=False)
+    ragged = [c for r in report.rows for c in r.collectives if c.kind == "all-to-all" and "ragged" in c.note]
+    assert ragged, "the stage's dropless layer should exchange its rows by ragged_all_to_all"
+    rows = B * L * 2 // 4 // (2 * 2)  # k=2 assignments per token, over 4 microbatches and data x expert shards
+    assert {c.payload for c in ragged if len(c.shape) == 2} == {rows * 32 * 4}  # [rows, d_model] in float32
+    assert {c.payload for c in ragged if len(c.shape) == 1} == {rows * 4}  # and their expert ids, int32

@@ -80,8 +80,8 @@ def test_the_screen_follows_the_dropless_region(mesh):
 
 def test_the_formula_prices_the_exchange_the_platform_runs():
     """A dropless layer's expert exchange by formula: on a GPU profile ("auto": ragged) each routed row once,
-    a 1/peers share of the dense all-to-all's worst-case buffers on CPU; a pipeline's stages run the dense
-    one whatever the platform (models/pipelined.vmappable)."""
+    a 1/peers share of the dense all-to-all's worst-case buffers on CPU, in a pipeline's vmapped stages
+    as outside them."""
     cfg = _config("tiny_moe_lm")
     cfg.model.moe.dispatch = "dropless"
 
@@ -93,7 +93,8 @@ def test_the_formula_prices_the_exchange_the_platform_runs():
     assert (gpu, cpu) == ("ragged", "all_to_all") and ragged * 4 == pytest.approx(dense)
     staged = SP.Candidate((("stage", 2), ("data", 2), ("expert", 2)), zero_stage=0, microbatches=2,
                           schedule="1f1b")
-    assert exchanged("gpu", staged)[1] == exchanged("cpu", staged)[1] > 0
+    (gpu, ragged), (cpu, dense) = exchanged("gpu", staged), exchanged("cpu", staged)
+    assert (gpu, cpu) == ("ragged", "all_to_all") and ragged * 2 == pytest.approx(dense) and ragged > 0
 
 
 @pytest.mark.parametrize("mesh,opts", [
@@ -155,6 +156,20 @@ def test_the_screen_counts_a_pipelines_ticks(mesh, opts):
     assert formula[rolls] == planned[rolls]
     if c.size("y") > 1:
         assert formula[("all-reduce", ("y",))] == pytest.approx(planned[("all-reduce", ("y",))], rel=1e-2)
+
+
+@pytest.mark.parametrize("schedule,repeats", [("gpipe", 1), ("circular", 2), ("1f1b", 1)])
+def test_a_pipelines_weight_gradients_are_reduce_scattered_under_zero(schedule, repeats):
+    """ZeRO-1 in a pipeline: every schedule reduces the stage weights' gradients once per step by a
+    reduce-scatter over data (the formula's bytes), with no gradient-sized all-reduce over data. The schedules
+    that autodiff runs (GPipe, circular) had all-reduced them, the stacked weights' annotation constraining
+    their cotangent to the weights' own layout."""
+    cfg = _config("tiny_dense_lm")
+    c = SP.Candidate((("stage", 2), ("data", 4)), zero_stage=1, microbatches=4, schedule=schedule, repeats=repeats)
+    formula, planned = _moved_by_formula_and_plan(cfg, c)
+    scatter = ("reduce-scatter", ("data",))
+    assert planned[scatter] == pytest.approx(formula[scatter], rel=1e-2)
+    assert planned[("all-reduce", ("data",))] < 1e-3 * formula[scatter], planned
 
 
 @pytest.mark.parametrize("name,m,axis", [("tiny_dense_lm", 4, "y"), ("tiny_moe_lm", 1, "y"), ("tiny_dense_lm", 4, "x")])

@@ -36,13 +36,15 @@ def stage_axis(axis: str, stages: int) -> Optional[str]:
     return axis
 
 
-def shard_leading(tree: PyTree, lead: tuple, specs: Optional[PyTree], axis: Optional[str]) -> PyTree:
-    """Annotate every leaf with `lead` (stage on the stacked dim) then its spec from `specs`."""
+def shard_leading(tree: PyTree, lead: tuple, specs: Optional[PyTree], axis: Optional[str],
+                  grad: bool = True) -> PyTree:
+    """Annotate every leaf with `lead` (stage on the stacked dim) then its spec from `specs` (grad=False: the
+    forward value only, as `gs.shard` says)."""
     if axis is None:
         return tree
     leaves, treedef = jax.tree.flatten(tree)
     spec_leaves = [()] * len(leaves) if specs is None else treedef.flatten_up_to(specs)
-    return treedef.unflatten([A.shard(x, (*lead, *tuple(s or ()))) for x, s in zip(leaves, spec_leaves)])
+    return treedef.unflatten([A.shard(x, (*lead, *tuple(s or ())), grad=grad) for x, s in zip(leaves, spec_leaves)])
 
 
 def microbatches(x: PyTree, m: int) -> PyTree:
@@ -143,9 +145,12 @@ def mask(ok, a):
 
 
 def stacked(params, r, p, axis, specs):
-    """[p, ...] or [r, p, ...] -> [r, p, ...] with the stage dim split over the stage axis."""
+    """[p, ...] or [r, p, ...] -> [r, p, ...] with the stage dim split over the stage axis. The weights only:
+    their gradients (partial sums over the batch's axes when they leave the schedule's loop) are left to
+    propagation, so they are reduced once to where the optimizer wants them (a reduce-scatter under ZeRO),
+    not all-reduced to the weights' own layout."""
     params_rp = jax.tree.map(lambda a: a[None], params) if r == 1 else params
-    return shard_leading(params_rp, (None, axis), specs, axis)
+    return shard_leading(params_rp, (None, axis), specs, axis, grad=False)
 
 
 def aux_zeros(run, params_rp, state):

@@ -94,7 +94,7 @@ def _floor(shape: ModelShape, s: dict, hw: Hardware, remats, zero_stages, m: int
             total += t("all-gather", ("expert",), act * e, 2 * layers) + t("reduce-scatter", ("expert",), act * e,
                                                                           2 * layers)
         else:
-            dense = shape.exchange == "all_to_all" or p > 1
+            dense = shape.exchange == "all_to_all"
             per_peer = e if dense and not shape.peer_bound else (min(e, shape.peer_bound) if dense else 1)
             total += t("all-to-all", ("expert",), act * x * shape.k * per_peer, 4 * layers)
     if shape.dropless:

@@ -151,8 +151,7 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
                 add("reduce-scatter", ("expert",), act * e, (fwd + 1) * layers * runs)
             else:
                 rows = act * x * shape.k  # the region holds whole rows: x gathers them
-                # a pipeline's vmapped stages cannot run the ragged exchange (models/pipelined.vmappable)
-                dense = shape.exchange == "all_to_all" or p > 1
+                dense = shape.exchange == "all_to_all"
                 per_peer = e if dense and not shape.peer_bound else (min(e, shape.peer_bound) if dense else 1)
                 add("all-to-all", ("expert",), rows * per_peer, 2 * (fwd + 1) * layers * runs)
     # Weights per device as the layout stores them (before the storage axes), per class.

@@ -66,9 +66,8 @@ def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware, trace_pe
     from ..models import dropless
     from ..training.train import Trainer, state_kind
     run = apply(cfg, c)
-    # the exchange the run gets on hw's platform, not on this machine's (a pipeline's vmapped stages run the
-    # dense all-to-all for "auto": models/pipelined.vmappable)
-    if run.model.moe.num_experts and c.size("stage") == 1:
+    # the exchange the run gets on hw's platform, not on this machine's
+    if run.model.moe.num_experts:
         run.model.moe.exchange = dropless.exchange_for(run.model.moe.get("exchange", "auto"), hw.platform)
     trainer = Trainer(run, "", mesh=abstract_mesh(c))
     if state is None:
