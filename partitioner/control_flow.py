@@ -1,7 +1,7 @@
 """The control-flow forms (scan, while, cond) as one table read by every pass.
 
 Each form says three things about a primitive with bodies: which bodies it
-has (program.py turns them into sub-programs), how values flow between the
+has (program.BODIES, which program.py turns into sub-programs), how values flow between the
 caller and the bodies (propagation.py turns these into identity links), and
 how to run it on local shards (lower_regions.py). Adding a loop form means
 adding a row here and an entry in registry.py that points to it, never
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from . import deferral as DF, prefetch as PF
 from .jax_compat import scan_counts
+from .program import BODIES
 from .sharding import Sharding
 
 Link = tuple  # (a, b, tag, stacked, stacked_b)
@@ -239,9 +240,9 @@ def _cond_lower(lo, eqn, env, log):
 
 
 FORMS: dict[str, Form] = {
-    "scan": Form(lambda p: {"body": p["jaxpr"]}, _scan_links, _scan_lower, _scan_carries, _scan_stacked,
+    "scan": Form(BODIES["scan"], _scan_links, _scan_lower, _scan_carries, _scan_stacked,
                  first_carry=_scan_consts, consts=_scan_consts),
-    "while": Form(lambda p: {"cond": p["cond_jaxpr"], "body": p["body_jaxpr"]}, _while_links, _while_lower,
+    "while": Form(BODIES["while"], _while_links, _while_lower,
                   _while_carries, first_carry=_while_first_carry),
-    "cond": Form(lambda p: {f"branch{i}": b for i, b in enumerate(p["branches"])}, _cond_links, _cond_lower),
+    "cond": Form(BODIES["cond"], _cond_links, _cond_lower),
 }

@@ -25,13 +25,10 @@ import contextlib
 import contextvars
 import dataclasses
 from collections import Counter
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
+from .program import Eqn, Program, Value
 from .sharding import Sharding
-
-if TYPE_CHECKING:  # program.py imports control_flow.py, which imports this module
-    from .program import Eqn, Program, Value
-
 
 ENABLED = contextvars.ContextVar("deferred_reductions", default=True)
 

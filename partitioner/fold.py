@@ -38,40 +38,19 @@ from typing import Optional
 import numpy as np
 from jax import lax
 
-from .program import Const, Eqn, Program, Value
-
-
-def _registry():
-    from . import registry  # (not at the top: the registry's entries import roll.py, which imports this module)
-    return registry
+from . import registry
+from .program import Const, Eqn, Program, Value, uses
 
 
 def _op(e: Eqn):
     """e's registry entry (None: it has none)."""
-    return _registry().op_for(e.name)
+    return registry.op_for(e.name)
 
 
 def _fold(e: Eqn):
     """What e's registry entry lets the rewrites do with it."""
     op = _op(e)
-    return op.fold if op is not None else _registry().Fold()
-
-
-def _uses(program: Program) -> dict:
-    count: dict = {}
-
-    def visit(p: Program) -> None:
-        for x in p.outvars:
-            if isinstance(x, Value):
-                count[x] = count.get(x, 0) + 1
-        for e in p.eqns:
-            for x in e.invars:
-                if isinstance(x, Value):
-                    count[x] = count.get(x, 0) + 1
-            for sub in e.subs.values():
-                visit(sub)
-    visit(program)
-    return count
+    return op.fold if op is not None else registry.Fold()
 
 
 def _value(x) -> Optional[float]:
@@ -138,7 +117,7 @@ def _slice_into_pad(sl: Eqn, pad: Eqn) -> Optional[dict]:
 
 def fold_pads(program: Program) -> Program:
     """The program with every foldable pad folded into its only user (in place; sub-programs too)."""
-    uses = _uses(program)
+    counts = uses(program)
 
     def visit(p: Program) -> None:
         producer = {e.outvars[0]: e for e in p.eqns if _fold(e).pad or _fold(e).cut}
@@ -148,7 +127,7 @@ def fold_pads(program: Program) -> Program:
                 visit(sub)
             x = e.invars[0] if e.invars else None
             pad = producer.get(x) if isinstance(x, Value) else None
-            if pad is None or id(pad) in dropped or uses.get(x) != 1 or not isinstance(pad.invars[0], Value):
+            if pad is None or id(pad) in dropped or counts.get(x) != 1 or not isinstance(pad.invars[0], Value):
                 continue
             cut, into_pad = _fold(pad).cut, _fold(e).pad
             if cut and not into_pad:
@@ -213,7 +192,7 @@ def fold_constant_reductions(program: Program) -> Program:
                 if form is not None and form.consts is not None:
                     inner = {b: k for b, k in zip(sub.invars[:form.consts(e)], ins) if k is not None}
                 visit(sub, inner)
-            folds = op.fold if op is not None else _registry().Fold()
+            folds = op.fold if op is not None else registry.Fold()
             if folds.spreads_scalar and isinstance(e.invars[0], Const) and len(e.invars) == 1:
                 known[e.outvars[0]] = np.asarray(e.invars[0].val)
             elif folds.identity and ins[0] is not None:
@@ -272,7 +251,7 @@ def merge_common(program: Program) -> Program:
                     same[e.outvars[0]] = k
                 except TypeError:
                     pass
-            if not merge or e.subs or not _registry().mergeable(e.name) or constant:
+            if not merge or e.subs or not registry.mergeable(e.name) or constant:
                 kept.append(e)
                 continue
             try:

@@ -17,14 +17,11 @@ lowering runs the pipelined loop.
 from __future__ import annotations
 
 import contextvars
-from typing import TYPE_CHECKING
 
 from . import deferral as DF
 from .jax_compat import scan_counts
+from .program import Eqn
 from .sharding import Sharding
-
-if TYPE_CHECKING:
-    from .program import Eqn
 
 ENABLED = contextvars.ContextVar("prefetched_gathers", default=True)
 RELAYOUTS = ("sharding_annotation", "copy", "copy_p")  # readers that only re-lay the slice: it is gathered for them

@@ -7,7 +7,7 @@ not needed here: differentiation happens before partitioning
 (``partition(jax.grad(f))``) or on the per-device program.
 
 Bodies that must stay regions become sub-programs (Eqn.subs): the bodies of
-the control-flow forms (control_flow.FORMS: scan, while, cond), and checkpointed regions (``remat2``, from
+the control-flow forms (`BODIES`: scan, while, cond), and checkpointed regions (``remat2``, from
 jax.checkpoint /
 nn.remat). A checkpointed region is *aliased*, not linked: its sub-program's
 inputs are the caller's values and its results are the equation's results,
@@ -22,7 +22,6 @@ from typing import Any, Optional
 
 from jax.extend import core, source_info_util
 
-from .control_flow import FORMS
 from .jax_compat import to_lojax
 
 # Primitives whose body is inlined, and the param holding it.
@@ -33,6 +32,14 @@ CALL_PRIMITIVES = {
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
     "compute_on": "jaxpr",  # JAX 0.11+: ops computed elsewhere (the host); its ops keep the compute_type
+}
+
+# Control-flow primitives and the bodies each carries, by name (params -> {sub-program name: jaxpr}); how the
+# passes treat each form is control_flow.FORMS, above this module.
+BODIES = {
+    "scan": lambda p: {"body": p["jaxpr"]},
+    "while": lambda p: {"cond": p["cond_jaxpr"], "body": p["body_jaxpr"]},
+    "cond": lambda p: {f"branch{i}": b for i, b in enumerate(p["branches"])},
 }
 
 
@@ -198,8 +205,7 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
             for var, out in zip(eqn.outvars, outs):
                 if not isinstance(var, core.DropVar):
                     env[var] = out
-            form = FORMS.get(eqn.primitive.name)
-            bodies = form.bodies(eqn.params) if form else {}
+            bodies = BODIES[eqn.primitive.name](eqn.params) if eqn.primitive.name in BODIES else {}
             inner = _scope(eqn.source_info, scope) if bodies else ""
             subs = {name: sub_program(j, inner) for name, j in bodies.items()}
             eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), (eqn.source_info, scope), len(eqns), subs,
@@ -215,3 +221,21 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
 
     top = sub_program(to_lojax(closed))
     return Program(top.invars, top.outvars, top.eqns, consts)
+
+
+def uses(program: Program) -> dict:
+    """How many times each value is read (by an equation or as a result), bodies included."""
+    count: dict = {}
+
+    def visit(p: Program) -> None:
+        for x in p.outvars:
+            if isinstance(x, Value):
+                count[x] = count.get(x, 0) + 1
+        for e in p.eqns:
+            for x in e.invars:
+                if isinstance(x, Value):
+                    count[x] = count.get(x, 0) + 1
+            for sub in e.subs.values():
+                visit(sub)
+    visit(program)
+    return count

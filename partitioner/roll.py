@@ -20,9 +20,8 @@ from jax.interpreters import ad, batching, mlir
 
 from .cost import Collective
 from .factors import FactorNames, Rule
-from .fold import _uses
 from .halo import gather_collectives, gather_rows, ppermute
-from .program import Eqn, Program, Value
+from .program import Eqn, Program, Value, uses
 from .reshard import linear_axis_index
 
 # Report the caller of roll(), not this module.
@@ -64,7 +63,7 @@ def _is_cut(e: Eqn, x, axis: int, start: int, stop: int) -> bool:
 def fold_rolls(program: Program) -> Program:
     """Each concatenate(x[n - s:], x[:n - s]) along one dim, whose slices have no other use, becomes
     roll(x, s) (in place; sub-programs too)."""
-    uses = _uses(program)
+    counts = uses(program)
 
     def visit(p: Program) -> None:
         producer = {e.outvars[0]: e for e in p.eqns if e.name == "slice"}
@@ -75,7 +74,7 @@ def fold_rolls(program: Program) -> Program:
             if e.name != "concatenate" or len(e.invars) != 2 or not all(isinstance(v, Value) for v in e.invars):
                 continue
             head, tail = (producer.get(v) for v in e.invars)
-            if head is None or tail is None or any(uses.get(v) != 1 for v in e.invars):
+            if head is None or tail is None or any(counts.get(v) != 1 for v in e.invars):
                 continue
             x, d = head.invars[0], e.params["dimension"]
             n = x.shape[d] if isinstance(x, Value) else 0

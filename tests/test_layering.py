@@ -120,6 +120,94 @@ def test_the_layering_check_sees_an_upward_import(tmp_path):
     assert "gshard_jax.training" in found and _layer("gshard_jax.training") > _layer("gshard_jax.configs")
 
 
+def _circles(edges: dict) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _package_edges(modules: dict) -> dict:
+    """module -> the modules of its own package it imports (at any depth, type-checking imports too); a
+    package's __init__ (its facade) is left out."""
+    inits = {m for m, path in modules.items() if path.endswith("__init__.py")}
+    edges = {}
+    for module, path in modules.items():
+        if module in inits:
+            continue
+        parent = module.rsplit(".", 1)[0]
+        edges[module] = {t for t, _ in _imports(module, path) if t in modules and t not in inits and t != module
+                         and t.rsplit(".", 1)[0] == parent}
+    return edges
+
+
+def test_no_package_imports_itself_in_a_circle():
+    """Inside each package the modules import one another in one order (the partitioner's program
+    representation at the bottom, its passes and strategies above), function-level imports included: no
+    circle, so every package reads bottom-up."""
+    circles = _circles(_package_edges(_modules()))
+    assert not circles, "\n".join(" <-> ".join(c) for c in circles)
+
+
+# docs/partitioner.md's order of the partitioner's modules, lowest first: each imports only from its own
+# layer and those before it.
+PARTITIONER_LAYERS = [
+    ("representation", ["jax_compat", "sharding", "program", "factors"]),
+    ("rules and costs", ["rules", "fused_attention", "rare_ops", "deferral", "subaxes", "hardware", "cost",
+                         "overlap"]),
+    ("strategies", ["reshard", "manual_regions", "report", "hlo", "halo", "hooks", "lower_rows", "prefetch",
+                    "collective_matmul", "control_flow", "relayout", "roll", "windowed", "partial_sums", "reorder"]),
+    ("registry", ["registry"]),
+    ("passes", ["fold", "propagation", "strategy", "local_shards", "lower_regions", "lower"]),
+]
+
+
+def test_the_partitioners_modules_import_in_the_documented_order():
+    """Every partitioner module sits in one layer of docs/partitioner.md's table and imports only from its
+    layer and those below: the program representation imports no strategy, no strategy a pass."""
+    layer = {f"gshard_jax.partitioner.{m}": i for i, (_, names) in enumerate(PARTITIONER_LAYERS) for m in names}
+    edges = _package_edges(_modules())
+    placed = {m for m in edges if m.startswith("gshard_jax.partitioner.")}
+    assert placed == set(layer), sorted(placed ^ set(layer))
+    upward = [f"{m} ({PARTITIONER_LAYERS[layer[m]][0]}) imports {t} ({PARTITIONER_LAYERS[layer[t]][0]})"
+              for m in sorted(placed) for t in sorted(edges[m]) if layer[t] > layer[m]]
+    assert not upward, "\n".join(upward)
+
+
+def test_the_circle_check_sees_a_function_level_circle(tmp_path):
+    """Two modules that import each other, one of them inside a function, are a circle; an import from
+    another package or of the package's facade is not an edge."""
+    (tmp_path / "a.py").write_text("def f():\n    from . import b\n")
+    (tmp_path / "b.py").write_text("from .a import f\nfrom .. import other\n")
+    (tmp_path / "c.py").write_text("from . import a\n")
+    modules = {f"p.{n}": str(tmp_path / f"{n}.py") for n in "abc"}
+    assert _circles(_package_edges(modules)) == [["p.a", "p.b"]]
+    assert _circles({"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": {"p.a"}}) == [["p.a", "p.b", "p.c"]]
+
+
 def test_every_case_slow_cases_lists_is_a_test():
     """tests/slow_cases.txt (the heaviest cases, marked slow by conftest.py) names tests that exist: a renamed
     test would otherwise drop back into the default suite, unnoticed."""
