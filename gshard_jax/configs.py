@@ -90,6 +90,7 @@ class DataConfig:
     tokenizer: str = ""  # tokenizer.json to use ("": train a byte-level BPE of model.vocab_size on the corpus)
     held_out: float = HELD_OUT  # fraction of files held out for eval_loss
     max_bytes: int = MAX_BYTES  # default corpus: at most this many bytes of source
+    eval_seed: int = 0  # the held-out windows eval_loss reads, whatever train.seed: runs of any seed, one text
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ RUNS = {
                "permutes"),
     "lm1b_style.py": ([], "xla"),
     "moe_dropless.py": (["--steps", "1", "--tokens", "256"], "dropless"),
+    "moe_vs_dense.py": (["--steps", "2", "--seeds", "0"] + SMALL_MODEL, "MoE - dense"),
     "partition_scaling.py": (["--layers", "1", "--repeats", "1", "--compile-repeats", "1", "--no-compile"],
                              "partition s"),
     "partitioner_vs_xla.py": (["--steps", "1", "--only", "megatron_mlp fwd"], "megatron_mlp fwd"),
@@ -34,7 +35,8 @@ RUNS = {
     "sharded_state.py": (TINY + ["--steps", "1"] + SMALL_MODEL, "EPSO"),
     "step_reductions.py": (["--no-xla"], "interleaved_1f1b"),
 }
-SLOW = {"sharded_state.py"}  # about a minute: every ZeRO stage, with and without EPSO, compiled twice
+SLOW = {"sharded_state.py",  # about a minute: every ZeRO stage, with and without EPSO, compiled twice
+        "moe_vs_dense.py"}  # about a minute: a token corpus prepared, two training runs
 
 
 def test_every_benchmark_has_a_smoke_run():

@@ -158,6 +158,18 @@ def test_the_screen_counts_a_pipelines_ticks(mesh, opts):
         assert formula[("all-reduce", ("y",))] == pytest.approx(planned[("all-reduce", ("y",))], rel=1e-2)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_what_crosses_stages_once_a_step(schedule):
+    """docs/pipeline.md's per-step bytes over `stage` besides the permutes: the first stage's input gradient
+    and the last stage's outputs (GPipe) or its head's gradient (1F1B), each all-reduced, as the formula
+    counts them; nothing else of size."""
+    cfg = _config("tiny_dense_lm")
+    c = SP.Candidate((("stage", 4), ("data", 2)), zero_stage=0, microbatches=8, schedule=schedule)
+    formula, planned = _moved_by_formula_and_plan(cfg, c)
+    ends = ("all-reduce", ("stage",))
+    assert planned[ends] == pytest.approx(formula[ends], rel=1e-2)
+
+
 @pytest.mark.parametrize("schedule,repeats", [("gpipe", 1), ("circular", 2), ("1f1b", 1)])
 def test_a_pipelines_weight_gradients_are_reduce_scattered_under_zero(schedule, repeats):
     """ZeRO-1 in a pipeline: every schedule reduces the stage weights' gradients once per step by a

@@ -91,6 +91,31 @@ def test_batches_are_a_pure_function_of_seed_and_step_split_over_processes(tmp_p
         data.prepare(str(tmp_path / "small"), 10, src=str(d / "t"), tokenizer=f"{out}/tokenizer.json")
 
 
+def test_held_out_windows_are_the_same_whatever_the_training_seed(tmp_path):
+    """A run's train.seed sets its training batches; its eval batches come from data.eval_seed, so runs of
+    different seeds (benchmarks/moe_vs_dense.py) are evaluated on the same held-out text."""
+    from gshard_jax.training.train import Trainer
+    d = tmp_path / "t"
+    d.mkdir()
+    for i in range(4):
+        (d / f"{i}.txt").write_text(" ".join(f"w{(i * 7 + j) % 50}" for j in range(3000)))
+    out = str(tmp_path / "data")
+    data.prepare(out, 300, src=str(d), held_out=0.25, seed=0)
+    tokens = data.TokenData(out)
+
+    def batches(seed, eval_seed=0):
+        cfg = configs.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                                        "tiny_dense_lm.py"))
+        cfg.model.vocab_size = 300
+        cfg.train.update(dict(seq_len=32, batch_size=8, seed=seed))
+        cfg.data.eval_seed = eval_seed
+        trainer = Trainer(cfg, str(tmp_path / f"w{seed}{eval_seed}"))
+        return [np.asarray(trainer.batch(tokens, split, 3)["inputs"]) for split in ("train", "eval")]
+    (train0, eval0), (train1, eval1), (_, other) = batches(0), batches(1), batches(1, eval_seed=1)
+    assert not np.array_equal(train0, train1)
+    assert np.array_equal(eval0, eval1) and not np.array_equal(eval0, other)
+
+
 def test_goldfish_loss_is_the_train_steps_loss_over_the_kept_tokens(tmp_path):
     """train_step with goldfish_k=2 computes the loss over the tokens goldfish_weights keeps."""
     from gshard_jax.models.transformer import loss_fn

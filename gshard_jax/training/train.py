@@ -220,11 +220,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ host side
     def batch(self, tokens: data.TokenData, split: str, step: int) -> dict:
-        """The global batch of `step`, built from this process's rows."""
+        """The global batch of `step`, built from this process's rows (held-out windows drawn by
+        data.eval_seed, so runs of different train.seed are evaluated on the same text)."""
         t = self.cfg.train
         per = t.batch_size // jax.process_count()
         me = jax.process_index()
-        local = tokens.windows(split, t.seed, step, t.batch_size, self.length, me * per, (me + 1) * per)
+        seed = self.cfg.data.eval_seed if split == "eval" else t.seed
+        local = tokens.windows(split, seed, step, t.batch_size, self.length, me * per, (me + 1) * per)
         rows = data.model_batch(self.cfg.model.kind, local)
         fault = faults.fault_rows(self.cfg.debug, step, per) if split == "train" else None
         if fault is not None:
