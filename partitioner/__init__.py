@@ -1,4 +1,5 @@
-"""The partitioner pass: sharding types, factor rules, propagation, resharding, lowering, cost, HLO."""
+"""The partitioner pass, its modules in layers (docs/partitioner.md): the program representation, rules and
+costs, lowering strategies, the per-primitive registry, and the passes (fold, propagation, lowering)."""
 from .cost import Collective
 from .hardware import Hardware
 from .sharding import Sharding
