@@ -22,7 +22,7 @@ RUNS = {
                "permutes"),
     "lm1b_style.py": ([], "xla"),
     "moe_dropless.py": (["--steps", "1", "--tokens", "256"], "dropless"),
-    "moe_vs_dense.py": (["--steps", "2", "--seeds", "0"] + SMALL_MODEL, "MoE - dense"),
+    "moe_vs_dense.py": (["--steps", "2", "--seeds", "0", "--set", "model.num_layers=1"], "MoE - dense"),
     "partition_scaling.py": (["--layers", "1", "--repeats", "1", "--compile-repeats", "1", "--no-compile"],
                              "partition s"),
     "partitioner_vs_xla.py": (["--steps", "1", "--only", "megatron_mlp fwd"], "megatron_mlp fwd"),
