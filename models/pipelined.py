@@ -120,6 +120,7 @@ def _setup(stack: nn.Module, n: int, x, enc, mask, periods: Callable):
         w = periods(c, n)(*args).init({"params": rng}, x, enc, mask)["params"]
         return reorder(w, jax.tree.map(lambda _: True, w), order_key(None), order_key(pc))
 
+    init = jax.jit(init)  # traced once for the specs' shapes and Flax's shape check of the stored params
     param_specs, state_specs = _specs(stack, init)
     w = stack.param("layers", init)
     # [stages, chunk] or, stored stage-major, [stages, repeats, chunk] -> [repeats, stages, chunk]: local

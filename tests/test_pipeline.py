@@ -69,6 +69,23 @@ def test_one_f_one_b_stash_does_not_grow_with_microbatches():
     assert S.make("interleaved_1f1b", 4, 8, 2).bubble == pytest.approx(S.make("1f1b", 4, 8).bubble / 2, rel=0.25)
 
 
+def test_a_jitted_stage_stashes_only_what_depends_on_the_activation():
+    """The schedules jit the stage function (traced once for all its calls), so its residuals leave one jit
+    call: a weight's cast and transpose must still be told apart from the activation's residuals, and be
+    recomputed at the backward rather than stashed once per microbatch."""
+    from gshard_jax.pipelines.residuals import Residuals
+
+    def stage(w, x):
+        return jnp.tanh(x @ w["a"].T.astype(jnp.float32)) @ w["b"]
+
+    w = {"a": jax.ShapeDtypeStruct((4, D, D), jnp.bfloat16), "b": jax.ShapeDtypeStruct((4, D, D), jnp.float32)}
+    x = jax.ShapeDtypeStruct((4, B, D), jnp.float32)
+    plain, jitted = (Residuals(jax.vmap, f, w, x) for f in (stage, jax.jit(stage)))
+    assert jitted.on_x == plain.on_x and not all(plain.on_x)
+    assert [s.shape for s in jitted.stashed] == [s.shape for s in plain.stashed]
+    assert all(s.shape == (B, D) for s in jitted.stashed)  # activations only: no [D, D] weight per microbatch
+
+
 @pytest.mark.parametrize("args,match", [
     (("zigzag", 4, 8, 1), "expected one of"),
     (("1f1b", 4, 8, 2), "repeats=1"),
@@ -146,6 +163,27 @@ def test_every_schedule_equals_the_unpipelined_function(schedule, r, k):
     for a, b in ((gw, rw), (gx, rx), (gh, rh)):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
     assert float(aux["count"]) == m * p * r  # one per microbatch and chunk: bubbles add nothing
+
+
+@pytest.mark.parametrize("schedule,r", [("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved_1f1b", 2)])
+def test_a_partitioned_schedule_traces_its_stage_once(schedule, r):
+    """The schedules call the stage from several places (the residuals' probe, the aux shapes, each phase's
+    loop body); partitioned, JAX traces it once for all of them (a model's stage is most of the trace: the
+    planner traces one per candidate). Counted, not timed: it was traced 2 (gpipe) to 4 times."""
+    W, x, H, t = _problem()
+    W = jnp.concatenate([W, W[::-1]]) if r > 1 else W
+    traced = []
+
+    def stage(w, h):
+        traced.append(w.shape)
+        return _stage(w, h)
+
+    def f(Wc, x, H, t):
+        return gs.pipeline_value_and_grad(stage, Wc, x, _loss, H, t, num_microbatches=8, schedule=schedule,
+                                          repeats=r, has_aux=True)
+
+    gs.explain(f, gs.make_mesh(MESHES["stage4_data2"]), _chunked(W, 4, r), x, H, t)
+    assert len(traced) == 1, traced
 
 
 def test_forward_pipeline_equals_the_layers_and_sums_aux():

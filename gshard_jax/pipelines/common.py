@@ -6,6 +6,7 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .. import annotations as A, passes
 from ..partitioner.roll import roll as roll_dim
@@ -106,7 +107,9 @@ class Run:
 
     def __init__(self, stage_fn: Callable, has_aux: bool, schedule: S.Schedule, axis: Optional[str],
                  x_spec: Optional[PyTree]):
-        self.fn, self.has_aux, self.sc, self.axis, self.x_spec = stage_fn, has_aux, schedule, axis, x_spec
+        # jitted: the schedule calls the stage at the same shapes from several places (the residuals' probe,
+        # the aux shapes, each phase's forward); JAX traces it once for those that agree
+        self.fn, self.has_aux, self.sc, self.axis, self.x_spec = jax.jit(stage_fn), has_aux, schedule, axis, x_spec
         p = schedule.stages
         self.stage_ids = jnp.arange(p)
 
@@ -154,8 +157,8 @@ def stacked(params, r, p, axis, specs):
 
 
 def aux_zeros(run, params_rp, state):
-    w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params_rp)
-    s = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    w = in_context(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params_rp))
+    s = in_context(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state))
     _, aux = jax.eval_shape(lambda w, s: run.vmap(run.call)(w, s), w, s)
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux)
 
@@ -189,3 +192,12 @@ def weighted(aux, weights):
 
 def f32(tree):
     return jax.tree.map(lambda g: g.astype(jnp.float32) if jnp.issubdtype(g.dtype, jnp.floating) else g, tree)
+
+
+def in_context(shapes: PyTree) -> PyTree:
+    """ShapeDtypeStructs typed on the context's abstract mesh where its axes are all Auto, as the schedule's own
+    values are: a probe's trace of the (jitted) stage is then the one the schedule's calls reuse."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or any(t != AxisType.Auto for t in mesh.axis_types):
+        return shapes
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P())), shapes)

@@ -112,6 +112,8 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
         first = valid & (ids == 0) & (rep == 0)
         return dict(c, b=run.roll(dx, -1) if roll else c["b"], dw=acc, dx=put_rows(c["dx"], mb, dx, first))
 
+    forward = jax.jit(forward)  # the warmup's and the steady phase's bodies trace it once
+
     def warm(c, row):
         return forward(c, row)[0], None
 

@@ -19,6 +19,7 @@ from jax.extend import core
 from jax.interpreters.partial_eval import dce_jaxpr
 
 from ..partitioner.jax_compat import convert_constvars_jaxpr
+from .common import in_context
 
 
 class Residuals:
@@ -35,7 +36,7 @@ class Residuals:
             flat, self.treedef = jax.tree.flatten(vjp)
             return flat
 
-        closed = jax.make_jaxpr(vmap(leaves))(w_shape, x_shape)
+        closed = jax.make_jaxpr(vmap(leaves))(*(in_context(t) for t in (w_shape, x_shape)))
         jaxpr, self.consts = convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
         n_w = len(self.consts) + len(jax.tree.leaves(w_shape))
         self.on_x = _depends(jaxpr, n_w)
@@ -63,9 +64,18 @@ class Residuals:
 
 def _depends(jaxpr, n_w: int) -> list[bool]:
     """For each output of jaxpr, whether it depends on the inputs after the first n_w."""
-    dep = {v: i >= n_w for i, v in enumerate(jaxpr.invars)}
+    return _flow(jaxpr, [i >= n_w for i in range(len(jaxpr.invars))])
+
+
+def _flow(jaxpr, on_x: list[bool]) -> list[bool]:
+    """Which outputs of jaxpr depend on the inputs marked in on_x: through a jit call (the jitted stage's
+    residuals leave one call) output by output, through any other equation all outputs alike."""
+    dep = dict(zip(jaxpr.invars, on_x))
     for e in jaxpr.eqns:
-        d = any(dep.get(v, False) for v in e.invars if not isinstance(v, core.Literal))
-        for o in e.outvars:
-            dep[o] = d
+        ins = [(not isinstance(v, core.Literal)) and dep.get(v, False) for v in e.invars]
+        if e.primitive.name in ("pjit", "jit"):
+            outs = _flow(e.params["jaxpr"].jaxpr, ins)
+        else:
+            outs = [any(ins)] * len(e.outvars)
+        dep.update(zip(e.outvars, outs))
     return [(not isinstance(v, core.Literal)) and dep.get(v, False) for v in jaxpr.outvars]

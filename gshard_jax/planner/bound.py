@@ -102,7 +102,7 @@ def _floor(shape: ModelShape, s: dict, hw: Hardware, remats, zero_stages, m: int
         total += (t("all-reduce", ("x",), per_layer, moe_layers) + t("all-gather", ("x",), act * x, 2 * moe_layers)
                   + t("all-gather", ("x",), per_layer, 2 * moe_layers)
                   + t("all-reduce", ("x",), act * x, 2 * moe_layers))
-    total += min(_weights(shape, s, zero, epso, m, t) for zero in zero_stages
+    total += min(_weights_at(shape, s, zero, epso, m, t, costs) for zero in zero_stages
                  for epso in ((True, False) if e > 1 else (True,)) if epso or zero)
     if pipeline is not None:  # the sequence-parallel twin's smaller transfers (split over y)
         sched, facts = pipeline
@@ -116,6 +116,17 @@ def _floor(shape: ModelShape, s: dict, hw: Hardware, remats, zero_stages, m: int
     lightest = SP.Candidate(tuple((a, n) for a, n in s.items() if n > 1), remat=min(remats, key=E.recompute))
     compute = E.compute_time(shape, lightest, hw, devices)
     return (compute / (1 - frac) if frac < 1 else math.inf) + total
+
+
+def _weights_at(shape: ModelShape, s: dict, zero: int, epso: bool, m: int, t, costs: dict) -> float:
+    """_weights at m microbatches from the mesh's costs: its terms run once or (1 or 2) x m times a step, so
+    they are a + m b, a and b worked out once per mesh and option."""
+    key = ("weights", zero, epso)
+    if key not in costs:
+        once = _weights(shape, s, zero, epso, 0, t)
+        costs[key] = (once, _weights(shape, s, zero, epso, 1, t) - once)
+    once, per_microbatch = costs[key]
+    return once + m * per_microbatch
 
 
 def _weights(shape: ModelShape, s: dict, zero: int, epso: bool, m: int, t) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import ml_collections
@@ -95,24 +95,32 @@ def abstract_state(cfg: ml_collections.ConfigDict, c: Candidate) -> Any:
 _STATES: dict = {}  # the abstract train state and ModelShape per platform, of one model config (this process's)
 
 
-ORDERS_SCHEDULED = 3  # axis orders, fastest by communication, whose step is list-scheduled (overlap.py)
-
-
-def plan_one(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware) -> tuple[list[Comm], dict, dict]:
-    """Candidate c planned: (its collectives per step, its argument bytes by kind (host_KIND: in host memory),
-    the seconds of communication
-    its step leaves exposed per axis order). Every order of its axes is costed by its communication; the
-    ORDERS_SCHEDULED fastest are list-scheduled on hw. A top-level function, so a worker process can run it
-    for the planner."""
+def prepare(cfg: ml_collections.ConfigDict, c: Candidate = Candidate(()), state: Any = None) -> tuple:
+    """(cfg's abstract train state, its ModelShapes by platform), made once per process and model config (or
+    given: `state`, as another process made it). A worker makes it while the screen runs, and hands it over."""
     key = cfg.model.to_json() + cfg.train.to_json()
     if key not in _STATES:
         _STATES.clear()
-        _STATES[key] = abstract_state(cfg, c), {}
-    state, shapes = _STATES[key]
+        _STATES[key] = (state if state is not None else abstract_state(cfg, c)), {}
+    return _STATES[key]
+
+
+ORDERS_SCHEDULED = 3  # axis orders, fastest by communication, whose step is list-scheduled (overlap.py)
+
+
+def plan_one(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware,
+             shape: Optional[SP.ModelShape] = None) -> tuple[list[Comm], dict, dict]:
+    """Candidate c planned: (its collectives per step, its argument bytes by kind (host_KIND: in host memory),
+    the seconds of communication
+    its step leaves exposed per axis order). Every order of its axes is costed by its communication; the
+    ORDERS_SCHEDULED fastest are list-scheduled on hw. shape: cfg's SP.model_shape on hw's platform, where the
+    caller has it (it takes an abstract trace of the model). A top-level function, so a worker process can run
+    it for the planner."""
+    state, shapes = prepare(cfg, c)
     report = explain(cfg, c, hw, state=state)
     found = comms(report)
     if hw.platform not in shapes:
-        shapes[hw.platform] = SP.model_shape(cfg, hw.platform)
+        shapes[hw.platform] = shape if shape is not None else SP.model_shape(cfg, hw.platform)
     compute = E.compute_time(shapes[hw.platform], c, hw, math.prod(c.sizes.values()))
     by_comm = sorted(SP.orders(c.sizes), key=lambda o: E.combine(
         hw, dataclasses.replace(c, mesh=o), compute, found, {}).comm_total)

@@ -7,8 +7,10 @@ the planned program's, and the final ranking is theirs.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import math
 import time
@@ -278,7 +280,7 @@ def plan(cfg: ml_collections.ConfigDict, devices: int, hardware: Hardware, memor
     if devices < 1:
         raise ValueError(f"devices={devices}: expected a positive device count")
     count = max(verify if verify is not None else top, 0)
-    workers = Workers(count, worker)
+    workers = Workers(count, worker, cfg)
     try:
         own = SP.config_mesh(cfg, devices) if own_mesh else None
         full = [{a: 1 for a in SP.AXES} | dict(sizes) for sizes in pin]
@@ -297,6 +299,50 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
     prune = prune and count > 0  # a screen alone (nothing planned) costs every candidate
     budget = (memory_gb if memory_gb is not None else hardware.memory_gib) * GiB
     shape = SP.model_shape(cfg, hardware.platform)
+    with _gc_paused():
+        screened, rejected, dominated, pruned, pruned_groups, cut = _screen(
+            shape, devices, hardware, budget, count, remats, zero_stages, pin, prune)
+    # planned whatever their rank, beside the first: the families the formula may misjudge (kept_meshes), and
+    # the pinned meshes' best variants by formula
+    families = kept_meshes(shape, devices, hardware) if count else []
+    pinned = [{a: 1 for a in SP.AXES} | dict(sizes) for sizes in pin]
+    kept = [best for sizes in families + pinned
+            if (best := next((r for r in screened if r.candidate.sizes == sizes), None)) is not None]
+    kept = [r for i, r in enumerate(kept) if r not in kept[:i]]
+    ranked, also = _verify(cfg, shape, screened, count, hardware, budget, rejected, workers, kept)
+    tried = {id(r) for r in kept}
+    everything = ranked + also  # all the partitioner planned (the pinned meshes' are looked up here)
+    planned = {_shape_key(r.candidate) for r in ranked}
+    ranked += [r for r in also if _shape_key(r.candidate) not in planned and r.candidate.sizes in families]
+    ranked.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.order_key))
+    ranked = ranked[:top] if top else ranked
+    sensitivity = {}
+    for factor in (0.5, 2.0):
+        hw2 = scaled(hardware, factor)
+        again = []
+        for r in ranked:  # the exposed share of the communication kept (the schedule is not redone)
+            e = r.estimate
+            share = (e.comm_total - e.overlap) / e.comm_total if e.comm_total else 1.0
+            comm = E.combine(hw2, r.candidate, e.compute, r.comms, e.memory).comm_total
+            again.append((E.combine(hw2, r.candidate, e.compute, r.comms, e.memory, e.source, share * comm).step,
+                          r.candidate.key))
+        sensitivity[str(factor)] = [k for _, k in sorted(again)]
+    out = Plan(config_name, devices, hardware, budget, shape, ranked, screened, rejected, sensitivity, dominated,
+               pruned=pruned, pruned_groups=pruned_groups, floor_cut=cut.threshold)
+    out.pinned = [_pinned(cfg, out, sizes, hardware, budget, everything, tried) for sizes in pin]
+    for _, _, r, _ in out.pinned:  # a pinned candidate that plans faster than #1 ranks where its step puts it
+        if r is not None and r not in out.ranked and (not out.ranked or r.estimate.step < out.ranked[-1].estimate.step):
+            out.ranked.append(r)
+            out.ranked.sort(key=lambda x: (x.estimate.step, x.estimate.memory["total"], x.candidate.order_key))
+            out.ranked = out.ranked[:top] if top else out.ranked
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+def _screen(shape: SP.ModelShape, devices: int, hardware: Hardware, budget: float, count: int, remats, zero_stages,
+            pin, prune: bool) -> tuple:
+    """The screen of plan(): every mesh's options costed by formula, in the order of the meshes' floors (see
+    plan's `prune`): (screened, rejected, dominated, pruned meshes, pruned option groups, the cut)."""
     screened: list[Ranked] = []
     rejected: list[tuple] = []
     dominated = 0
@@ -326,8 +372,14 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
         fit: set = set()  # option groups in which a lighter candidate already fits the budget
         staged = sizes["stage"] > 1
         for (m, sched, r), reason, variants in SP.option_groups(shape, sizes, remats, zero_stages):
-            kind = reason.split(":")[0] if reason else None
-            if not reason and prune and sizes not in forced and group_floor(
+            if reason:  # each variant is named only if asked for (Plan.rejected): most never are
+                # (a variant with fewer microbatches that fits dominates it; none of this group ever fits)
+                kept = variants if staged else [v for v in variants if v not in fit]
+                dominated += len(variants) - len(kept)
+                kind = reason.split(":")[0]
+                rejected.extend(((canonical, m, sched, r) + v, kind, reason) for v in kept)
+                continue
+            if prune and sizes not in forced and group_floor(
                     shape, sizes, hardware, m, sched, r, remats, zero_stages, costs) > cut.threshold:
                 pruned_groups += 1  # its microbatches and schedule alone cost more than the cut
                 continue
@@ -339,9 +391,6 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
                 fewer = None if staged else (zero, epso, remat)
                 if same in fit or fewer in fit:
                     dominated += 1
-                    continue
-                if reason:  # the candidate is named only if asked for (Plan.rejected): most never are
-                    rejected.append(((canonical, m, sched, r, zero, epso, remat), kind, reason))
                     continue
                 fields = dict(zero_stage=zero, epso=epso, microbatches=m, schedule=sched, repeats=r, remat=remat)
                 # Dominated too: context where data in its place runs and fits (the same tokens per device, the
@@ -380,36 +429,20 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
                 screened.append(chosen)
                 cut.add(chosen)
     screened.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.order_key))
-    ranked = _verify(cfg, shape, screened, count, hardware, budget, rejected, workers)
-    if count:  # the families the formula may misjudge are planned whatever their rank (KEPT)
-        planned = {_shape_key(r.candidate) for r in ranked}
-        for sizes in kept_meshes(shape, devices, hardware):
-            best = next((r for r in screened if r.candidate.sizes == sizes), None)
-            if best is not None and _shape_key(best.candidate) not in planned:
-                ranked += _verify(cfg, shape, [best], 1, hardware, budget, rejected, workers)
-        ranked.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.order_key))
-    ranked = ranked[:top] if top else ranked
-    sensitivity = {}
-    for factor in (0.5, 2.0):
-        hw2 = scaled(hardware, factor)
-        again = []
-        for r in ranked:  # the exposed share of the communication kept (the schedule is not redone)
-            e = r.estimate
-            share = (e.comm_total - e.overlap) / e.comm_total if e.comm_total else 1.0
-            comm = E.combine(hw2, r.candidate, e.compute, r.comms, e.memory).comm_total
-            again.append((E.combine(hw2, r.candidate, e.compute, r.comms, e.memory, e.source, share * comm).step,
-                          r.candidate.key))
-        sensitivity[str(factor)] = [k for _, k in sorted(again)]
-    out = Plan(config_name, devices, hardware, budget, shape, ranked, screened, rejected, sensitivity, dominated,
-               pruned=pruned, pruned_groups=pruned_groups, floor_cut=cut.threshold)
-    out.pinned = [_pinned(cfg, out, sizes, hardware, budget) for sizes in pin]
-    for _, _, r, _ in out.pinned:  # a pinned candidate that plans faster than #1 ranks where its step puts it
-        if r is not None and r not in out.ranked and (not out.ranked or r.estimate.step < out.ranked[-1].estimate.step):
-            out.ranked.append(r)
-            out.ranked.sort(key=lambda x: (x.estimate.step, x.estimate.memory["total"], x.candidate.order_key))
-            out.ranked = out.ranked[:top] if top else out.ranked
-    out.seconds = time.perf_counter() - start
-    return out
+    return screened, rejected, dominated, pruned, pruned_groups, cut
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cycle collector off while the screen runs: it makes a million small tuples and dataclasses (no
+    cycles among them; reference counts free them), and each collection would walk all that are kept."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _Best:
@@ -460,24 +493,40 @@ def _shape_key(c: SP.Candidate) -> tuple:
     return (tuple(sorted(c.sizes.items())), c.schedule, c.repeats, c.microbatches)
 
 
-def _pinned(cfg, out: Plan, sizes: dict, hw: Hardware, budget: float) -> tuple:
-    """(sizes, formula rank, the planned best variant or None, why) for a pinned mesh."""
+def _pinned(cfg, out: Plan, sizes: dict, hw: Hardware, budget: float, planned: Sequence = (),
+            tried: set = frozenset()) -> tuple:
+    """(sizes, formula rank, the planned best variant or None, why) for a pinned mesh. planned: what the
+    partitioner planned already; tried: ids of the screened configurations it was asked to plan (their
+    rejections, if it could not, are in out.rejections)."""
     full = {a: 1 for a in SP.AXES} | dict(sizes)
     unknown = set(sizes) - set(SP.AXES)
     if unknown or math.prod(full.values()) != out.devices:
         raise ValueError(f"pinned mesh {sizes}: expected sizes of {SP.AXES} multiplying to {out.devices} devices")
     for i, r in enumerate(out.screened, 1):
         if r.candidate.sizes == full:
-            done = [x for x in out.ranked if x.candidate.sizes == full and
-                    dataclasses.replace(x.candidate, mesh=()) == dataclasses.replace(r.candidate, mesh=())]
-            before = len(out.rejections)
-            planned = done or _verify(cfg, out.shape, [r], 1, hw, budget, out.rejections)
+            same = [x for x in (*out.ranked, *planned) if x.candidate.sizes == full and
+                    _options(x.candidate) == _options(r.candidate)]
+            done = sorted(same, key=lambda x: x.estimate.step)[:1]  # the better twin, as _verify keeps
+            keys = {t.key for t in twins(r.candidate)}
+            if done or id(r) in tried:
+                reasons = [] if done else [reason for c, _, reason in out.rejections
+                                           if isinstance(c, str) and c in keys]
+            else:
+                before = len(out.rejections)
+                done = _verify(cfg, out.shape, [r], 1, hw, budget, out.rejections)[0]
+                reasons = [reason for _, _, reason in out.rejections[before:]]
+            planned = done
             why = [f"its best variant by formula ({r.candidate.key}, rank {i} of {len(out.screened)}) was "
-                   f"rejected when planned: {reason}" for _, _, reason in out.rejections[before:]]
+                   f"rejected when planned: {reason}" for reason in reasons]
             return dict(sizes), i, (planned[0] if planned else None), why
     name = ".".join(f"{a}{full[a]}" for a in SP.AXES if full[a] > 1)
     reasons = sorted({kind for c, kind, _ in out.rejections if _name(c).split()[0] == name})
     return dict(sizes), None, None, [f"no variant runs: rejected for {', '.join(reasons) or 'no reason found'}"]
+
+
+def _options(c: SP.Candidate) -> SP.Candidate:
+    """c's options alone: its axis order and sequence-parallel twin aside."""
+    return dataclasses.replace(c, mesh=(), sequence_parallel=False)
 
 
 def _data_twin(shape: SP.ModelShape, sizes: dict, remats, zero_stages) -> Optional[tuple]:
@@ -500,14 +549,17 @@ def twins(c: SP.Candidate) -> list[SP.Candidate]:
 
 
 def _verify(cfg, shape, screened: list[Ranked], count: int, hw: Hardware, budget: float, rejected: list,
-            workers: Optional[Workers] = None) -> list:
+            workers: Optional[Workers] = None, also: Sequence[Ranked] = ()) -> tuple[list, list]:
     """The `count` fastest screened configurations (mesh, schedule and microbatches; the best-ranked variant of
     each, so the planned ones differ in more than their optimizer options) that the partitioner plans within
     the budget: communication and argument bytes of the planned step. One the model cannot build or the
     partitioner cannot plan is rejected with the error, and the next is taken (at most 3 x count tried).
-    Candidates are planned two at a time when a worker process helps; the result is the same."""
+    The candidates still needed are planned together, here and in the worker process when one helps (each
+    takes the next when it is free); the result is the same whichever plans which. also: configurations to plan
+    whatever their rank, beside the first ones (those among them are planned once). -> (the planned, in step
+    order; those of `also` planned apart from them)."""
     workers = workers or Workers(0)
-    out, taken = [], set()
+    out, apart, taken = [], [], set()
     queue = iter(screened)
     tried = 0
     while len(out) < count and tried < 3 * count:
@@ -518,14 +570,16 @@ def _verify(cfg, shape, screened: list[Ranked], count: int, hw: Hardware, budget
                 continue  # a variant of a configuration taken already: the formula ranks them closely
             taken.add(shape_key)
             batch.append(r)
-            if len(batch) == min(2 if workers.pool else 1, count - len(out), 3 * count - tried):
+            if len(batch) == min(count - len(out), 3 * count - tried):
                 break
         if not batch:
             break
         tried += len(batch)
-        jobs = [(r, c) for r in batch for c in twins(r.candidate)]
+        extra = [r for r in also if _shape_key(r.candidate) not in taken]
+        also = ()
+        jobs = [(r, c) for r in batch + extra for c in twins(r.candidate)]
         found: dict[int, Ranked] = {}
-        for (r, c), got in zip(jobs, workers.run(cfg, [c for _, c in jobs], hw)):
+        for (r, c), got in zip(jobs, workers.run(cfg, [c for _, c in jobs], hw, shape)):
             if isinstance(got, Exception):
                 rejected.append((c.key, "partitioner", f"partitioner: {str(got).splitlines()[0][:300]}"))
                 continue
@@ -550,5 +604,6 @@ def _verify(cfg, shape, screened: list[Ranked], count: int, hw: Hardware, budget
             if id(r) not in found or est.step < found[id(r)].estimate.step:
                 found[id(r)] = planned
         out += [found[id(r)] for r in batch if id(r) in found][:count - len(out)]
+        apart += [found[id(r)] for r in extra if id(r) in found]
     out.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.order_key))
-    return out
+    return out, apart
