@@ -1,7 +1,7 @@
 """How long the planner takes, as `gshard-jax plan` runs it: the screen pruned by its floors, then the top
-candidates planned by the partitioner on an abstract mesh (two at a time on 2+ cores). Prints seconds, the
-candidates costed and the meshes and option groups pruned; --exhaustive also plans without pruning and
-checks that the ranking is the same.
+candidates planned by the partitioner on an abstract mesh (here and in a worker process on 2+ cores). Prints
+seconds, the candidates costed and the meshes and option groups pruned; --exhaustive also plans without
+pruning and checks that the ranking is the same.
 
     python benchmarks/planner.py --config experiments/mula_100b_a7b.py --devices 1024 --hardware aurora-pvc
 """
