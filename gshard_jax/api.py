@@ -20,12 +20,13 @@ BACKENDS = ("gshard", "xla")
 
 
 @contextlib.contextmanager
-def _gc_paused():
+def gc_paused():
     """Pause Python's cyclic garbage collector while a program is traced, planned and lowered.
 
     The pass allocates many small long-lived objects (jaxpr equations, tracers, shardings); the collector's
     generation-2 sweeps over them took a third of the partition time of a large train step and find
     almost nothing to free. Reference counting still frees memory; cycles are collected once it resumes.
+    The planner's screen pauses it too (a million small tuples, no cycles among them).
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -76,7 +77,7 @@ def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardw
     `given`: the mesh as the user gave it (its axis types), which fn is traced under.
     """
     def global_fn(*args, **kwargs):
-        with _gc_paused():
+        with gc_paused():
             t, lowering, runs_on = P.partition_program(fn, mesh, in_shardings, out_shardings, placements, args,
                                                        kwargs, given, profile, report, collective_matmul)
             in_specs, out_specs = P.entry_specs(lowering)
@@ -153,11 +154,11 @@ class Partitioned:
         return jax.device_put(x, NamedSharding(self._given, sharding.spec))
 
     def lower(self, *args, **kwargs):
-        with _gc_paused():  # also while JAX lowers the per-device program to StableHLO
+        with gc_paused():  # also while JAX lowers the per-device program to StableHLO
             return self._jit(args, kwargs).lower(*args, **kwargs)
 
     def trace(self, *args, **kwargs):
-        with _gc_paused():
+        with gc_paused():
             return self._jit(args, kwargs).trace(*args, **kwargs)
 
     def eval_shape(self, *args, **kwargs):
@@ -253,7 +254,7 @@ def explain(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, out_shard
         jax.make_jaxpr(_build(fn, mesh, in_shardings, out_shardings, profile, report, placements,
                               collective_matmul, given))(*args, **kwargs)
         return report
-    with _gc_paused():
+    with gc_paused():
         P.partition_program(fn, mesh, in_shardings, out_shardings, placements, args, kwargs, given, profile,
                             report, collective_matmul)[1].cost()
         SUB.name_whole_axes(report)

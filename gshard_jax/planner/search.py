@@ -7,10 +7,8 @@ the planned program's, and the final ranking is theirs.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import gc
 import json
 import math
 import time
@@ -18,6 +16,7 @@ from typing import Optional, Sequence
 
 import ml_collections
 
+from ..api import gc_paused
 from ..partitioner.hardware import Hardware, scaled
 from . import axonn, estimate as E, space as SP
 from .bound import floor, group_floor
@@ -299,7 +298,7 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
     prune = prune and count > 0  # a screen alone (nothing planned) costs every candidate
     budget = (memory_gb if memory_gb is not None else hardware.memory_gib) * GiB
     shape = SP.model_shape(cfg, hardware.platform)
-    with _gc_paused():
+    with gc_paused():  # the screen makes a million small tuples: no collection need walk them
         screened, rejected, dominated, pruned, pruned_groups, cut = _screen(
             shape, devices, hardware, budget, count, remats, zero_stages, pin, prune)
     # planned whatever their rank, beside the first: the families the formula may misjudge (kept_meshes), and
@@ -430,19 +429,6 @@ def _screen(shape: SP.ModelShape, devices: int, hardware: Hardware, budget: floa
                 cut.add(chosen)
     screened.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.order_key))
     return screened, rejected, dominated, pruned, pruned_groups, cut
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """Python's cycle collector off while the screen runs: it makes a million small tuples and dataclasses (no
-    cycles among them; reference counts free them), and each collection would walk all that are kept."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class _Best:
