@@ -298,13 +298,13 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
     prune = prune and count > 0  # a screen alone (nothing planned) costs every candidate
     budget = (memory_gb if memory_gb is not None else hardware.memory_gib) * GiB
     shape = SP.model_shape(cfg, hardware.platform)
+    pinned = [{a: 1 for a in SP.AXES} | dict(sizes) for sizes in pin]
     with gc_paused():  # the screen makes a million small tuples: no collection need walk them
         screened, rejected, dominated, pruned, pruned_groups, cut = _screen(
-            shape, devices, hardware, budget, count, remats, zero_stages, pin, prune)
+            shape, devices, hardware, budget, count, remats, zero_stages, pinned, prune)
     # planned whatever their rank, beside the first: the families the formula may misjudge (kept_meshes), and
     # the pinned meshes' best variants by formula
     families = kept_meshes(shape, devices, hardware) if count else []
-    pinned = [{a: 1 for a in SP.AXES} | dict(sizes) for sizes in pin]
     kept = [best for sizes in families + pinned
             if (best := next((r for r in screened if r.candidate.sizes == sizes), None)) is not None]
     kept = [r for i, r in enumerate(kept) if r not in kept[:i]]
@@ -339,13 +339,13 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
 
 
 def _screen(shape: SP.ModelShape, devices: int, hardware: Hardware, budget: float, count: int, remats, zero_stages,
-            pin, prune: bool) -> tuple:
+            pinned: list[dict], prune: bool) -> tuple:
     """The screen of plan(): every mesh's options costed by formula, in the order of the meshes' floors (see
-    plan's `prune`): (screened, rejected, dominated, pruned meshes, pruned option groups, the cut)."""
+    plan's `prune`; pinned meshes, every axis named, are costed whatever their floor): (screened, rejected,
+    dominated, pruned meshes, pruned option groups, the cut)."""
     screened: list[Ranked] = []
     rejected: list[tuple] = []
     dominated = 0
-    pinned = [{a: 1 for a in SP.AXES} | dict(sizes) for sizes in pin]
     forced = pinned + (kept_meshes(shape, devices, hardware) if prune else [])
     meshes = []
     for sizes in SP.factorizations(devices, SP.AXES):
