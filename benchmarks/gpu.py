@@ -149,9 +149,11 @@ def run_case(name: str, flags: str, args) -> dict:
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not rows:
-        error = [line for line in done.stderr.strip().splitlines() if "JAX_TRACEBACK_FILTERING" not in line
-                 and not line.startswith("---")] or ["no output"]
-        return {"case": name, "flags": flags, "error": error[-1]}
+        lines = done.stderr.strip().splitlines()
+        # the exception's own line (`SomeError: ...`), not the traceback frame JAX prints after it
+        raised = [line for line in lines if re.match(r"[\w.]+(Error|Exception|Interrupt)\b", line)]
+        print(done.stderr[-6000:], file=sys.stderr)  # the whole tail goes to the log
+        return {"case": name, "flags": flags, "error": (raised or lines or ["no output"])[-1]}
     return json.loads(rows[-1])
 
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The GPU figures docs/training.md reports, in one call on one GPU (about 8 minutes on an H100): the plain-JAX
+# The GPU figures docs/training.md reports, in one call on one GPU (about 4 minutes on an H200): the plain-JAX
 # anchor (../shared/gpu/anchor_lm.py) and our Mula-1B step (benchmarks/gpu.py: ours against XLA's partitioner,
-# the config's scanned layers) with einsum and cuDNN attention, remat dots and none, the optimizer offloaded,
-# and the planner's compute efficiency calibrated on one remat policy and checked on the other.
+# the config's scanned layers, and unrolled as the anchor is) with einsum and cuDNN attention, remat dots and
+# none, the optimizer offloaded, and the planner's compute efficiency calibrated on one remat policy and
+# checked on the other. On a machine whose JAX is in a virtual environment, put that environment's bin first
+# on PATH: the script runs `python`.
 #   benchmarks/gpu_check.sh [OUT_DIR] [ANCHOR]
 # Rows go to OUT_DIR (default .): anchor.jsonl, ours_*.json, calibrated.json and calibrate.json.
 set -uo pipefail
@@ -31,11 +33,12 @@ else
   echo "no anchor at $anchor: pass its path as the second argument" >&2
   status=1
 fi
-for variant in "cudnn dots false" "einsum dots false" "cudnn none false" "cudnn dots true"; do
-  read -r attention remat offload <<<"$variant"
+for variant in "cudnn dots false true" "einsum dots false true" "cudnn none false true" "cudnn dots false false" \
+               "cudnn dots true true"; do
+  read -r attention remat offload scan <<<"$variant"
   step python benchmarks/gpu.py --steps 10 --cases mula_1b --flags on \
-    --set "model.attention=$attention" "model.remat=$remat" "train.offload_optimizer=$offload" \
-    --json "$out/ours_${attention}_${remat}_offload_${offload}.json"
+    --set "model.attention=$attention" "model.remat=$remat" "train.offload_optimizer=$offload" "model.scan=$scan" \
+    --json "$out/ours_${attention}_${remat}_offload_${offload}_scan_${scan}.json"
 done
 work="$(mktemp -d)"
 step python -m gshard_jax.cli calibrate --config experiments/mula_1b.py --workdir "$work" \

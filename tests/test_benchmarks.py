@@ -83,15 +83,16 @@ def test_the_gpu_check_script_sets_fields_the_configs_have():
     gpu = _gpu_benchmark()
     from gshard_jax import configs
     script = _script("gpu_check.sh")
-    variants = re.search(r"for variant in (.*); do", script).group(1)
-    sets = re.search(r'--set "model.attention=\$attention" "model.remat=\$remat" "train.offload_optimizer=\$offload"',
-                     script)
+    variants = re.search(r"for variant in (.*?); do", script, re.S).group(1)
+    sets = re.search(r'--set "model.attention=\$attention" "model.remat=\$remat" "train.offload_optimizer=\$offload" '
+                     r'"model.scan=\$scan"', script)
     assert sets, "the variant loop's --set arguments changed: update this test"
-    for attention, remat, offload in (v.split() for v in re.findall(r'"([^"]+)"', variants)):
+    for attention, remat, offload, scan in (v.split() for v in re.findall(r'"([^"]+)"', variants)):
         cfg = gpu.configure("mula_1b", 1, "auto", [f"model.attention={attention}", f"model.remat={remat}",
-                                                   f"train.offload_optimizer={offload}"])
+                                                   f"train.offload_optimizer={offload}", f"model.scan={scan}"])
         typed = configs.typed(cfg)
         assert (typed.model.transformer.attention, typed.model.transformer.remat) == (attention, remat)
+        assert typed.model.transformer.scan == (scan == "true")
         assert typed.train.offload_optimizer == (offload == "true")
     calibrate = script[script.index("gshard_jax.cli calibrate"):]
     for key in re.findall(r"--config\.([\w.]+)=", calibrate) + re.findall(r"--check ([\w.]+)=", calibrate):

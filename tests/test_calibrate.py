@@ -94,3 +94,18 @@ def test_the_built_in_efficiencies_are_the_assumptions_docs_planner_lists():
 def test_every_built_in_profile_assumes_the_host_update_bandwidth_docs_planner_states():
     """docs/planner.md (offload): the host's update runs at an assumed 20 GB/s per device in every profile."""
     assert {hw.host_update_bandwidth for hw in hardware.PROFILES.values()} == {20e9}
+
+
+def test_the_h200_profile_on_record_is_the_calibration_docs_planner_quotes():
+    """docs/planner.md quotes an efficiency of 0.490 measured on one H200 and ships the profile calibrate wrote:
+    it reads back, names the H200, and prices the timed config at the step its source says was measured;
+    the remat-dots check docs/planner.md quotes (132.3 ms measured) is 8.4% under that price."""
+    hw = hardware.from_json(os.path.join(ROOT, "benchmarks", "profiles", "h200_calibrated.json"))
+    assert hw.device_kinds == ("h200",) and hw.peak_flops == 989e12 and round(hw.efficiency, 3) == 0.490
+    assert "measured by gshard-jax calibrate on NVIDIA H200" in hw.source and "remat none" in hw.source
+    cfg = configs.load(os.path.join(ROOT, "experiments", "mula_1b.py"))
+    cfg.train.batch_size, cfg.train.seq_len, cfg.model.remat = 4, 2048, "none"
+    measured_ms = float(hw.source.rsplit("median of 10 steps ", 1)[1].split(" ms")[0])
+    assert 1e3 * calibrate.predicted_step(cfg, hw) == pytest.approx(measured_ms, abs=0.05)
+    cfg.model.remat = "dots"
+    assert 1e3 * calibrate.predicted_step(cfg, hw) / 132.3 == pytest.approx(1.084, abs=0.001)

@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from .. import configs
 from ..models import layers, pipelined
@@ -135,24 +136,39 @@ def host_update(state: dict, grads: Any, grad_norm: jax.Array, ok: Optional[jax.
     computed. Under nan_policy="skip" an update whose `ok` is false is dropped on both sides."""
     lo = c.layout
     dtypes = jax.tree.map(lambda p: p.dtype, state["params"])
+    shapes = jax.tree.map(lambda p: p.shape, state["params"])
     low = jax.tree.map(lambda g, d: g.astype(d), state_layout.constrain(grads, lo.optimizer), dtypes)
-    moved = jax.device_put((low, grad_norm, ok), jax.memory.Space.Host)
+    moved = jax.device_put((_flat(low, lo.optimizer), grad_norm, ok), jax.memory.Space.Host)
 
     def update(opt_state, g, norm, ok):
         master, inner = opt_state["master"], opt_state["adam"]
-        g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
+        g = jax.tree.map(lambda x, shape: x.reshape(shape).astype(jnp.float32), g, shapes)
         updates, inner = c.opt.update(g, inner, master, global_norm=norm)
         new = {"master": optax.apply_updates(master, updates), "adam": inner}
         if ok is not None:
             new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, opt_state)
-        return new, jax.tree.map(lambda m, d: m.astype(d), new["master"], dtypes)
+        return new, _flat(jax.tree.map(lambda m, d: m.astype(d), new["master"], dtypes), lo.optimizer)
 
     opt_state, params = jax_compat.on_host(update, state["opt_state"], *moved)
     opt_state = jax.device_put(opt_state, jax.memory.Space.Host)  # step counts: scalars XLA may keep on the device
-    params = state_layout.constrain(jax.device_put(params, jax.memory.Space.Device), lo.stored)
+    params = jax.tree.map(lambda x, shape: x.reshape(shape), jax.device_put(params, jax.memory.Space.Device), shapes)
+    params = state_layout.constrain(params, lo.stored)
     if ok is not None:
         params = jax.tree.map(lambda a, b: jnp.where(ok, a, b), params, state["params"])
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
+
+
+def _flat(tree: Any, specs: Any) -> Any:
+    """Each leaf split at most on its first dim as a 1-D buffer (a local reshape: no communication), the
+    others as they are. What crosses to and from the host's update is flat because XLA:GPU (JAX 0.11.2) can
+    lay a host computation's 2-D parameter out transposed from the buffer its call passes, and refuses to
+    compile; a 1-D buffer has one layout."""
+    def flat(x, spec):
+        spec = tuple(spec)
+        if x.ndim < 2 or any(e is not None for e in spec[1:]):
+            return x
+        return state_layout.constrain(x.reshape(-1), P(*spec[:1]))
+    return jax.tree.map(lambda s, x: flat(x, s), specs, tree, is_leaf=lambda s: isinstance(s, P))
 
 
 def update(state: dict, grads: Any, *, c: StepConfig) -> dict:
