@@ -514,3 +514,26 @@ def test_the_settler_logs_skips_and_halts_on_the_host():
     halting = Settler(configs.TrainConfig(num_steps=4), 0, _Writer(), _Clock(), None, float, sharding, (8, 4))
     with pytest.raises(NonFiniteStep, match="step 3: non-finite loss nan"):
         halting.settle(3, _metrics(float("nan"), [1] + [0] * 7), params=None)
+
+
+@pytest.mark.parametrize("backend", ["gshard", pytest.param("xla", marks=pytest.mark.slow)])
+def test_an_unrolled_train_step_has_no_control_flow_for_the_host_to_read(tmp_path, backend):
+    """A GPU runs a conditional or a while loop by reading its predicate on the host, which splits the step's
+    launch in two (docs/training.md): an unrolled dense LM step with post-warmup clipping and NaN skipping,
+    one microbatch, data parallel, compiles to straight-line code under both partitioners."""
+    import re
+
+    from gshard_jax.training.train import Trainer
+    cfg = configs.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                                    "mula_1b.py"))
+    cfg.model.update(dict(num_layers=2, d_model=128, num_heads=2, head_dim=64, d_ff=256, vocab_size=512,
+                          scan=False, attention="xla"))
+    cfg.train.update(dict(seq_len=16, batch_size=8, nan_policy="skip", warmup_steps=2))
+    cfg.mesh.update({k: 1 for k in cfg.mesh})
+    cfg.mesh.data = 8
+    trainer = Trainer(cfg, str(tmp_path))
+    state = trainer.fresh_state()
+    batch = data.model_batch("decoder_lm", np.asarray(jax.random.randint(
+        jax.random.key(1), (8, data.window_length("decoder_lm", 16)), 1, 512)))
+    hlo = trainer.partitioned("train", backend).lower(state, batch).compile().as_text()
+    assert re.findall(r"\s(conditional|while)\(", hlo) == []

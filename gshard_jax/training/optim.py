@@ -16,22 +16,25 @@ import optax
 from ..configs import TrainConfig
 
 
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
-    """optax.clip_by_global_norm (same state, same arithmetic) that takes the norm as `global_norm=` when the
-    caller has it: an offloaded update on the host is given the device's, so the host never sums the
-    gradients (and never mixes memory spaces doing so)."""
+def clip_after(warmup_steps: int, max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """Clip to global norm `max_norm` from update `warmup_steps` on (never when max_norm <= 0): the arithmetic
+    of optax.clip_by_global_norm under optax.conditionally_transform, and the same state, without its
+    lax.cond. A conditional's predicate is read by the host on a GPU, which splits the step's launch
+    (docs/training.md); a select of the clipped and unclipped gradients fuses into the update instead. The
+    norm is `global_norm=` when the caller has it: an offloaded update on the host is given the device's, so
+    the host never sums the gradients (and never mixes memory spaces doing so)."""
+    def init(params):
+        del params
+        return optax.ConditionallyTransformState(inner_state=optax.EmptyState(), step=jnp.zeros([], jnp.int32))
+
     def update(updates, state, params=None, *, global_norm=None, **extra_args):
         del params, extra_args
-        norm = optax.tree.norm(updates) if global_norm is None else global_norm
-        keep = jnp.squeeze(norm < max_norm)
-        return jax.tree.map(lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_norm), updates), state
-    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
-
-
-def clip_after(warmup_steps: int, max_norm: float) -> optax.GradientTransformation:
-    """Clip to global norm `max_norm`, from update `warmup_steps` on (never when max_norm <= 0)."""
-    clip = clip_by_global_norm(max_norm) if max_norm > 0 else optax.identity()
-    return optax.conditionally_transform(clip, lambda count, **_: count >= warmup_steps, forward_extra_args=True)
+        if max_norm > 0:
+            norm = optax.tree.norm(updates) if global_norm is None else global_norm
+            keep = jnp.squeeze((norm < max_norm) | (state.step < warmup_steps))
+            updates = jax.tree.map(lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_norm), updates)
+        return updates, optax.ConditionallyTransformState(state.inner_state, optax.safe_increment(state.step))
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def schedule(train: TrainConfig) -> optax.Schedule:
