@@ -115,7 +115,18 @@ class PartialSums:
         return self.choose(eqn, rule, ops, rings=False, planned=self._unsplit(eqn, ops)).made[i]
 
     def _unsplit(self, eqn: Eqn, ops: list[Sharding]) -> list[Sharding]:
-        """eqn's results as planned, without the mesh axes its operands are split over."""
+        """eqn's results as planned, without the mesh axes its operands split a summed factor over (a ZeRO
+        gradient's contracted batch, the rows a scatter-add sums into one place); where they split none,
+        without every axis they are split over. Aimed there, the op makes its partial sum and keeps the
+        rest of the plan: a scatter-add of per-stage updates into a batch-split accumulator stays split
+        over the batch rather than gathering the updates every trip."""
+        rule = self.plan.rules.get(eqn)
+        summed: set = set()
+        for tf, s in zip(rule.operands if rule is not None else (), ops):
+            for dim in rule.to_factors(tf, s, self.mesh_shape) or ():
+                summed.update(a for f, axes in (dim or {}).items() if rule.reductions.get(f) == "sum" for a in axes)
+        if summed:  # the partial sum itself is the target: what it costs to make, not to reduce
+            return [DF.deferred_sharding(self.plan.sharding(o), frozenset(summed)) for o in eqn.outvars]
         used = frozenset(a for s in ops for d in s.dims for a in d)
         return [DF.deferred_sharding(self.plan.sharding(o), used).without_partial() for o in eqn.outvars]
 

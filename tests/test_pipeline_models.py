@@ -10,7 +10,7 @@ import gshard_jax as gs
 from gshard_jax.models import pipelined as PM, transformer as T
 from gshard_jax.models.moe import MoeConfig
 from gshard_jax.models.pipelined import PipelineConfig
-from helpers import hlo_stats, ragged_all_to_all_emulated_on_cpu
+from helpers import assert_report_matches_hlo, hlo_stats, ragged_all_to_all_emulated_on_cpu
 
 B, L, V = 16, 8, 64
 
@@ -211,3 +211,37 @@ def test_a_pipeline_stage_runs_the_ragged_exchange():
     rows = B * L * 2 // 4 // (2 * 2)  # k=2 assignments per token, over 4 microbatches and data x expert shards
     assert {c.payload for c in ragged if len(c.shape) == 2} == {rows * 32 * 4}  # [rows, d_model] in float32
     assert {c.payload for c in ragged if len(c.shape) == 1} == {rows * 4}  # and their expert ids, int32
+
+
+def _circular_input_gradient_case(run: bool):
+    """A circular schedule's backward scatters each stage's input gradient into the microbatches' accumulator
+    (its rows split over data, the updates over stage). At these sizes gathering the updates every trip
+    costs more than the partial sum the scatter-add makes locally, which the loop reduces once."""
+    cfg = _config(False, d_model=256, d_ff=512, head_dim=128, num_layers=8)
+    pc = PipelineConfig(4, 8, "circular", 2)
+    base = T.DecoderLM(cfg)
+    k = jax.random.split(jax.random.key(0), 2)
+    batch = {n: jax.random.randint(key, (16, 256), 0, V) for n, key in zip(("inputs", "targets"), k)}
+    params = base.init(jax.random.key(1), batch["inputs"])
+    f, mesh = _pipelined_loss(cfg, pc), gs.make_mesh({"stage": 4, "data": 2})
+    stored, back = _stored(params, pc)
+    report = gs.explain(f, mesh, stored, batch)
+    scatter = [c for r in report.rows if r.primitive.endswith("scatter-add") for c in r.collectives
+               if "stage" in c.axes]
+    assert scatter == []  # no exchange of the updates inside the loop
+    once = [c for r in report.rows if r.primitive == "scan" for c in r.collectives
+            if c.kind == "all-reduce" and c.axes == ("stage",) and c.shape == (1, 8, 256, 256)]
+    assert len(once) == 1  # the accumulator, reduced after the loop
+    if run:
+        jitted = gs.partition(f, mesh)
+        _assert_same(back(jitted(stored, batch)), _reference(base, params, batch, 8))
+        assert_report_matches_hlo(report, hlo_stats(jitted, stored, batch))
+
+
+def test_a_circular_schedule_reduces_its_input_gradient_once():
+    _circular_input_gradient_case(run=False)
+
+
+@pytest.mark.slow
+def test_a_circular_schedule_reduces_its_input_gradient_once_compiled():
+    _circular_input_gradient_case(run=True)
