@@ -20,6 +20,8 @@ RUNS = {
     "gpu.py": (["--cpu-devices", "4", "--steps", "1", "--cases", "tiny_dense_lm_tp", "--flags", "on", "--set",
                 "model.num_layers=1"],
                "permutes"),
+    "gpu_profile.py": (["--small", "--variants", "xla:dots", "--out", os.path.join("build", "gpu_traces")],
+                       "ms of device kernels a step"),
     "lm1b_style.py": ([], "xla"),
     "moe_dropless.py": (["--steps", "1", "--tokens", "256"], "dropless"),
     "moe_vs_dense.py": (["--steps", "2", "--seeds", "0", "--set", "model.num_layers=1"], "MoE - dense"),
@@ -36,7 +38,8 @@ RUNS = {
     "step_reductions.py": (["--no-xla"], "interleaved_1f1b"),
 }
 SLOW = {"sharded_state.py",  # about a minute: every ZeRO stage, with and without EPSO, compiled twice
-        "moe_vs_dense.py"}  # about a minute: a token corpus prepared, two training runs
+        "moe_vs_dense.py",  # about a minute: a token corpus prepared, two training runs
+        "gpu_profile.py"}  # about a minute: two programs compiled and traced in fresh processes
 
 
 def test_every_benchmark_has_a_smoke_run():
