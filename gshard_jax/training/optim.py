@@ -19,8 +19,8 @@ from ..configs import TrainConfig
 def clip_after(warmup_steps: int, max_norm: float) -> optax.GradientTransformationExtraArgs:
     """Clip to global norm `max_norm` from update `warmup_steps` on (never when max_norm <= 0): the arithmetic
     of optax.clip_by_global_norm under optax.conditionally_transform, and the same state, without its
-    lax.cond. A conditional's predicate is read by the host on a GPU, which splits the step's launch
-    (docs/training.md); a select of the clipped and unclipped gradients fuses into the update instead. The
+    lax.cond: a select of the clipped and unclipped gradients fuses into the update, and the step holds no
+    control flow that plain JAX's does not (docs/training.md). The
     norm is `global_norm=` when the caller has it: an offloaded update on the host is given the device's, so
     the host never sums the gradients (and never mixes memory spaces doing so)."""
     def init(params):
