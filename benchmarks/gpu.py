@@ -11,7 +11,8 @@ cost model says they are faster. Each row counts the ragged all-to-alls and coll
 compiled steps, so what ran is shown. Both need two or more devices to communicate at all.
 
 Each case runs in a fresh process per flag setting (XLA reads XLA_FLAGS once, when its backend starts). A row:
-median step ms of each backend (timed alternately in one process), ours/xla, tokens/s per device and MFU of our
+median step ms of each backend (timed alternately in one process, each stepping its own state, donated as the
+trainer's step donates it), ours/xla, tokens/s per device and MFU of our
 step (model flops per token, training.timing, over --hardware's peak), the compiled step's memory
 (memory_analysis(): arguments + temporaries) and the device's peak bytes in use over the process (both
 backends), and |loss ours - loss xla|. A case that fails prints its error and the script exits 1.
@@ -100,8 +101,6 @@ def child(args) -> dict:
     """One case under the flag setting in $GSHARD_BENCH_FLAGS: both backends compiled and timed alternately."""
     from gshard_jax.training import train
     train.init_devices(cpu_devices=args.cpu_devices, overlap_flags=os.environ["GSHARD_BENCH_FLAGS"] == "on")
-    import functools
-
     import jax
 
     from gshard_jax.training.timing import median_times, model_flops_per_token, peak_flops
@@ -109,17 +108,26 @@ def child(args) -> dict:
     cfg = configure(args.child, jax.device_count(), args.hardware, args.set)
     with tempfile.TemporaryDirectory() as workdir:
         trainer, state, batch = train.step_inputs(cfg, workdir)
-    compiled, memory, losses, ops = {}, {}, {}, {}
+    compiled, memory, losses, ops, states = {}, {}, {}, {}, {}
     for backend in ("gshard", "xla"):
-        compiled[backend] = trainer.partitioned("train", backend).lower(state, batch).compile()
+        # each backend steps its own copy of the state, donated as the trainer's step and plain JAX's do
+        compiled[backend] = trainer.partitioned("train", backend, donate_argnums=0).lower(state, batch).compile()
         text = compiled[backend].as_text()
         ops[backend] = {op: len(re.findall(rf"\s{op}(?:-start)?\(", text))  # instructions, not their names
                         for op in ("ragged-all-to-all", "collective-permute")}
         m = compiled[backend].memory_analysis()
         memory[backend] = int(m.argument_size_in_bytes + m.temp_size_in_bytes)
-        losses[backend] = float(compiled[backend](state, batch)[1]["loss"])
-    median_s = median_times({b: functools.partial(c, state, batch) for b, c in compiled.items()}, args.steps,
-                            warmup=2)
+        copy = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), state)  # memory kinds kept
+        states[backend], metrics = compiled[backend](copy, batch)
+        losses[backend] = float(metrics["loss"])
+    del state
+
+    def stepper(backend):
+        def step():
+            states[backend], metrics = compiled[backend](states[backend], batch)
+            return metrics["loss"]
+        return step
+    median_s = median_times({b: stepper(b) for b in compiled}, args.steps, warmup=2)
     stats = jax.devices()[0].memory_stats() or {}
     n = jax.device_count()
     tokens = cfg.train.batch_size * cfg.train.seq_len

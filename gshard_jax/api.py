@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
@@ -124,8 +124,8 @@ class Partitioned:
     """
 
     def __init__(self, fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardware,
-                 collective_matmul: str = "auto", given=None):
-        self._fn, self._mesh, self._given = fn, mesh, given
+                 collective_matmul: str = "auto", given=None, donate_argnums: tuple = ()):
+        self._fn, self._mesh, self._given, self._donate = fn, mesh, given, donate_argnums
         self._in, self._out, self._profile = in_shardings, out_shardings, profile
         self._collective_matmul = collective_matmul
         self._jits: dict = {}
@@ -136,7 +136,7 @@ class Partitioned:
         key = _placements(self._fn, self._mesh, args, kwargs)
         if key not in self._jits:
             self._jits[key] = jax.jit(_build(self._fn, self._mesh, self._in, self._out, self._profile, None, key,
-                                             self._collective_matmul, self._given))
+                                             self._collective_matmul, self._given), donate_argnums=self._donate)
         return self._jits[key]
 
     def __call__(self, *args, **kwargs):
@@ -198,7 +198,7 @@ class _InMesh:
 
 def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings: Any = None,
               backend: str = "gshard", profile: Optional[Hardware] = None,
-              collective_matmul: str = "auto") -> Callable:
+              collective_matmul: str = "auto", donate_argnums: int | Sequence[int] = ()) -> Callable:
     """Partition an annotated global-view function over `mesh`; returns a jax.jit-like function.
 
     in_shardings: None, one PartitionSpec for every argument, or a tuple with one
@@ -216,8 +216,11 @@ def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings:
     (a dot_general's all-gather or reduce-scatter becomes a ring of collective-permutes overlapped with the
     matmul where the cost model, crediting overlap only where the profile has it, says it is faster), "off",
     or "unidirectional" / "bidirectional" (the ring wherever the plan has such a collective).
+    donate_argnums: as jax.jit's: positional arguments whose buffers the call may reuse for its outputs (a
+    train step's state), so the caller must not read them afterwards.
     """
     given, mesh = mesh, _check(mesh, backend)
+    donate_argnums = _donated(donate_argnums)
     check_mode(collective_matmul)
     _validate(in_shardings, mesh, "in_shardings")
     _validate(out_shardings, mesh, "out_shardings")
@@ -227,11 +230,20 @@ def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings:
                 return fn(*args, **kwargs)
         kw = {name: S.named(specs, mesh, name) for name, specs in
               (("in_shardings", in_shardings), ("out_shardings", out_shardings)) if specs is not None}
-        jitted = jax.jit(xla_fn, **kw)
+        jitted = jax.jit(xla_fn, donate_argnums=donate_argnums, **kw)
         explicit = isinstance(given, Mesh) and AxisType.Explicit in given.axis_types
         return _InMesh(jitted, given) if explicit else jitted
     return Partitioned(fn, mesh, in_shardings, out_shardings, _placed(profile, mesh), collective_matmul,
-                       given)
+                       given, donate_argnums)
+
+
+def _donated(donate_argnums) -> tuple:
+    """donate_argnums as a tuple of ints, or a ValueError naming what was given."""
+    nums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in nums):
+        raise ValueError(f"donate_argnums={donate_argnums!r}: expected a non-negative int or a sequence of them "
+                         f"(the positions of the arguments whose buffers the call may reuse), e.g. donate_argnums=0")
+    return nums
 
 
 def explain(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, out_shardings: Any = None,

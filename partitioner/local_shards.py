@@ -109,7 +109,7 @@ class LocalShards:
             def run(*a):
                 outs = eqn.prim.bind(*a, **kw)
                 return list(outs) if eqn.prim.multiple_results else [outs]
-            if eqn.compute_type:
+            if eqn.compute_type and not self._placed_region:  # inside a placed run, the run's region places it
                 return bind_on(eqn.compute_type, run, args, [v.aval for v in eqn.outvars])
             return run(*args)
 

@@ -37,6 +37,7 @@ import jax
 from . import deferral as DF, registry as REG
 from .cost import Collective, compute_time, platform_of
 from .hardware import Hardware
+from .jax_compat import bind_on
 from .local_shards import LocalShards, Token
 from .lower_regions import Regions, checkpoint_region
 from .lower_rows import ReportRows
@@ -74,6 +75,7 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
         self.platform: str = platform_of(mesh, profile)
         self.report = report
         self.dry = False  # walking without arrays (cost())
+        self._placed_region = False  # running a compute_on region's ops (_placed_run): they bind as they are
         self._lazy: dict[Value, Sharding] = {}  # accumulator chains kept partial in a loop (deferral.py)
         self._sums: set[int] = set()  # id() of the adds that accumulate them
         self._roots: dict[int, Sharding] = {}  # id() of an add summing partial sums -> its operands' sharding
@@ -119,17 +121,55 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
 
     # Loops and branches, run on local shards (or walked once per body, as tracing them does, when dry).
     def _run_eqns(self, eqns: Sequence[Eqn], env) -> None:
-        for eqn in eqns:
-            op = REG.op_for(eqn.name)
-            if op is not None and op.checkpoint:
-                self._checkpoint(eqn, env)
-            elif eqn.subs:
-                self._control_flow(eqn, env)
-            elif op is not None and op.manual:
-                self._manual(eqn, env)
-            else:
-                self._eqn(eqn, env)
+        i = 0
+        while i < len(eqns):
+            placed = eqns[i].compute_type
+            if placed and not self.dry and not self._placed_region:
+                j = i + 1
+                while j < len(eqns) and eqns[j].compute_type == placed and _plain(eqns[j]):
+                    j += 1
+                if _plain(eqns[i]):
+                    self._placed_run(eqns[i:j], env, placed)
+                    i = j
+                    continue
+            self._run_eqn(eqns[i], env)
+            i += 1
 
+    def _placed_run(self, eqns: Sequence[Eqn], env, compute_type: str) -> None:
+        """A run of consecutive ops placed elsewhere (compute_type "device_host": an offloaded update) lowered as
+        one region, as JAX's compute_on makes it: one host computation for the whole run, not one per op,
+        which XLA:GPU would call (and wait for) one by one."""
+        made = {v for e in eqns for v in e.outvars}
+        reads = list(dict.fromkeys(x for e in eqns for x in e.invars if isinstance(x, Value) and x not in made))
+        outs = [v for e in eqns for v in e.outvars]
+        cache, resharded = self._cache, self._resharded
+        kept: dict = {}
+
+        def region(*xs):
+            inner = {x: (a, env[x][1]) for x, a in zip(reads, xs)}  # only the region's own values are read
+            self._cache, self._resharded, self._placed_region = {}, {}, True
+            try:
+                for e in eqns:
+                    self._run_eqn(e, inner)
+            finally:
+                self._cache, self._resharded, self._placed_region = cache, resharded, False
+            kept.update((v, inner[v][1]) for v in outs)
+            return [inner[v][0] for v in outs]
+
+        results = bind_on(compute_type, region, [env[x][0] for x in reads], [v.aval for v in outs])
+        for v, x in zip(outs, results):
+            env[v] = (x, kept[v])
+
+    def _run_eqn(self, eqn: Eqn, env) -> None:
+        op = REG.op_for(eqn.name)
+        if op is not None and op.checkpoint:
+            self._checkpoint(eqn, env)
+        elif eqn.subs:
+            self._control_flow(eqn, env)
+        elif op is not None and op.manual:
+            self._manual(eqn, env)
+        else:
+            self._eqn(eqn, env)
 
     def producers(self) -> dict:
         """Value -> the equation making it, over the whole program (bodies included), built once."""
@@ -185,3 +225,9 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
             self.profile)
         self._record(eqn, list(zip(eqn.invars, have, choice.need)), choice.made, strategy, log, fallback, work,
                      issue)
+
+
+def _plain(eqn: Eqn) -> bool:
+    """Whether an op binds as itself (no body, no manual region, no checkpoint), so it can join a placed run."""
+    op = REG.op_for(eqn.name)
+    return not eqn.subs and not (op is not None and (op.checkpoint or op.manual))

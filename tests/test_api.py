@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 from test_collectives import moe_chain, moe_inputs
 from test_grad import megatron_mlp
 
@@ -250,3 +251,23 @@ def test_garbage_collector_paused_only_while_partitioning(rng):
         assert not gc.isenabled()  # a caller who paused it keeps it paused
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("backend", ["gshard", "xla"])
+def test_donated_arguments_become_the_outputs_buffers(rng, backend):
+    """donate_argnums as jax.jit's: the compiled program aliases the donated argument to the output of its
+    shape (memory_analysis' alias bytes), the call deletes it, and the numbers are the undonated call's."""
+    mesh = gs.make_mesh({"data": 2, "model": 4})
+    x, w = randn(rng, 16, 32), randn(rng, 32, 32)
+    def f(w, x):
+        return w - 0.1 * jnp.einsum("bd,bf->df", x, jnp.tanh(x @ w)), jnp.sum(x @ w)
+    want = jax.jit(f)(w, x)
+    step = gs.partition(f, mesh, in_shardings=(P(None, "model"), P("data")), backend=backend,
+                        donate_argnums=0)
+    w_dev = jax.device_put(w, jax.sharding.NamedSharding(mesh, P(None, "model")))
+    assert step.lower(w_dev, x).compile().memory_analysis().alias_size_in_bytes == w.nbytes // 4  # per device
+    got = step(w_dev, x)
+    assert w_dev.is_deleted()
+    assert_close(got[0], want[0]) and assert_close(got[1], want[1])
+    with pytest.raises(ValueError, match=r"donate_argnums='state'.*non-negative int"):
+        gs.partition(f, mesh, donate_argnums="state")

@@ -223,7 +223,7 @@ def test_nonfinite_rows_are_counted_in_their_batch_shards_before_the_reduction(t
     out = {}
     for name, scale in (("clean", np.ones_like(fault)), ("faulty", fault)):
         batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in dict(rows, soft_fail=scale).items()}
-        out[name] = trainer.step_fn(state, batch)[1]
+        out[name] = trainer.step_fn(jax.tree.map(jnp.copy, state), batch)[1]  # the step donates its state
     clean, faulty = out["clean"], out["faulty"]
     assert bool(clean["finite"]) and not np.asarray(clean["nonfinite_rows"]).any()
     assert float(faulty["loss"]) == float(clean["loss"]) and not bool(faulty["finite"])
@@ -537,3 +537,21 @@ def test_an_unrolled_train_step_compiles_to_straight_line_code(tmp_path, backend
         jax.random.key(1), (8, data.window_length("decoder_lm", 16)), 1, 512)))
     hlo = trainer.partitioned("train", backend).lower(state, batch).compile().as_text()
     assert re.findall(r"\s(conditional|while)\(", hlo) == []
+
+
+def test_the_trainers_step_donates_its_state(tmp_path):
+    """Trainer.step_fn reuses the state's buffers for the next state, as plain JAX's steps do: the compiled
+    step aliases every byte of the state a device holds, and the call deletes the state it was given."""
+    from gshard_jax.training.train import Trainer
+    cfg = configs.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                                    "tiny_dense_lm.py"))
+    cfg.model.update(dict(vocab_size=512, num_layers=2))
+    cfg.train.update(dict(seq_len=16, batch_size=16, zero_stage=1))
+    trainer = Trainer(cfg, str(tmp_path))
+    state = trainer.fresh_state()
+    batch = jax.device_put(data.model_batch(cfg.model.kind, np.asarray(jax.random.randint(
+        jax.random.key(1), (16, trainer.length), 1, 512))), trainer.batch_sharding)
+    held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
+    assert trainer.step_fn.lower(state, batch).compile().memory_analysis().alias_size_in_bytes == held
+    new, _ = trainer.step_fn(state, batch)
+    assert all(x.is_deleted() for x in jax.tree.leaves(state)) and int(new["step"]) == 1

@@ -186,7 +186,9 @@ class Trainer:
         self.train_step = functools.partial(steps.train_step, c=self.step_config)
         self.update = functools.partial(steps.update, c=self.step_config)
         self.eval_step = functools.partial(steps.eval_step, c=self.step_config)
-        self.step_fn = self.partitioned("train")
+        # The state is donated, as plain JAX's train steps do: its buffers become the next state's, so a step
+        # holds one copy of the params and optimizer state, not two. The caller must not read it afterwards.
+        self.step_fn = self.partitioned("train", donate_argnums=0)
         self.eval_fn = self.partitioned("eval")
         self.init_fn = self.partitioned("init")
 
