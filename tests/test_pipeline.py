@@ -380,3 +380,51 @@ def test_a_flax_block_with_an_optax_loss_pipelines_like_xla(schedule):
         ca = fn.lower(W, x, t).compile().cost_analysis()
         return (ca[0] if isinstance(ca, list) else ca)["flops"]
     assert flops(ours) <= 1.05 * flops(xla)
+
+
+@pytest.mark.parametrize("schedule,r", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_owned_ends_keep_the_input_and_head_gradients_on_their_stages(schedule, r):
+    """owned_ends: x and the loss params lead with [stages]; stage 0 reads its slice of x and the last stage
+    its slice of the head. The loss and the layers' gradients are the replicated ends' (the unpipelined
+    function's), d x and d head come back on their owners only, and partitioned over {stage 4, data 2}
+    nothing crosses the stage axis but the stages' permutes and the scalar loss: the replicated ends' run
+    all-reduces d x and d head over it."""
+    mesh = gs.make_mesh({"stage": 4, "data": 2})
+    p, m = 4, 8
+    W, x, H, t = _problem(rows=32)
+    W = jnp.concatenate([W, W[::-1]]) if L % (p * r) else W
+    Win = _chunked(W, p, r)
+    poison = jnp.full_like(x, jnp.nan)
+    x_p = jnp.stack([x] + [poison] * (p - 1))  # only stage 0's slice may be read
+    H_p = jnp.stack([jnp.full_like(H, jnp.nan)] * (p - 1) + [H])  # only the last stage's
+
+    def run(owned):
+        def f(Wc, x, H, t):
+            (loss, _), (gw, gx, gh) = gs.pipeline_value_and_grad(
+                lambda w, h: _stage(w, h)[0], Wc, x, _loss, H, t, num_microbatches=m, schedule=schedule,
+                repeats=r, x_spec=(("data",),), owned_ends=owned)
+            return loss, gw, gx, gh
+        return f
+
+    want = run(False)(Win, x, H, t)
+    part = gs.partition(run(True), mesh)
+    for got in (run(True)(Win, x_p, H_p, t), part(Win, x_p, H_p, t)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+        np.testing.assert_allclose(got[1], want[1], atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(got[2][0], want[2], atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(got[3][p - 1], want[3], atol=1e-4, rtol=1e-4)
+        assert not np.asarray(got[2][1:]).any() and not np.asarray(got[3][:p - 1]).any()
+
+    def over_stage(report, kind):
+        return sum(c.payload * c.runs * row.trips for row in report.rows for c in row.collectives
+                   if c.kind == kind and "stage" in c.axes)
+
+    owned = gs.explain(run(True), mesh, Win, x_p, H_p, t)
+    replicated = gs.explain(run(False), mesh, Win, x, H, t)
+    # d x (each device its half of the rows), d head and the loss, summed over the stages
+    assert over_stage(replicated, "all-reduce") == x.nbytes // 2 + H.nbytes + 4
+    assert over_stage(owned, "all-reduce") <= 4  # the loss, a float32 scalar
+    assert over_stage(owned, "collective-permute") == over_stage(replicated, "collective-permute")
+    assert_report_matches_hlo(owned, hlo_stats(part, Win, x_p, H_p, t))
+    with pytest.raises(ValueError, match=r"every leaf of loss_params must lead with the 4 stages"):
+        run(True)(Win, x_p, H, t)

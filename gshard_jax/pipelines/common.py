@@ -73,6 +73,12 @@ def rows(tree, idx):
     return jax.tree.map(lambda a: jnp.moveaxis(jnp.take(a, jnp.maximum(idx, 0), axis=1), 1, 0), tree)
 
 
+def own_rows(tree, idx):
+    """Per stage s, microbatch idx[s] of its own slice of stage-led microbatched leaves ([p, B/m, m, ...] ->
+    [p, B/m, ...])."""
+    return jax.tree.map(lambda a: jax.vmap(lambda b, i: jnp.take(b, i, axis=1))(a, jnp.maximum(idx, 0)), tree)
+
+
 def put_rows(tree, idx, value, ok):
     """Per stage s where ok[s], microbatch idx[s] of leaf[s] ([p, B/m, m, ...]) = value[s]."""
     def one(a, v):
@@ -127,10 +133,11 @@ class Run:
         sl = slice(ticks.start, ticks.stop)
         return jnp.asarray(wave.microbatch[sl]), jnp.asarray(wave.repeat[sl]), jnp.asarray(wave.slot[sl])
 
-    def inject(self, xs, state, mb, rep):
-        """Stage 0's input at the first repeat is the next microbatch; every other input rolled in."""
+    def inject(self, xs, state, mb, rep, owned: bool = False):
+        """Stage 0's input at the first repeat is the next microbatch; every other input rolled in. owned: xs
+        lead with [p], and each stage reads its own slice (stage-local, no communication)."""
         first = (self.stage_ids == 0) & (rep == 0)
-        fresh = rows(xs, mb)
+        fresh = own_rows(xs, mb) if owned else rows(xs, mb)
         return self.state(where(first, fresh, state))
 
     def roll(self, tree, shift: int):

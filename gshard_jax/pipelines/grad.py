@@ -18,7 +18,7 @@ def pipeline_value_and_grad(stage_fn: Callable, params: PyTree, x: PyTree, loss_
                             targets: PyTree, *, num_microbatches: int, schedule: str = "1f1b", repeats: int = 1,
                             has_aux: bool = False, aux_weights: Optional[PyTree] = None, axis: str = "stage",
                             x_spec: Optional[PyTree] = None, param_specs: Optional[PyTree] = None,
-                            unroll: bool = False):
+                            unroll: bool = False, owned_ends: bool = False):
     """The pipeline with a loss on its output, and the gradients: ((loss, aux), (d params, d x, d loss_params)).
 
     loss_fn(loss_params, y_mb, targets_mb) -> scalar is summed over microbatches; with has_aux the stage's
@@ -26,9 +26,17 @@ def pipeline_value_and_grad(stage_fn: Callable, params: PyTree, x: PyTree, loss_
     aux of weights, 0 for statistics; None: aux is not differentiated). Gradients are float32 for floating
     leaves. GPipe and circular differentiate `pipeline`; 1F1B and interleaved 1F1B run their own backward
     wave, holding per stage at most 2 r p - 1 microbatches' residuals.
+
+    owned_ends (1F1B and interleaved 1F1B): the pipeline's ends are owned by its end stages, as Megatron-LM
+    keeps the embedding on the first stage and the head on the last. x and loss_params lead with a [stages]
+    dim split over the stage axis; stage 0 reads its slice of x and the last stage its slice of loss_params
+    (the other slices are never read), and d x and d loss_params come back per stage, nonzero on their owner
+    only. Nothing crosses the stage axis for them: replicated ends need their gradients summed over it.
     """
     p = stages_of(params, repeats)
     S.check(schedule, p, num_microbatches, repeats)
+    if owned_ends:
+        _check_owned(schedule, p, x, loss_params)
     if schedule not in S.OWN_BACKWARD:
         def objective(params, x, loss_params):
             out = pipeline(stage_fn, params, x, num_microbatches=num_microbatches, schedule=schedule,
@@ -43,4 +51,18 @@ def pipeline_value_and_grad(stage_fn: Callable, params: PyTree, x: PyTree, loss_
         (_, (loss, aux)), grads = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(params, x, loss_params)
         return (loss, aux), f32(grads)
     return one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, num_microbatches, schedule, repeats,
-                       has_aux, aux_weights, axis, x_spec, param_specs, unroll)
+                       has_aux, aux_weights, axis, x_spec, param_specs, unroll, owned_ends)
+
+
+def _check_owned(schedule: str, p: int, x: PyTree, loss_params: PyTree) -> None:
+    """owned_ends' inputs: a schedule that runs its own backward, and x and loss_params leading with [p]."""
+    if schedule not in S.OWN_BACKWARD:
+        raise ValueError(f"owned_ends=True needs a schedule that runs its own backward ({sorted(S.OWN_BACKWARD)}); "
+                         f"schedule {schedule!r} differentiates its forward loop, whose input and loss are not "
+                         f"per stage")
+    for name, tree in (("x", x), ("loss_params", loss_params)):
+        bad = [tuple(jnp.shape(a)) for a in jax.tree.leaves(tree) if jnp.ndim(a) == 0 or jnp.shape(a)[0] != p]
+        if bad:
+            raise ValueError(f"owned_ends=True: every leaf of {name} must lead with the {p} stages (stage s's "
+                             f"slice at [s]); got shapes {bad[:3]}. Stack the replicated value p times, e.g. "
+                             f"jnp.broadcast_to(a, ({p},) + a.shape)")

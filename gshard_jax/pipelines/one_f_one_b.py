@@ -39,20 +39,30 @@ from .residuals import Residuals
 
 
 def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedule, r, has_aux, aux_weights, axis,
-                x_spec, param_specs, unroll):
+                x_spec, param_specs, unroll, owned_ends=False):
     """pipeline_value_and_grad's 1F1B and interleaved 1F1B: warmup (forward wave), steady (both waves, the
-    loss at the last stage between them) and cooldown (backward wave), each a scan over the schedule's rows."""
+    loss at the last stage between them) and cooldown (backward wave), each a scan over the schedule's rows.
+    owned_ends: x and loss_params lead with [p] (split over the stage axis); stage 0 reads its own slice of x
+    and the last stage its own slice of loss_params, and their gradients stay per stage (nothing summed)."""
     sc = S.make(schedule, p, m, r)
     record(sc)
     ax = stage_axis(axis, p)
     run = Run(stage_fn, has_aux, sc, ax, x_spec)
     ids = run.stage_ids
     params_rp = stacked(params, r, p, ax, param_specs)
-    xs, ts = microbatches(x, m), microbatches(targets, m)
+    if owned_ends:
+        x = shard_leading(x, (ax,), x_spec, ax)
+        loss_params = shard_leading(loss_params, (ax,), None, ax)
+        xs = jax.vmap(lambda a: microbatches(a, m))(x)  # [p, B/m, m, ...]
+        one_x = jax.tree.map(lambda a: (p,) + one_shape(a[0]), xs)
+    else:
+        xs = microbatches(x, m)
+        one_x = jax.tree.map(lambda a: (p,) + one_shape(a), xs)
+    ts = microbatches(targets, m)
     res = Residuals(run.vmap, run.call,
                     jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params_rp),
-                    jax.tree.map(lambda a: jax.ShapeDtypeStruct((p,) + one_shape(a), a.dtype), xs))
-    zeros_state = run.state(jax.tree.map(lambda a: jnp.zeros((p,) + one_shape(a), a.dtype), xs))
+                    jax.tree.map(lambda a, shape: jax.ShapeDtypeStruct(shape, a.dtype), xs, one_x))
+    zeros_state = run.state(jax.tree.map(lambda a, shape: jnp.zeros(shape, a.dtype), xs, one_x))
     aux0 = aux_zeros(run, params_rp, zeros_state)
     weights = jax.tree.map(lambda a, w: jnp.broadcast_to(jnp.asarray(w, a.dtype), a.shape[1:]), aux0,
                            weights_like(aux0, aux_weights))
@@ -64,14 +74,15 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
         "aux": aux0,
         "dw": shard_leading(jax.tree.map(lambda a: jnp.zeros(a.shape, _acc_dtype(a)), params_rp), (None, ax),
                             param_specs, ax),
-        "dl": jax.tree.map(lambda a: jnp.zeros((p,) + jnp.shape(a), _acc_dtype(a)), loss_params),
-        "dx": jax.tree.map(lambda a: jnp.zeros((p,) + a.shape, a.dtype), xs),
+        "dl": jax.tree.map(lambda a: jnp.zeros(jnp.shape(a) if owned_ends else (p,) + jnp.shape(a), _acc_dtype(a)),
+                           loss_params),
+        "dx": jax.tree.map(lambda a: jnp.zeros(a.shape if owned_ends else (p,) + a.shape, a.dtype), xs),
     }
 
     def forward(c, row):
         mb, rep, slot = row
         valid = mb >= 0
-        inp = run.inject(xs, c["f"], mb, rep)
+        inp = run.inject(xs, c["f"], mb, rep, owned_ends)
 
         def stage(w, u, ok):
             (y, a), vjp = jax.vjp(run.call, w, zero_unless(ok, u))
@@ -88,7 +99,7 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
             dl, dy = vjp(jnp.ones_like(value))
             return jnp.where(ok, value, 0).astype(jnp.float32), zero_unless(ok, f32(dl)), zero_unless(ok, dy)
 
-        value, dl, dy = run.vmap(one, in_axes=(None, 0, 0, 0))(loss_params, y, rows(ts, mb), last)
+        value, dl, dy = run.vmap(one, in_axes=(0 if owned_ends else None, 0, 0, 0))(loss_params, y, rows(ts, mb), last)
         return dict(c, loss=c["loss"] + value, dl=jax.tree.map(jnp.add, c["dl"], dl)), dy
 
     def backward(c, row, fresh=None, roll=True):
@@ -145,8 +156,12 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
                 carry = loop(cool, carry, sc.backward, c_ticks)
     aux = jax.tree.map(lambda a: a.sum(0), carry["aux"])
     d_params = jax.tree.map(lambda a: a[0], carry["dw"]) if r == 1 else carry["dw"]
-    d_loss_params = jax.tree.map(lambda a: a.sum(0), carry["dl"])
-    d_x = unmicrobatch(from_stage(carry["dx"], 0))
+    if owned_ends:  # each stage's own: stage 0's d x and the last stage's d loss_params, the rest zeros
+        d_loss_params = carry["dl"]
+        d_x = jax.vmap(unmicrobatch)(carry["dx"])
+    else:
+        d_loss_params = jax.tree.map(lambda a: a.sum(0), carry["dl"])
+        d_x = unmicrobatch(from_stage(carry["dx"], 0))
     return (carry["loss"].sum(), aux), (d_params, f32(d_x), d_loss_params)
 
 
