@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import gshard_jax as gs
 
 from . import ring_attention as RA
-from .logical import Rules, axes_of, constrain, mesh_spec
+from .logical import FIRST_STAGE, LAST_STAGE, Rules, axes_of, constrain, mesh_spec
 
 
 def _init(fan_in_axes: tuple[int, ...]):
@@ -33,11 +33,16 @@ def weight(module: nn.Module, name: str, shape: tuple[int, ...], logical: tuple,
     return constrain(w.astype(dtype), logical, rules, grad=False)
 
 
-def norm(kind: str, name: str, dtype, remat: bool = False) -> nn.Module:
+def norm(kind: str, name: str, dtype, remat: bool = False, stages: int = 1) -> nn.Module:
     """Flax's RMSNorm (OLMo, Mula) or LayerNorm (GShard's Transformer); scale and bias are `embed`-named, so
-    where the feature dim is split their statistics are reduced across its shards."""
+    where the feature dim is split their statistics are reduced across its shards. stages > 1: the last
+    stage's own (a pipeline's stage-owned head): its params lead with [stages], and a call returns each
+    stage's result, [stages, ...]."""
     scale = nn.with_logical_partitioning(nn.initializers.ones, ("embed",))
     wrap = nn.remat if remat else (lambda cls: cls)  # remat: recomputed in the backward pass, not stored
+    if stages > 1:
+        wrap = lambda cls: nn.vmap(cls, variable_axes={"params": 0}, split_rngs={"params": False}, in_axes=None,
+                                   axis_size=stages, metadata_params={nn.PARTITION_NAME: LAST_STAGE})
     if kind == "rmsnorm":
         return wrap(nn.RMSNorm)(epsilon=1e-6, dtype=dtype, param_dtype=jnp.float32, scale_init=scale, name=name)
     if kind == "layernorm":
@@ -96,20 +101,31 @@ def sinusoid(length: int, d: int, positions_L: Optional[jax.Array] = None) -> ja
 
 
 class Embed(nn.Module):
-    """Token embedding [V, D]; `attend` gives logits against it (tied softmax)."""
+    """Token embedding [V, D]; `attend` gives logits against it (tied softmax). stages > 1: the first stage's
+    own (a pipeline's stage-owned embedding): the table is [stages, V, D], of which a call reads stage 0's."""
     vocab: int
     d_model: int
     rules: Rules
     dtype: jnp.dtype = jnp.float32
+    stages: int = 1
 
     def setup(self):
+        lead, names = ((self.stages,), (FIRST_STAGE,)) if self.stages > 1 else ((), ())
         self.table = self.param("embedding", nn.with_logical_partitioning(nn.initializers.normal(1.0),
-                                                                          ("vocab", "embed")),
-                                (self.vocab, self.d_model), jnp.float32)
+                                                                          names + ("vocab", "embed")),
+                                lead + (self.vocab, self.d_model), jnp.float32)
 
     def __call__(self, tokens_BL: jax.Array) -> jax.Array:
-        table_VD = constrain(self.table.astype(self.dtype), ("vocab", "embed"), self.rules, grad=False)
+        table = self.table[0] if self.stages > 1 else self.table
+        table_VD = constrain(table.astype(self.dtype), ("vocab", "embed"), self.rules, grad=False)
         return constrain(jnp.take(table_VD, tokens_BL, axis=0), ("batch", "seq", "embed"), self.rules)
+
+    def per_stage(self, tokens_BL: jax.Array) -> jax.Array:
+        """[stages, B, L, D]: each stage's lookup in its own slice of the table (stage-local: a pipeline reads
+        stage 0's, and the others' gradients are zeros that never leave their stage)."""
+        table_SVD = constrain(self.table.astype(self.dtype), (FIRST_STAGE, "vocab", "embed"), self.rules, grad=False)
+        x_SBLD = jax.vmap(lambda t: jnp.take(t, tokens_BL, axis=0))(table_SVD)
+        return constrain(x_SBLD, (FIRST_STAGE, "batch", "seq", "embed"), self.rules)
 
     def attend(self, x_BLD: jax.Array) -> jax.Array:
         """Logits against the table, scaled by 1/sqrt(D) (Mesh TensorFlow / T5): the table's entries have unit

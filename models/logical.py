@@ -68,8 +68,13 @@ def sequence_parallel(rules: Rules) -> tuple[tuple[str, MeshAxes], ...]:
         ((SEQUENCE_PARALLEL,) if all(n != name for n, _ in rules) else ())
 
 
-# A logical name a table may lack, and the entry that stands in for it (tables written before `seq` existed).
-STANDS_IN = {"seq": "length"}
+# The leading dim of a pipeline's stage-owned ends (TransformerConfig.end_stages): the embedding's owner is the
+# first stage, the final norm's and unembedding's the last. Split over the stages as the stacked layers are.
+FIRST_STAGE, LAST_STAGE = "first_stage", "last_stage"
+
+# A logical name a table may lack, and the entry that stands in for it (tables written before `seq` existed, or
+# the stage-owned ends).
+STANDS_IN = {"seq": "length", FIRST_STAGE: "layers", LAST_STAGE: "layers"}
 
 
 def for_mesh(rules: Rules, mesh_axes: Optional[Sequence[str]]) -> tuple[tuple[str, MeshAxes], ...]:

@@ -31,7 +31,7 @@ import numpy as np
 import gshard_jax as gs
 from gshard_jax.pipelines import schedules as S
 
-from .logical import mesh_spec
+from .logical import FIRST_STAGE, LAST_STAGE, mesh_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +53,13 @@ def check(pc: PipelineConfig, periods: int) -> None:
                          f"{pc.repeats} repeats; choose num_layers / period divisible by stages * repeats")
 
 
-def order_key(pc: Optional[PipelineConfig]) -> dict:
+def order_key(pc: Optional[PipelineConfig], end_stages: int = 1) -> dict:
     """The storage order of a stack's layer dim, as a checkpoint records it: layer order (stages 1,
-    repeats 1) unless chunks repeat over the stages."""
-    if pc is None or pc.repeats == 1 or pc.stages == 1:
-        return {"stages": 1, "repeats": 1}
-    return {"stages": pc.stages, "repeats": pc.repeats}
+    repeats 1) unless chunks repeat over the stages; with stage-owned ends (TransformerConfig.end_stages),
+    their stage count as "ends"."""
+    key = ({"stages": 1, "repeats": 1} if pc is None or pc.repeats == 1 or pc.stages == 1 else
+           {"stages": pc.stages, "repeats": pc.repeats})
+    return dict(key, ends=end_stages) if end_stages > 1 else key
 
 
 def storage_order(periods: int, stages: int, repeats: int) -> np.ndarray:
@@ -69,21 +70,41 @@ def storage_order(periods: int, stages: int, repeats: int) -> np.ndarray:
     return (chunks[:, None] * chunk + np.arange(chunk)).reshape(-1)
 
 
-def reorder(tree: Any, stacked: Any, src: dict, dst: dict) -> Any:
+def reorder(tree: Any, stacked: Any, src: dict, dst: dict, ends: Any = None) -> Any:
     """The leaves flagged in `stacked` (a leading stacked-layers dim) moved from storage order `src` to
-    `dst` (`order_key`s); the rest unchanged."""
+    `dst` (`order_key`s); the stage-owned ends (`ends`: "first" or "last" per leaf, "" for the others) from
+    src's end stages to dst's: the owner's slice taken, then stacked once per stage (the others' copies are
+    never read); the rest unchanged."""
     if src == dst:
         return tree
+    e_src, e_dst = src.get("ends", 1), dst.get("ends", 1)
+    ends = jax.tree.map(lambda _: "", stacked) if ends is None else ends
 
-    def move(flag, a):
-        if not flag:
-            return a
+    def move(flag, end, a):
         if isinstance(a, nn.meta.AxisMetadata):  # a boxed param (logical axes): move its value
-            return a.replace_boxed(move(flag, a.unbox()))
+            moved = a.replace_boxed(move(flag, end, a.unbox()))
+            if end and e_src != e_dst and hasattr(a, "names"):  # and name its stage dim as the owner's
+                names = tuple(a.names)[1:] if e_src > 1 else tuple(a.names)
+                lead = (FIRST_STAGE if end == "first" else LAST_STAGE,) if e_dst > 1 else ()
+                moved = moved.replace(names=lead + names)
+            return moved
+        if end and e_src != e_dst:
+            a = a[0 if end == "first" else -1] if e_src > 1 else a
+            return jnp.broadcast_to(a, (e_dst,) + a.shape) if e_dst > 1 else a
+        if not flag or (src["stages"], src["repeats"]) == (dst["stages"], dst["repeats"]):
+            return a
         n = a.shape[0]
         held = np.argsort(storage_order(n, src["stages"], src["repeats"]))  # layer -> position in src
         return a[held[storage_order(n, dst["stages"], dst["repeats"])]]
-    return jax.tree.map(move, stacked, tree, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+    return jax.tree.map(move, stacked, ends, tree, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+
+
+def ends(boxed: Any) -> Any:
+    """Per leaf of a param tree with logical axes, which end stage owns it: "first" (the embedding), "last"
+    (the final norm and unembedding), or "" (not a stage-owned end)."""
+    owner = {FIRST_STAGE: "first", LAST_STAGE: "last"}
+    return jax.tree.map(lambda spec: owner.get(spec[0], "") if spec else "", nn.get_partition_spec(boxed),
+                        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 
 
 def stacked(boxed: Any) -> Any:
@@ -116,8 +137,9 @@ def _setup(stack: nn.Module, n: int, x, enc, mask, periods: Callable):
     chunk = n // (p * r)
     args = (c, stack.causal, stack.cross, stack.train)
 
+    x_init = x[0] if c.end_stages > 1 else x  # stage-owned ends: x leads with [stages]
     def init(rng):  # the scanned stack's params in layer order, stored in the pipeline's order
-        w = periods(c, n)(*args).init({"params": rng}, x, enc, mask)["params"]
+        w = periods(c, n)(*args).init({"params": rng}, x_init, enc, mask)["params"]
         return reorder(w, jax.tree.map(lambda _: True, w), order_key(None), order_key(pc))
 
     init = jax.jit(init)  # traced once for the specs' shapes and Flax's shape check of the stored params
@@ -162,7 +184,7 @@ def pipelined_loss(stack: nn.Module, n: int, x, head: Callable, head_params, tar
             stage, w, state, lambda hp, y, t: head(hp, y["x"], t), head_params, targets, num_microbatches=m,
             schedule=pc.schedule, repeats=pc.repeats, has_aux=True,
             aux_weights=aux_weights, x_spec=state_specs,
-            param_specs=param_specs)
+            param_specs=param_specs, owned_ends=stack.cfg.end_stages > 1)
         total = ce + sum(jnp.sum(aux[k]) * v for k, v in aux_weights.items() if k in aux)
         return (total / m, ce / m, jax.tree.map(lambda a: a / m, aux)), grads
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from . import layers
 from .layers import cross_entropy
-from .logical import DEFAULT_RULES, Rules, constrain, sequence_parallel
+from .logical import DEFAULT_RULES, LAST_STAGE, Rules, constrain, sequence_parallel
 from .moe import MoeConfig, MoeFFN
 from .pipelined import PipelineConfig, pipelined, pipelined_loss
 
@@ -56,6 +56,10 @@ class TransformerConfig:
     rules: Rules = DEFAULT_RULES  # logical axis -> mesh axes table
     sequence_parallel: bool = False  # the residual stream split along its positions over y (sharding.py)
     pipeline: Optional[PipelineConfig] = None  # periods split over the `stage` mesh axis (None: no pipeline)
+    # > 1: stage-owned ends (Megatron's layout, untied decoder LMs under 1F1B schedules): the embedding, final
+    # norm and unembedding lead with [end_stages], split over the stages; the first stage reads its slice of the
+    # embedding and the last its slice of the head, so their gradients never cross the stage axis
+    end_stages: int = 1
     aux_loss_weight: float = 0.01  # weight of the summed MoE aux (load-balancing) loss in the training loss
     z_loss_weight: float = 0.001  # weight of the summed router z-loss
 
@@ -88,6 +92,14 @@ def check(cfg: TransformerConfig, decoder_only: bool) -> None:
                          f"{REMAT_MODULES}, e.g. ('attention', 'moe')")
     if cfg.moe is not None and cfg.moe_every < 1:
         raise ValueError(f"TransformerConfig.moe_every={cfg.moe_every!r}; expected a positive int")
+    if cfg.end_stages > 1:
+        pc = cfg.pipeline
+        if not decoder_only or cfg.tie_embeddings or (pc is not None and (not pc.owns_backward or
+                                                                          pc.stages != cfg.end_stages)):
+            raise ValueError(f"TransformerConfig.end_stages={cfg.end_stages}: stage-owned ends need an untied "
+                             f"decoder-only LM (tie_embeddings={cfg.tie_embeddings}) and, with a pipeline, a "
+                             f"schedule that runs its own backward over as many stages (pipeline={pc}); set "
+                             f"end_stages=1 to keep the ends replicated over the stages")
     counts = [("num_layers", cfg.num_layers)]
     counts += [] if decoder_only else [("num_decoder_layers", cfg.num_decoder_layers)]
     for field, n in counts:
@@ -240,9 +252,12 @@ class DecoderLM(nn.Module):
         computed inside the pipeline: (tokens, targets[, weights]) -> (training loss, metrics)."""
         c, r, dt = self.cfg, self.cfg.rules, self.cfg.compute_dtype
         check(c, decoder_only=True)
-        embed = layers.Embed(c.vocab_size, c.d_model, r, dt, name="embed")
+        E = c.end_stages
+        embed = layers.Embed(c.vocab_size, c.d_model, r, dt, stages=E, name="embed")
         # over a context axis the sequence is held in zigzag order from here on: the logits too (loss_fn)
-        x = embed(constrain(layers.in_context_order(tokens_BL, r), ("batch", "length"), r))
+        tokens_BL = constrain(layers.in_context_order(tokens_BL, r), ("batch", "length"), r)
+        owned = E > 1 and c.pipeline is not None  # the pipeline's stage 0 reads its own slice of x
+        x = embed.per_stage(tokens_BL) if owned else embed(tokens_BL)
         L = tokens_BL.shape[1]
         if not c.rope:
             x = x + layers.sinusoid(L, c.d_model, layers.positions(L, r)).astype(dt)
@@ -250,13 +265,22 @@ class DecoderLM(nn.Module):
             order = lambda t: None if t is None else layers.in_context_order(t, r)
             return self._loss_in_pipeline(embed, x, order(targets_BL), order(weights_BL))
         x, metrics = Stack(c, c.num_layers, causal=True, cross=False, train=self.train, name="decoder")(x)
-        x = layers.norm(c.norm, "final_norm", dt)(x)
+        x = layers.norm(c.norm, "final_norm", dt, stages=E)(x)
+        x = x[-1] if E > 1 else x  # stage-owned ends outside a pipeline: the last stage's head
         if c.tie_embeddings:
             logits = embed.attend(x)
         else:
-            logits = jnp.einsum("BLD,DV->BLV", x, layers.weight(self, "unembed", (c.d_model, c.vocab_size),
-                                                                 ("embed", "vocab"), r, dt))
+            logits = jnp.einsum("BLD,DV->BLV", x, self._unembed()[-1] if E > 1 else self._unembed())
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"), r), _metrics(metrics)
+
+    def _unembed(self) -> jax.Array:
+        """The head's [D, V] weight, or [end_stages, D, V] owned by the last stage."""
+        c = self.cfg
+        if c.end_stages > 1:
+            return layers.weight(self, "unembed", (c.end_stages, c.d_model, c.vocab_size),
+                                 (LAST_STAGE, "embed", "vocab"), c.rules, c.compute_dtype, fan_in_axes=(1,))
+        return layers.weight(self, "unembed", (c.d_model, c.vocab_size), ("embed", "vocab"), c.rules,
+                             c.compute_dtype)
 
     def _loss_in_pipeline(self, embed, x_BLD, targets_BL, weights_BL):
         """The head and the loss run per microbatch at the last stage (the same params as __call__'s)."""
@@ -264,14 +288,13 @@ class DecoderLM(nn.Module):
         if targets_BL is None:
             raise ValueError(f"pipeline schedule {c.pipeline.schedule!r} computes the loss inside the pipeline: "
                              f"call the model with (tokens, targets[, weights]), as loss_fn does")
-        norm = layers.norm(c.norm, "final_norm", dt)
-        norm(x_BLD)  # makes its params at init; the value is not used
-        head_params = {"norm": norm.variables["params"]}
+        norm = layers.norm(c.norm, "final_norm", dt, stages=c.end_stages)
+        norm(jnp.zeros((1, 1, c.d_model), dt))  # makes its params at init; the value is not used
+        head_params = {"norm": norm.variables["params"]}  # stage-owned: each leaf leads with [stages]
         if c.tie_embeddings:
             head_params["embedding"] = embed.variables["params"]["embedding"]
         else:
-            head_params["unembed"] = layers.weight(self, "unembed", (c.d_model, c.vocab_size), ("embed", "vocab"),
-                                                   r, dt)
+            head_params["unembed"] = self._unembed()
 
         def head(hp, y_BLD, t):
             h = layers.norm(c.norm, "final_norm", dt).apply({"params": hp["norm"]}, y_BLD)

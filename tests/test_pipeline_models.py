@@ -245,3 +245,53 @@ def test_a_circular_schedule_reduces_its_input_gradient_once():
 @pytest.mark.slow
 def test_a_circular_schedule_reduces_its_input_gradient_once_compiled():
     _circular_input_gradient_case(run=True)
+
+
+def _owned_case(schedule, p, r, partitioned):
+    """The untied LM with stage-owned ends (end_stages = p) against gradient accumulation: the layer-ordered
+    params moved to the pipeline's storage (the ends stacked once per stage), and the gradients back."""
+    cfg = dataclasses.replace(_config(False), end_stages=p)
+    base = T.DecoderLM(_config(False))
+    batch = _batch()
+    params = base.init(jax.random.key(1), batch["inputs"])
+    m = 2 * p
+    pc = PipelineConfig(p, m, schedule, r)
+    owned = jax.eval_shape(T.DecoderLM(dataclasses.replace(cfg, pipeline=pc)).init, jax.random.key(0),
+                           batch["inputs"], batch["targets"])
+    flags, ends, src, dst = PM.stacked(params), PM.ends(owned), PM.order_key(None), PM.order_key(pc, p)
+    stored = PM.reorder(params, flags, src, dst, ends)
+    f = _pipelined_loss(cfg, pc)
+    mesh = gs.make_mesh({"stage": p, "data": 8 // p})
+    run = gs.partition(f, mesh) if partitioned else jax.jit(f)
+    loss, grads = run(stored, batch)
+    _assert_same((loss, PM.reorder(grads, flags, dst, src, ends)), _reference(base, params, batch, m))
+    for g, end in zip(jax.tree.leaves(grads), jax.tree.leaves(ends)):
+        if end:  # the gradient lives on its owner's slice alone
+            owner = 0 if end == "first" else p - 1
+            assert np.asarray(g).any() and not np.delete(np.asarray(g), owner, axis=0).any()
+    return f, mesh, stored, batch, (pc, cfg)
+
+
+@pytest.mark.parametrize("schedule,p,r", [("1f1b", 4, 1), pytest.param("interleaved_1f1b", 2, 2,
+                                                                       marks=pytest.mark.slow)])
+def test_stage_owned_ends_send_nothing_over_the_stages_but_the_loss(schedule, p, r):
+    """TransformerConfig.end_stages = p: the embedding, final norm and unembedding lead with [stages]; stage
+    0 reads its slice of the embedding and the last stage its slice of the head, and the gradients stay on
+    their owners. The loss and gradients are gradient accumulation's, and partitioned over {stage p, data
+    8/p} the all-reduces over `stage` carry the scalar loss and metrics, where replicated ends all-reduce
+    the embedding's input gradient [B, L, D] and the head's gradient there."""
+    f, mesh, stored, batch, (pc, cfg) = _owned_case(schedule, p, r, partitioned=True)
+
+    def over_stage(report):
+        return sum(c.payload * c.runs * row.trips for row in report.rows for c in row.collectives
+                   if c.kind == "all-reduce" and "stage" in c.axes)
+
+    owned = gs.explain(f, mesh, stored, batch)
+    base = _config(False)
+    plain = T.DecoderLM(base).init(jax.random.key(1), batch["inputs"])
+    replicated = gs.explain(_pipelined_loss(base, pc), mesh, PM.reorder(plain, PM.stacked(plain), PM.order_key(None),
+                                                                       PM.order_key(pc)), batch)
+    head_and_input = 4 * (base.d_model * base.vocab_size + B * L * base.d_model // (8 // p))
+    assert over_stage(replicated) >= head_and_input, (over_stage(replicated), over_stage(owned))
+    assert over_stage(owned) <= 64  # scalars: the loss and the MoE metrics
+    assert_report_matches_hlo(owned, hlo_stats(gs.partition(f, mesh), stored, batch))
