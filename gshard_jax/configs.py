@@ -99,6 +99,10 @@ class ScheduleConfig:
     with the stage count it becomes the model's PipelineConfig (pipeline_config)."""
     schedule: str = "gpipe"  # "gpipe", "circular", "1f1b" or "interleaved_1f1b" (gshard_jax/pipelines/schedules.py)
     repeats: int = 1  # layer chunks per stage for "circular" and "interleaved_1f1b" (bubble / repeats)
+    # "1f1b" and "interleaved_1f1b" on an untied decoder LM: the first stage owns the embedding and the last the
+    # final norm and unembedding (Megatron's layout), so their gradients never cross the stage axis; False keeps
+    # them replicated over the stages, their gradients all-reduced over it (docs/pipeline.md)
+    owned_ends: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +192,8 @@ def moe_section(num_experts: int = 0, d_ff: int = 0, activation: str = "relu", k
 
 def model_section(kind: str, moe: ConfigDict, **kw: Any) -> ConfigDict:
     """model: architecture ("decoder_lm" or "encoder_decoder") and sizes; see TransformerConfig's fields."""
-    base = {f.name: f.default for f in dataclasses.fields(TransformerConfig) if f.name not in ("moe", "pipeline")}
+    base = {f.name: f.default for f in dataclasses.fields(TransformerConfig)
+            if f.name not in ("moe", "pipeline", "end_stages")}  # the pipeline section decides the last two
     sec = ConfigDict(dict(kind=kind, **base))
     sec.update(kw)
     sec.moe = moe
@@ -343,13 +348,26 @@ def typed(cfg: Config | ConfigDict) -> Config:
     return Config(model=model_config(cfg.model), mesh_order=cfg.get("mesh_order", ""), **parts)
 
 
-def build_model(model: ModelConfig | ConfigDict, train: bool = False, pipeline: Optional[PipelineConfig] = None):
-    """The Flax module a config's model section describes (its stacks pipelined when `pipeline` is given)."""
+def build_model(model: ModelConfig | ConfigDict, train: bool = False, pipeline: Optional[PipelineConfig] = None,
+                end_stages: int = 1):
+    """The Flax module a config's model section describes (its stacks pipelined when `pipeline` is given, its
+    ends owned by the end stages when end_stages > 1: end_stages_of)."""
     model = model_config(model)
     cfg = model.transformer
     if pipeline is not None:  # the stage axis splits the scanned stack's stacked params
         cfg = dataclasses.replace(cfg, scan=True)
-    return KINDS[model.kind](dataclasses.replace(cfg, pipeline=pipeline), train=train)
+    return KINDS[model.kind](dataclasses.replace(cfg, pipeline=pipeline, end_stages=end_stages), train=train)
+
+
+def end_stages_of(cfg: Config | ConfigDict, pipeline: Optional[PipelineConfig]) -> int:
+    """The stage count of the model's stage-owned ends: the pipeline's stages where pipeline.owned_ends holds
+    and the model allows it (an untied decoder LM under a schedule that runs its own backward), else 1."""
+    owned = cfg.pipeline.owned_ends if isinstance(cfg, Config) else cfg.pipeline.get("owned_ends", True)
+    model = model_config(cfg.model)
+    if (pipeline is None or not owned or not pipeline.owns_backward or model.kind != "decoder_lm"
+            or model.transformer.tie_embeddings):
+        return 1
+    return pipeline.stages
 
 
 def pipeline_config(cfg: Config | ConfigDict, stages: int) -> Optional[PipelineConfig]:

@@ -163,7 +163,7 @@ def test_the_sections_defaults_are_their_dataclasses():
     assert configs.typed(configs.gpt(2, 128, 2)).train == configs.dataclasses.replace(
         configs.TrainConfig(), batch_size=256, seq_len=2048, warmup_steps=2500)
     assert dict(configs.mesh_defaults()) == configs.MeshConfig().sizes()
-    assert configs.pipeline_defaults().to_dict() == {"schedule": "gpipe", "repeats": 1}
+    assert configs.pipeline_defaults().to_dict() == {"schedule": "gpipe", "repeats": 1, "owned_ends": True}
 
 
 def test_the_typed_config_names_an_unknown_field():

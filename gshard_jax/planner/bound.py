@@ -109,10 +109,11 @@ def _floor(shape: ModelShape, s: dict, hw: Hardware, remats, zero_stages, m: int
         act_sp = act / y
         own = sched in ("1f1b", "interleaved_1f1b")
         total += t("collective-permute", ("stage",), act_sp, facts.rolls)
-        total += t("all-reduce", ("stage",), act_sp * m * (4 / b if own else 1), 1)
-        head = shape.vocab * shape.d_model / (y * x) * 4
-        total += min(t("all-reduce", ("stage",), head / (d if zero else 1), 1) for zero in zero_stages) if own \
-            else t("all-reduce", ("stage",), act_sp * m, 1)
+        if not (own and shape.owned_ends):  # stage-owned ends send nothing over stage (estimate.collectives)
+            total += t("all-reduce", ("stage",), act_sp * m * (4 / b if own else 1), 1)
+            head = shape.vocab * shape.d_model / (y * x) * 4
+            total += min(t("all-reduce", ("stage",), head / (d if zero else 1), 1) for zero in zero_stages) if own \
+                else t("all-reduce", ("stage",), act_sp * m, 1)
     lightest = SP.Candidate(tuple((a, n) for a, n in s.items() if n > 1), remat=min(remats, key=E.recompute))
     compute = E.compute_time(shape, lightest, hw, devices)
     return (compute / (1 - frac) if frac < 1 else math.inf) + total

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import gshard_jax as gs
 
-from ..models.logical import Rules, axes_of, mesh_spec
+from ..models.logical import FIRST_STAGE, LAST_STAGE, Rules, axes_of, mesh_spec
 
 ZERO_STAGES = (0, 1, 2, 3)
 STORAGE_AXES = ("z",)  # weights are stored split over these and gathered where used (FSDP)
@@ -72,6 +72,7 @@ class Layout:
     zero_stage: int
     zero_axes: dict  # parameter path -> the ZeRO axes it was given (for the docs and reports)
     stacked: Any = None  # per parameter, whether its leading dim is a scanned stack's layers (bools)
+    ends: Any = None  # per parameter, the end stage owning it ("first", "last"; "" for the others)
 
     @property
     def gradients(self) -> Any:
@@ -87,7 +88,7 @@ def layout(logical: Any, shapes: Any, rules: Rules, mesh: Mapping[str, int], zer
                          f"optimizer state, 1: sharded moments, 2: and gradients, 3: and parameters)")
     mesh = {a: s for a, s in mesh.items() if s > 1}
     names = tuple(mesh)
-    compute, stored, optimizer, given, stacked = [], [], [], {}, []
+    compute, stored, optimizer, given, stacked, ends = [], [], [], {}, [], []
     flat, tree = jax.tree_util.tree_flatten_with_path(logical, is_leaf=_is_spec)
     shape_leaves = jax.tree_util.tree_leaves(shapes)
     if len(shape_leaves) != len(flat):
@@ -98,6 +99,8 @@ def layout(logical: Any, shapes: Any, rules: Rules, mesh: Mapping[str, int], zer
         c = mesh_spec(spec, rules, names)
         avoid = [d for d, n in enumerate(spec) if n == LAYERS]
         stacked.append(bool(spec) and spec[0] == LAYERS)
+        ends.append({FIRST_STAGE: "first", LAST_STAGE: "last"}.get(spec[0], "") if spec else "")
+        avoid += [0] if ends[-1] else []  # an end's stage dim holds one slice per stage: no ZeRO axes on it
         s = add_axes(c, leaf.shape, STORAGE_AXES, mesh, avoid)
         zero = ["data"] + (["expert"] if epso else [])
         o = add_axes(s, leaf.shape, zero, mesh, avoid) if zero_stage >= 1 else s
@@ -111,7 +114,7 @@ def layout(logical: Any, shapes: Any, rules: Rules, mesh: Mapping[str, int], zer
 
     def un(leaves):
         return jax.tree_util.tree_unflatten(tree, leaves)
-    return Layout(un(compute), un(stored), un(optimizer), zero_stage, given, un(stacked))
+    return Layout(un(compute), un(stored), un(optimizer), zero_stage, given, un(stacked), un(ends))
 
 
 def of_model(model: nn.Module, example: tuple, mesh: Mapping[str, int], zero_stage: int = 0,

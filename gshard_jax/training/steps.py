@@ -58,7 +58,7 @@ def init_state(key: jax.Array, *, c: StepConfig) -> dict:
     """A fresh state: params (in the stack's storage order), optimizer state (with master weights when
     c.master; in host memory when offloaded), step 0."""
     params = nn.unbox(c.init_model.init(key, *configs.example_tokens(c.kind, 1, c.train.seq_len)))
-    params = pipelined.reorder(params, c.layout.stacked, pipelined.order_key(None), c.layer_order)
+    params = pipelined.reorder(params, c.layout.stacked, pipelined.order_key(None), c.layer_order, c.layout.ends)
     opt_state = c.opt.init(params)
     if c.master:
         opt_state = {"master": params, "adam": opt_state}

@@ -135,13 +135,18 @@ class Trainer:
         if self.mesh is None:
             self.mesh = mesh_for(cfg)
         self.pipeline = configs.pipeline_config(cfg, dict(self.mesh.shape).get("stage", 1))
-        self.model = configs.build_model(cfg.model, train=True, pipeline=self.pipeline)
-        self.eval_model = configs.build_model(cfg.model, train=False, pipeline=self.pipeline)
-        # The same params with or without a pipeline: init and the layout read the unpipelined model.
+        ends = self.end_stages = configs.end_stages_of(cfg, self.pipeline)
+        self.model = configs.build_model(cfg.model, train=True, pipeline=self.pipeline, end_stages=ends)
+        self.eval_model = configs.build_model(cfg.model, train=False, pipeline=self.pipeline, end_stages=ends)
+        # The same params with or without a pipeline: init reads the unpipelined model (its ends then stacked
+        # once per stage where the end stages own them), the layout the unpipelined model with those ends.
         self.init_model = configs.build_model(cfg.model, train=True, pipeline=self.pipeline)
         self.init_model = self.init_model.clone(cfg=dataclasses.replace(self.init_model.cfg, pipeline=None))
-        # A stack whose chunks repeat over the stages is stored in the order the stages run it.
-        self.layer_order = pipelined.order_key(self.pipeline)
+        layout_model = self.init_model.clone(cfg=dataclasses.replace(self.init_model.cfg, end_stages=ends))
+        # A stack whose chunks repeat over the stages is stored in the order the stages run it; stage-owned
+        # ends lead with [stages]. Checkpoints hold the stack in that order and each end as its owner's slice.
+        self.layer_order = pipelined.order_key(self.pipeline, ends)
+        self.saved_order = pipelined.order_key(self.pipeline)
         self.opt = optim.optimizer(t)
         self.schedule = optim.schedule(t)
         self.length = data.window_length(cfg.model.kind, t.seq_len)
@@ -156,7 +161,7 @@ class Trainer:
                              f"divide by the {shards} batch shards of mesh {dict(self.mesh.shape)}, and the "
                              f"batch by the {jax.process_count()} processes")
         example = configs.example_inputs(cfg.model, 1, t.seq_len)
-        self.layout, self.param_shapes = state_layout.of_model(self.init_model, example, dict(self.mesh.shape),
+        self.layout, self.param_shapes = state_layout.of_model(layout_model, example, dict(self.mesh.shape),
                                                           t.zero_stage, t.epso)
         # bf16 models keep bf16 params (forward, backward and gradient collectives in bf16) and float32
         # master weights beside AdamW's moments in the optimizer state (seed 001's 16 bytes per parameter);
@@ -236,34 +241,44 @@ class Trainer:
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v, (t.batch_size,) + v.shape[1:])
                 for k, v in rows.items()}
 
-    def from_checkpoint(self, tree: dict, saved: dict) -> dict:
-        """A restored state (or {"params": ...}) re-laid from the layer order its checkpoint recorded to this
-        run's (a circular pipeline's stack moving to another stage or repeat count, or to none)."""
-        src = saved.get("layer_order", pipelined.order_key(None))
-        if src == self.layer_order:
-            return tree
-        flags = self.layout.stacked
+    def _relay(self, tree: dict, src: dict, dst: dict) -> dict:
+        """A state (or {"params": ...}) with its stack and ends moved from storage order src to dst."""
+        flags, ends = self.layout.stacked, self.layout.ends
 
         def move(params_like):
-            return pipelined.reorder(params_like, flags, src, self.layer_order)
+            return pipelined.reorder(params_like, flags, src, dst, ends)
 
         def move_opt(opt_state):
             return optax.tree_utils.tree_map_params(
-                self.opt, lambda leaf, flag: pipelined.reorder(leaf, flag, src, self.layer_order), opt_state, flags,
-                transform_non_params=lambda x: x)
+                self.opt, lambda leaf, flag, end: pipelined.reorder(leaf, flag, src, dst, end), opt_state, flags,
+                ends, transform_non_params=lambda x: x)
 
-        def relay(tree):
-            out = dict(tree, params=move(tree["params"]))
-            if "opt_state" in tree:
-                o = tree["opt_state"]
-                out["opt_state"] = {"master": move(o["master"]), "adam": move_opt(o["adam"])} if self.master \
-                    else move_opt(o)
-            return out
+        out = dict(tree, params=move(tree["params"]))
+        if "opt_state" in tree:
+            o = tree["opt_state"]
+            out["opt_state"] = {"master": move(o["master"]), "adam": move_opt(o["adam"])} if self.master \
+                else move_opt(o)
+        return out
+
+    def from_checkpoint(self, tree: dict, saved: dict) -> dict:
+        """A restored state (or {"params": ...}) re-laid from the layer order its checkpoint recorded to this
+        run's (a circular pipeline's stack moving to another stage or repeat count, or to none; the ends, saved
+        as their owners' slices, stacked once per stage where this run's end stages own them)."""
+        src = saved.get("layer_order", pipelined.order_key(None))
+        if src == self.layer_order:
+            return tree
         specs = self.state_specs if "opt_state" in tree else {"params": self.layout.stored}
         shardings = jax.tree.map(lambda s: s if isinstance(s, NamedSharding) else NamedSharding(self.mesh, s), specs,
                                  is_leaf=lambda x: isinstance(x, (P, NamedSharding)))
         log.info("checkpoint layer order %s re-laid to %s", src, self.layer_order)
-        return jax.jit(relay, out_shardings=shardings)(tree)
+        return jax.jit(lambda t: self._relay(t, src, self.layer_order), out_shardings=shardings)(tree)
+
+    def to_checkpoint(self, tree: dict) -> dict:
+        """The state (or {"params": ...}) as checkpoints hold it: each stage-owned end as its owner's slice, so
+        a checkpoint's shapes do not depend on the stage count (the rest is the state's own arrays)."""
+        if self.end_stages == 1:
+            return tree
+        return self._relay(tree, self.layer_order, self.saved_order)  # the stack's order is the same in both
 
     def fresh_state(self) -> dict:
         return self.init_fn(jax.random.key(self.cfg.train.seed))
@@ -339,10 +354,10 @@ def train(cfg: configs.Config | ml_collections.ConfigDict, workdir: str, progres
     tokens = prepare_data(cfg, workdir)
     ckpt = Checkpoints(workdir, t.checkpoint_every, t.model_checkpoint_every, async_save=t.async_checkpoints,
                        replica_parallel=t.checkpoint_replica_parallel, single_read=t.checkpoint_single_read,
-                       metadata={"layer_order": trainer.layer_order})
+                       metadata={"layer_order": trainer.saved_order})
     state = trainer.fresh_state()
     read = checkpoints.bytes_read()
-    restored = ckpt.restore_latest(state, adapt=trainer.from_checkpoint)
+    restored = ckpt.restore_latest(trainer.to_checkpoint(state), adapt=trainer.from_checkpoint)
     start = 0
     if restored is not None:
         start, state = restored
@@ -372,10 +387,10 @@ def train(cfg: configs.Config | ml_collections.ConfigDict, workdir: str, progres
             else:
                 settler.defer(step, m)
             with clock.waiting("checkpoint_s"):
-                ckpt.save(step, state, force=step == t.num_steps)
+                ckpt.save(step, trainer.to_checkpoint(state), force=step == t.num_steps)
             if step < t.num_steps and node_faults.preempted(step):
                 settler.flush(state["params"])
-                ckpt.save_now(step, state)
+                ckpt.save_now(step, trainer.to_checkpoint(state))
                 raise Preempted(step)
         settler.flush(state["params"])
     finally:
@@ -398,7 +413,8 @@ def evaluate(cfg: configs.Config | ml_collections.ConfigDict, workdir: str) -> d
     tokens = prepare_data(cfg, workdir)
     ckpt = Checkpoints(workdir, cfg.train.checkpoint_every, cfg.train.model_checkpoint_every, async_save=False,
                        single_read=cfg.train.checkpoint_single_read)
-    restored = ckpt.restore_params(trainer.fresh_state()["params"], adapt=trainer.from_checkpoint)
+    restored = ckpt.restore_params(trainer.to_checkpoint(trainer.fresh_state())["params"],
+                                   adapt=trainer.from_checkpoint)
     ckpt.close()
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints or {workdir}/model_checkpoints; train first")
