@@ -603,3 +603,35 @@ def test_pruning_keeps_the_exhaustive_ranking_and_costs_few_candidates():
     everything = len(exhaustive.screened) + exhaustive.rejection_counts().get("over memory", 0)
     assert costed * 10 < everything, (costed, everything)
     assert f"{pruned.pruned} meshes and {pruned.pruned_groups} option groups not costed" in str(pruned)
+
+
+def test_the_shared_abstract_state_is_stacked_for_a_candidate_whose_end_stages_own_the_ends():
+    """The planner shares one abstract state across candidates, each stage-owned end held once; a 1F1B
+    candidate's explain stacks the ends per stage as its trainer does, and plans as with its own state."""
+    cfg = _config("tiny_dense_lm")
+    c = SP.Candidate((("stage", 4), ("data", 2)), zero_stage=0, microbatches=8, schedule="1f1b")
+    shared = PR.abstract_state(cfg, c)
+    assert shared["params"]["params"]["unembed"].shape == (cfg.model.d_model, cfg.model.vocab_size)
+    given, own = PR.explain(cfg, c, CPU, state=shared), PR.explain(cfg, c, CPU)
+    assert [(v.name, v.shape) for v in given.inputs] == [(v.name, v.shape) for v in own.inputs]
+    assert any(v.shape == (4, cfg.model.d_model, cfg.model.vocab_size) for v in given.inputs)
+    assert sum(cm.moved for cm in PR.comms(given)) == sum(cm.moved for cm in PR.comms(own))
+
+
+def test_a_pinned_pipelined_mesh_reports_its_fastest_planned_schedule():
+    """The formula may misjudge one schedule against another, so a pinned mesh's best variant of each
+    schedule is planned too: what it reports is the fastest the partitioner planned, no slower than its best
+    variant by formula planned alone."""
+    from gshard_jax.planner import search
+    cfg = _config("tiny_dense_lm")
+    cfg.model.num_layers = 4
+    a = plan(cfg, 8, CPU, top=1, verify=1, remats=("none",), pin=[{"stage": 2, "data": 4}])
+    (sizes, rank, r, _), = a.pinned
+    by_formula = a.screened[rank - 1]
+    others = search._best_per_schedule(a.screened, by_formula.candidate.sizes)
+    assert others and {o.candidate.schedule for o in others}.isdisjoint({by_formula.candidate.schedule})
+    rejected = []
+    planned = search._verify(cfg, a.shape, [by_formula], 1, CPU, a.memory_budget, rejected)[0]
+    assert len(planned) == 1, rejected
+    alone = planned[0]
+    assert r.estimate.source == "partitioner" and r.estimate.step <= alone.estimate.step * (1 + 1e-9)

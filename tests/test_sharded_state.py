@@ -235,9 +235,10 @@ def test_a_circular_pipeline_checkpoint_resumes_on_other_stage_and_repeat_counts
     got, state = run(first, data=data[:2])
     trainer = plain if target is None else make(dict(stage=target[0], data=8 // target[0]), pipeline=piped, **kw)
     assert first.layer_order != trainer.layer_order
-    ckpt = Checkpoints(str(tmp_path), 1, 100, async_save=False, metadata={"layer_order": first.layer_order})
-    ckpt.save(2, state, force=True)
-    step, state = ckpt.restore_latest(trainer.fresh_state(), adapt=trainer.from_checkpoint)
+    # as train() does: each stage-owned end saved as its owner's slice, the stack in its stored order
+    ckpt = Checkpoints(str(tmp_path), 1, 100, async_save=False, metadata={"layer_order": first.saved_order})
+    ckpt.save(2, first.to_checkpoint(state), force=True)
+    step, state = ckpt.restore_latest(trainer.to_checkpoint(trainer.fresh_state()), adapt=trainer.from_checkpoint)
     ckpt.close()
     rest, _ = run(trainer, state=state, data=data[step:])
     np.testing.assert_allclose(got + rest, want, rtol=1e-5)

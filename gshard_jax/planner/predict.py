@@ -60,7 +60,8 @@ def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware, trace_pe
 
     By default the per-device program is walked, not traced (gs.explain's trace_per_device=False): the
     same report, without the cost of tracing it. state: the abstract train state, when known (its shapes
-    depend on the model alone, not on the mesh or the training options: `abstract_state`)."""
+    depend on the model alone, not on the mesh or the training options, but for stage-owned ends, which are
+    stacked here: `abstract_state`)."""
     import gshard_jax as gs
 
     from ..models import dropless
@@ -72,6 +73,8 @@ def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware, trace_pe
     trainer = Trainer(run, "", mesh=abstract_mesh(c))
     if state is None:
         state = jax.eval_shape(trainer.init_state, jax.random.key(0))
+    elif trainer.end_stages > 1:  # the shared state holds each end once: stacked per stage where they own it
+        state = jax.eval_shape(lambda s: trainer._relay(s, trainer.saved_order, trainer.layer_order), state)
     state = trainer.in_memory(state)
     batch = abstract_batch(run)
     # decided on the profile the run itself gets on hw's platform, so the plan's choices are the run's; the
@@ -85,22 +88,28 @@ def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware, trace_pe
 
 
 def abstract_state(cfg: ml_collections.ConfigDict, c: Candidate) -> Any:
-    """The train state's shapes and dtypes (ShapeDtypeStructs) for cfg, shared by every candidate: nothing else,
+    """The train state's shapes and dtypes (ShapeDtypeStructs) for cfg, shared by every candidate (each
+    stage-owned end once): nothing else,
     so an offloaded candidate's host memory (part of an aval from JAX 0.11) does not reach the others."""
     from ..training.train import Trainer
-    state = jax.eval_shape(Trainer(apply(cfg, c), "", mesh=abstract_mesh(c)).init_state, jax.random.key(0))
+    trainer = Trainer(apply(cfg, c), "", mesh=abstract_mesh(c))
+    # each stage-owned end once, as a checkpoint holds it (explain stacks it where a candidate's stages own it)
+    state = jax.eval_shape(lambda key: trainer.to_checkpoint(trainer.init_state(key)), jax.random.key(0))
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type), state)
 
 
-_STATES: dict = {}  # the abstract train state and ModelShape per platform, of one model config (this process's)
+_STATES: dict = {}  # the abstract train state and ModelShape per platform, of one model config, its stack scanned
+# or not (this process's)
 
 
 def prepare(cfg: ml_collections.ConfigDict, c: Candidate = Candidate(()), state: Any = None) -> tuple:
     """(cfg's abstract train state, its ModelShapes by platform), made once per process and model config (or
     given: `state`, as another process made it). A worker makes it while the screen runs, and hands it over."""
-    key = cfg.model.to_json() + cfg.train.to_json()
+    model = cfg.model.to_json() + cfg.train.to_json()
+    key = (model, bool(cfg.model.scan or c.size("stage") > 1))  # a pipeline scans its stack whatever model.scan says
     if key not in _STATES:
-        _STATES.clear()
+        if any(k[0] != model for k in _STATES):
+            _STATES.clear()
         _STATES[key] = (state if state is not None else abstract_state(cfg, c)), {}
     return _STATES[key]
 

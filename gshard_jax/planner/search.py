@@ -307,6 +307,8 @@ def _plan(cfg, devices, hardware, memory_gb, top, count, remats, zero_stages, co
     families = kept_meshes(shape, devices, hardware) if count else []
     kept = [best for sizes in families + pinned
             if (best := next((r for r in screened if r.candidate.sizes == sizes), None)) is not None]
+    # a pinned mesh's best variant of each schedule too: the formula may misjudge one schedule against another
+    kept += [r for sizes in pinned for r in _best_per_schedule(screened, sizes)]
     kept = [r for i, r in enumerate(kept) if r not in kept[:i]]
     ranked, also = _verify(cfg, shape, screened, count, hardware, budget, rejected, workers, kept)
     tried = {id(r) for r in kept}
@@ -490,8 +492,10 @@ def _pinned(cfg, out: Plan, sizes: dict, hw: Hardware, budget: float, planned: S
         raise ValueError(f"pinned mesh {sizes}: expected sizes of {SP.AXES} multiplying to {out.devices} devices")
     for i, r in enumerate(out.screened, 1):
         if r.candidate.sizes == full:
+            # the fastest planned variant of the mesh: its best by formula, or another schedule's (_plan)
             same = [x for x in (*out.ranked, *planned) if x.candidate.sizes == full and
-                    _options(x.candidate) == _options(r.candidate)]
+                    (_options(x.candidate) == _options(r.candidate) or
+                     x.candidate.schedule != r.candidate.schedule)]
             done = sorted(same, key=lambda x: x.estimate.step)[:1]  # the better twin, as _verify keeps
             keys = {t.key for t in twins(r.candidate)}
             if done or id(r) in tried:
@@ -508,6 +512,17 @@ def _pinned(cfg, out: Plan, sizes: dict, hw: Hardware, budget: float, planned: S
     name = ".".join(f"{a}{full[a]}" for a in SP.AXES if full[a] > 1)
     reasons = sorted({kind for c, kind, _ in out.rejections if _name(c).split()[0] == name})
     return dict(sizes), None, None, [f"no variant runs: rejected for {', '.join(reasons) or 'no reason found'}"]
+
+
+def _best_per_schedule(screened: Sequence, sizes: dict) -> list:
+    """The screened candidates of mesh `sizes` best by formula for each schedule but the overall best's."""
+    seen, out = set(), []
+    for r in screened:
+        if r.candidate.sizes == sizes and r.candidate.schedule not in seen:
+            if seen:
+                out.append(r)
+            seen.add(r.candidate.schedule)
+    return out
 
 
 def _options(c: SP.Candidate) -> SP.Candidate:
