@@ -382,7 +382,7 @@ def test_a_flax_block_with_an_optax_loss_pipelines_like_xla(schedule):
     assert flops(ours) <= 1.05 * flops(xla)
 
 
-@pytest.mark.parametrize("schedule,r", [("1f1b", 1), ("interleaved_1f1b", 2)])
+@pytest.mark.parametrize("schedule,r", [("1f1b", 1), pytest.param("interleaved_1f1b", 2, marks=pytest.mark.slow)])
 def test_owned_ends_keep_the_input_and_head_gradients_on_their_stages(schedule, r):
     """owned_ends: x and the loss params lead with [stages]; stage 0 reads its slice of x and the last stage
     its slice of the head. The loss and the layers' gradients are the replicated ends' (the unpipelined

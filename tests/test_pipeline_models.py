@@ -272,8 +272,10 @@ def _owned_case(schedule, p, r, partitioned):
     return f, mesh, stored, batch, (pc, cfg)
 
 
-@pytest.mark.parametrize("schedule,p,r", [("1f1b", 4, 1), pytest.param("interleaved_1f1b", 2, 2,
-                                                                       marks=pytest.mark.slow)])
+# slow (30 s): the default suite checks the same through the trainer's planned step
+# (test_planner.py::test_what_crosses_stages_once_a_step) and the pipeline alone (test_pipeline.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,p,r", [("1f1b", 4, 1), ("interleaved_1f1b", 2, 2)])
 def test_stage_owned_ends_send_nothing_over_the_stages_but_the_loss(schedule, p, r):
     """TransformerConfig.end_stages = p: the embedding, final norm and unembedding lead with [stages]; stage
     0 reads its slice of the embedding and the last stage its slice of the head, and the gradients stay on
