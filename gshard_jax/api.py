@@ -110,6 +110,13 @@ def _placed(profile: Optional[Hardware], mesh) -> Hardware:
     return (profile or default_for(platform_of(mesh))).placed(mesh.shape)
 
 
+def _fingerprint(x) -> Any:
+    """What S.placement reads of a leaf: a concrete array's sharding, rank and commitment (None otherwise)."""
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return None
+    return x.sharding, x.ndim, getattr(x, "committed", True)
+
+
 def _placements(fn: Callable, mesh: Mesh, args, kwargs) -> tuple:
     names = S.leaf_names(fn, args, kwargs)
     leaves = jax.tree_util.tree_leaves((args, kwargs))
@@ -129,11 +136,18 @@ class Partitioned:
         self._in, self._out, self._profile = in_shardings, out_shardings, profile
         self._collective_matmul = collective_matmul
         self._jits: dict = {}
+        self._keys: dict = {}  # the arguments' structure and shardings -> their placements (_jit)
         functools.update_wrapper(self, fn)
 
     def _jit(self, args, kwargs):
         SRC.check_context(self._mesh)
-        key = _placements(self._fn, self._mesh, args, kwargs)
+        # The placements, read once per structure and shardings of the arguments: a train step's state has
+        # hundreds of leaves, and naming each again on every call cost milliseconds a step.
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        seen = (tree, tuple(_fingerprint(x) for x in leaves))
+        key = self._keys.get(seen)
+        if key is None:
+            key = self._keys[seen] = _placements(self._fn, self._mesh, args, kwargs)
         if key not in self._jits:
             self._jits[key] = jax.jit(_build(self._fn, self._mesh, self._in, self._out, self._profile, None, key,
                                              self._collective_matmul, self._given), donate_argnums=self._donate)

@@ -271,3 +271,23 @@ def test_donated_arguments_become_the_outputs_buffers(rng, backend):
     assert_close(got[0], want[0]) and assert_close(got[1], want[1])
     with pytest.raises(ValueError, match=r"donate_argnums='state'.*non-negative int"):
         gs.partition(f, mesh, donate_argnums="state")
+
+
+def test_a_call_reads_the_arguments_placements_once_per_structure_and_sharding(rng, monkeypatch):
+    """Partitioned reads where each argument is committed (one spec per leaf, named for errors) once per
+    structure and shardings of its arguments, not on every call: a train step's state has hundreds of leaves.
+    A new sharding is read again, and plans again."""
+    from gshard_jax import api
+    calls = []
+    read = api._placements
+    monkeypatch.setattr(api, "_placements", lambda *a: calls.append(1) or read(*a))
+    mesh = gs.make_mesh({"data": 2, "model": 4})
+    f = gs.partition(lambda w, x: jnp.tanh(x @ w), mesh)
+    w, x = randn(rng, 32, 32), randn(rng, 16, 32)
+    by_model = jax.device_put(w, jax.sharding.NamedSharding(mesh, P(None, "model")))
+    for _ in range(3):
+        assert_close(f(by_model, x), jnp.tanh(x @ w))
+    assert len(calls) == 1
+    by_data = jax.device_put(w, jax.sharding.NamedSharding(mesh, P("data", None)))
+    assert_close(f(by_data, x), jnp.tanh(x @ w))
+    assert len(calls) == 2 and len(f._jits) == 2
