@@ -190,10 +190,14 @@ def moe_section(num_experts: int = 0, d_ff: int = 0, activation: str = "relu", k
     return sec
 
 
+# TransformerConfig fields the model section does not hold: moe is its own subsection, and the run decides the
+# pipeline and the ends' stages (build_model, from the mesh and the pipeline section)
+NOT_IN_SECTION = ("moe", "pipeline", "end_stages")
+
+
 def model_section(kind: str, moe: ConfigDict, **kw: Any) -> ConfigDict:
     """model: architecture ("decoder_lm" or "encoder_decoder") and sizes; see TransformerConfig's fields."""
-    base = {f.name: f.default for f in dataclasses.fields(TransformerConfig)
-            if f.name not in ("moe", "pipeline", "end_stages")}  # the pipeline section decides the last two
+    base = {f.name: f.default for f in dataclasses.fields(TransformerConfig) if f.name not in NOT_IN_SECTION}
     sec = ConfigDict(dict(kind=kind, **base))
     sec.update(kw)
     sec.moe = moe
@@ -277,7 +281,7 @@ class ModelConfig:
         """The section as a ConfigDict holds it: kind, TransformerConfig's fields, moe flat (model_section)."""
         out = {"kind": self.kind}
         out.update({f.name: getattr(self.transformer, f.name) for f in dataclasses.fields(TransformerConfig)
-                    if f.name not in ("moe", "pipeline")})
+                    if f.name not in NOT_IN_SECTION})
         moe = {f.name: getattr(self.moe, f.name) for f in dataclasses.fields(MoeConfig) if f.name != "gating"}
         moe.update(dataclasses.asdict(self.moe.gating))
         return dict(out, moe=moe)
