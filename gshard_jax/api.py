@@ -114,7 +114,7 @@ def _fingerprint(x) -> Any:
     """What S.placement reads of a leaf: a concrete array's sharding, rank and commitment (None otherwise)."""
     if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
         return None
-    return x.sharding, x.ndim, getattr(x, "committed", True)
+    return x.sharding, x.ndim, getattr(x, "committed", False)
 
 
 def _placements(fn: Callable, mesh: Mesh, args, kwargs) -> tuple:

@@ -41,8 +41,9 @@ def norm(kind: str, name: str, dtype, remat: bool = False, stages: int = 1) -> n
     scale = nn.with_logical_partitioning(nn.initializers.ones, ("embed",))
     wrap = nn.remat if remat else (lambda cls: cls)  # remat: recomputed in the backward pass, not stored
     if stages > 1:
-        wrap = lambda cls: nn.vmap(cls, variable_axes={"params": 0}, split_rngs={"params": False}, in_axes=None,
-                                   axis_size=stages, metadata_params={nn.PARTITION_NAME: LAST_STAGE})
+        base = wrap
+        wrap = lambda cls: nn.vmap(base(cls), variable_axes={"params": 0}, split_rngs={"params": False},
+                                   in_axes=None, axis_size=stages, metadata_params={nn.PARTITION_NAME: LAST_STAGE})
     if kind == "rmsnorm":
         return wrap(nn.RMSNorm)(epsilon=1e-6, dtype=dtype, param_dtype=jnp.float32, scale_init=scale, name=name)
     if kind == "layernorm":

@@ -51,8 +51,7 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
     ids = run.stage_ids
     params_rp = stacked(params, r, p, ax, param_specs)
     if owned_ends:
-        x = shard_leading(x, (ax,), x_spec, ax)
-        loss_params = shard_leading(loss_params, (ax,), None, ax)
+        x = shard_leading(x, (ax,), x_spec, ax)  # loss_params keep their own layout (the vmap splits dim 0)
         xs = jax.vmap(lambda a: microbatches(a, m))(x)  # [p, B/m, m, ...]
         one_x = jax.tree.map(lambda a: (p,) + one_shape(a[0]), xs)
     else:

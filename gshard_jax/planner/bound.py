@@ -109,7 +109,9 @@ def _floor(shape: ModelShape, s: dict, hw: Hardware, remats, zero_stages, m: int
         act_sp = act / y
         own = sched in ("1f1b", "interleaved_1f1b")
         total += t("collective-permute", ("stage",), act_sp, facts.rolls)
-        if not (own and shape.owned_ends):  # stage-owned ends send nothing over stage (estimate.collectives)
+        # stage-owned ends send nothing over stage (estimate.collectives, which still counts an offloaded
+        # candidate's replicated ends: the floor leaves them out for every candidate, so it stays a floor)
+        if not (own and shape.owned_ends):
             total += t("all-reduce", ("stage",), act_sp * m * (4 / b if own else 1), 1)
             head = shape.vocab * shape.d_model / (y * x) * 4
             total += min(t("all-reduce", ("stage",), head / (d if zero else 1), 1) for zero in zero_stages) if own \

@@ -492,11 +492,10 @@ def _pinned(cfg, out: Plan, sizes: dict, hw: Hardware, budget: float, planned: S
         raise ValueError(f"pinned mesh {sizes}: expected sizes of {SP.AXES} multiplying to {out.devices} devices")
     for i, r in enumerate(out.screened, 1):
         if r.candidate.sizes == full:
-            # the fastest planned variant of the mesh: its best by formula, or another schedule's (_plan)
-            same = [x for x in (*out.ranked, *planned) if x.candidate.sizes == full and
-                    (_options(x.candidate) == _options(r.candidate) or
-                     x.candidate.schedule != r.candidate.schedule)]
-            done = sorted(same, key=lambda x: x.estimate.step)[:1]  # the better twin, as _verify keeps
+            # the fastest variant of the mesh the partitioner planned: its best by formula (the better twin, as
+            # _verify keeps), another schedule's best (_plan), or one planned for another reason
+            same = [x for x in (*out.ranked, *planned) if x.candidate.sizes == full]
+            done = sorted(same, key=lambda x: x.estimate.step)[:1]
             keys = {t.key for t in twins(r.candidate)}
             if done or id(r) in tried:
                 reasons = [] if done else [reason for c, _, reason in out.rejections

@@ -387,7 +387,8 @@ def train(cfg: configs.Config | ml_collections.ConfigDict, workdir: str, progres
             else:
                 settler.defer(step, m)
             with clock.waiting("checkpoint_s"):
-                ckpt.save(step, trainer.to_checkpoint(state), force=step == t.num_steps)
+                if ckpt.should_save(step) or step == t.num_steps:  # the ends' owner slices only when written
+                    ckpt.save(step, trainer.to_checkpoint(state), force=step == t.num_steps)
             if step < t.num_steps and node_faults.preempted(step):
                 settler.flush(state["params"])
                 ckpt.save_now(step, trainer.to_checkpoint(state))
@@ -413,7 +414,7 @@ def evaluate(cfg: configs.Config | ml_collections.ConfigDict, workdir: str) -> d
     tokens = prepare_data(cfg, workdir)
     ckpt = Checkpoints(workdir, cfg.train.checkpoint_every, cfg.train.model_checkpoint_every, async_save=False,
                        single_read=cfg.train.checkpoint_single_read)
-    restored = ckpt.restore_params(trainer.to_checkpoint(trainer.fresh_state())["params"],
+    restored = ckpt.restore_params(trainer.to_checkpoint({"params": trainer.fresh_state()["params"]})["params"],
                                    adapt=trainer.from_checkpoint)
     ckpt.close()
     if restored is None:
