@@ -71,7 +71,12 @@ def sequence_parallel(rules: Rules) -> tuple[tuple[str, MeshAxes], ...]:
 # The leading dim of a pipeline's stage-owned ends (TransformerConfig.end_stages): the embedding's owner is the
 # first stage, the final norm's and unembedding's the last. Split over the stages as the stacked layers are.
 FIRST_STAGE, LAST_STAGE = "first_stage", "last_stage"
-END_OWNERS = {FIRST_STAGE: "first", LAST_STAGE: "last"}  # a stage-owned end's leading logical name -> its owner
+
+
+def end_owner(spec) -> str:
+    """The end stage owning a param with these logical axes: "first", "last", or "" (not a stage-owned end)."""
+    return {FIRST_STAGE: "first", LAST_STAGE: "last"}.get(spec[0], "") if spec else ""
+
 
 # A logical name a table may lack, and the entry that stands in for it (tables written before `seq` existed, or
 # the stage-owned ends).

@@ -31,7 +31,7 @@ import numpy as np
 import gshard_jax as gs
 from gshard_jax.pipelines import schedules as S
 
-from .logical import END_OWNERS, FIRST_STAGE, LAST_STAGE, mesh_spec
+from .logical import FIRST_STAGE, LAST_STAGE, end_owner, mesh_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +102,7 @@ def reorder(tree: Any, stacked: Any, src: dict, dst: dict, ends: Any = None) -> 
 def ends(boxed: Any) -> Any:
     """Per leaf of a param tree with logical axes, which end stage owns it: "first" (the embedding), "last"
     (the final norm and unembedding), or "" (not a stage-owned end)."""
-    return jax.tree.map(lambda spec: END_OWNERS.get(spec[0], "") if spec else "", nn.get_partition_spec(boxed),
+    return jax.tree.map(end_owner, nn.get_partition_spec(boxed),
                         is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 
 

@@ -124,14 +124,13 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
         i = 0
         while i < len(eqns):
             placed = eqns[i].compute_type
-            if placed and not self.dry and not self._placed_region:
+            if placed and _plain(eqns[i]) and not self.dry and not self._placed_region:
                 j = i + 1
                 while j < len(eqns) and eqns[j].compute_type == placed and _plain(eqns[j]):
                     j += 1
-                if _plain(eqns[i]):
-                    self._placed_run(eqns[i:j], env, placed)
-                    i = j
-                    continue
+                self._placed_run(eqns[i:j], env, placed)
+                i = j
+                continue
             self._run_eqn(eqns[i], env)
             i += 1
 

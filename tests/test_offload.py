@@ -159,3 +159,37 @@ def test_the_offloaded_update_is_one_host_region_as_under_xlas_partitioner():
     moves = {k: len(re.findall(r"custom_call @annotate_device_placement\(", v)) for k, v in text.items()}
     assert regions["gshard"] == regions["xla"] == (1 if jax_compat._COMPUTE_ON_TAKES_SPACES else 0), regions
     assert moves["gshard"] <= moves["xla"], moves
+
+
+@pytest.mark.newest_jax  # compute_on's documented form changed in JAX 0.11
+def test_a_host_function_as_jaxs_docs_write_it_partitions_as_under_xlas_partitioner():
+    """jax.experimental.compute_on("device_host") on a jitted function, as each release documents it (a
+    transformation from JAX 0.11, a context before), inputs moved by jax.device_put to pinned_host and the
+    batch annotated by with_sharding_constraint on a jax.make_mesh mesh: equal to jax.jit's result, with as
+    many host regions as XLA's partitioner makes, no more moves and no collective."""
+    from jax.experimental.compute_on import compute_on
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import gshard_jax as gs
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    host = NamedSharding(mesh, P("data"), memory_kind="pinned_host")
+    update = jax.jit(lambda a, b: jax.numpy.tanh(a) * 0.9 + b * b)
+
+    def f(m, g):
+        m = jax.lax.with_sharding_constraint(m, NamedSharding(mesh, P("data")))
+        mh, gh = jax.device_put(m, host), jax.device_put(g * 2, host)
+        if jax_compat._COMPUTE_ON_TAKES_SPACES:
+            y = compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(update)(mh, gh)
+        else:
+            with compute_on("device_host"):
+                y = update(mh, gh)
+        return jax.device_put(y, NamedSharding(mesh, P("data")))
+
+    x = np.arange(64 * 16, dtype=np.float32).reshape(64, 16) / 100
+    ours, xla = gs.partition(f, mesh), gs.partition(f, mesh, backend="xla")
+    np.testing.assert_allclose(ours(x, x), jax.jit(f)(x, x), rtol=1e-6)
+    text = {k: fn.lower(x, x).as_text() for k, fn in (("ours", ours), ("xla", xla))}
+    regions = {k: len(re.findall(r"call @compute_on\w*\(", v)) for k, v in text.items()}
+    moves = {k: len(re.findall(r"custom_call @annotate_device_placement\(", v)) for k, v in text.items()}
+    assert regions["ours"] == regions["xla"] and moves["ours"] <= moves["xla"], (regions, moves)
+    assert not re.findall(r"all-reduce|all-gather|collective-permute|all-to-all", ours.lower(x, x).compile().as_text())

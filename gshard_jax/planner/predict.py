@@ -74,7 +74,7 @@ def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware, trace_pe
     if state is None:
         state = jax.eval_shape(trainer.init_state, jax.random.key(0))
     elif trainer.end_stages > 1:  # the shared state holds each end once: stacked per stage where they own it
-        state = jax.eval_shape(lambda s: trainer._relay(s, trainer.saved_order, trainer.layer_order), state)
+        state = jax.eval_shape(lambda s: trainer.relay(s, trainer.saved_order, trainer.layer_order), state)
     state = trainer.in_memory(state)
     batch = abstract_batch(run)
     # decided on the profile the run itself gets on hw's platform, so the plan's choices are the run's; the

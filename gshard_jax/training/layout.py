@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import gshard_jax as gs
 
-from ..models.logical import END_OWNERS, Rules, axes_of, mesh_spec
+from ..models.logical import Rules, axes_of, end_owner, mesh_spec
 
 ZERO_STAGES = (0, 1, 2, 3)
 STORAGE_AXES = ("z",)  # weights are stored split over these and gathered where used (FSDP)
@@ -99,7 +99,7 @@ def layout(logical: Any, shapes: Any, rules: Rules, mesh: Mapping[str, int], zer
         c = mesh_spec(spec, rules, names)
         avoid = [d for d, n in enumerate(spec) if n == LAYERS]
         stacked.append(bool(spec) and spec[0] == LAYERS)
-        ends.append(END_OWNERS.get(spec[0], "") if spec else "")
+        ends.append(end_owner(spec))
         avoid += [0] if ends[-1] else []  # an end's stage dim holds one slice per stage: no ZeRO axes on it
         s = add_axes(c, leaf.shape, STORAGE_AXES, mesh, avoid)
         zero = ["data"] + (["expert"] if epso else [])

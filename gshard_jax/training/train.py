@@ -241,7 +241,7 @@ class Trainer:
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v, (t.batch_size,) + v.shape[1:])
                 for k, v in rows.items()}
 
-    def _relay(self, tree: dict, src: dict, dst: dict) -> dict:
+    def relay(self, tree: dict, src: dict, dst: dict) -> dict:
         """A state (or {"params": ...}) with its stack and ends moved from storage order src to dst."""
         flags, ends = self.layout.stacked, self.layout.ends
 
@@ -271,14 +271,14 @@ class Trainer:
         shardings = jax.tree.map(lambda s: s if isinstance(s, NamedSharding) else NamedSharding(self.mesh, s), specs,
                                  is_leaf=lambda x: isinstance(x, (P, NamedSharding)))
         log.info("checkpoint layer order %s re-laid to %s", src, self.layer_order)
-        return jax.jit(lambda t: self._relay(t, src, self.layer_order), out_shardings=shardings)(tree)
+        return jax.jit(lambda t: self.relay(t, src, self.layer_order), out_shardings=shardings)(tree)
 
     def to_checkpoint(self, tree: dict) -> dict:
         """The state (or {"params": ...}) as checkpoints hold it: each stage-owned end as its owner's slice, so
         a checkpoint's shapes do not depend on the stage count (the rest is the state's own arrays)."""
         if self.end_stages == 1:
             return tree
-        return self._relay(tree, self.layer_order, self.saved_order)  # the stack's order is the same in both
+        return self.relay(tree, self.layer_order, self.saved_order)  # the stack's order is the same in both
 
     def fresh_state(self) -> dict:
         return self.init_fn(jax.random.key(self.cfg.train.seed))
