@@ -635,3 +635,15 @@ def test_a_pinned_pipelined_mesh_reports_its_fastest_planned_schedule():
     assert len(planned) == 1, rejected
     alone = planned[0]
     assert r.estimate.source == "partitioner" and r.estimate.step <= alone.estimate.step * (1 + 1e-9)
+
+
+def test_stage_owned_ends_hold_as_many_bytes_a_device_as_replicated_ends():
+    """docs/pipeline.md: an owned end leads with [stages] split over `stage`, so each device holds one slice,
+    as many bytes as a replicated copy: the 1F1B step's argument bytes are the same either way."""
+    c = SP.Candidate((("stage", 4), ("data", 2)), zero_stage=1, microbatches=8, schedule="1f1b")
+    held = {}
+    for owned in (True, False):
+        cfg = _config("tiny_dense_lm")
+        cfg.pipeline.owned_ends = owned
+        held[owned] = PR.explain(cfg, c, CPU).argument_bytes()
+    assert held[True]["total"] == held[False]["total"] > 0, held
