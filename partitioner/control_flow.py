@@ -83,7 +83,7 @@ def _scan_lower(lo, eqn, env, log):
 
     def step(carry, x):
         outs = lo._body(body, env, ins[:nc] + list(zip(carry, carry_sh)) + list(zip(x, x_sh)),
-                        carry_sh + y_sh, log, "scan", length)
+                        carry_sh + y_sh, log, "scan", length, outer=(eqn.invars, eqn.outvars))
         return tuple(outs[:nk]), tuple(outs[nk:])
 
     carry, ys = lo.scan(step, tuple(a for a, _ in ins[nc:]), tuple(xs), length, eqn.params["reverse"],

@@ -61,9 +61,14 @@ class Regions:
     # ------------------------------------------------------------------ bodies
     def _body(self, program: Program, env, inputs: Sequence[tuple[Any, Sharding]], targets: Sequence[Sharding],
               log: list, name: str, trips: int, keep: Sequence[int] = (),
-              prologue: Optional[Callable[[], list]] = None) -> list:
+              prologue: Optional[Callable[[], list]] = None, outer: Optional[tuple[Sequence, Sequence]] = None) -> list:
         """Run a body on local inputs (each in the given sharding, resharded to the plan; those at `keep` stay as
-        given); results in targets, then whatever `prologue` (run first, inside the body) returns."""
+        given); results in targets, then whatever `prologue` (run first, inside the body) returns. outer: the
+        operands and results the body's inputs and outputs stand for, one to one (a scan's), for the report."""
+        if outer is not None and self.report is not None:
+            ins, outs = self.report.links
+            ins.update((id(b), id(o)) for b, o in zip(program.invars, outer[0]) if isinstance(o, Value))
+            outs.update((id(o), id(b)) for b, o in zip(program.outvars, outer[1]) if isinstance(b, Value))
         saved = (self._cache, self._resharded, self._prefix, self._trips)
         self._cache, self._prefix, self._trips = dict(self._cache), f"{self._prefix}{name}/", self._trips * trips
         self._resharded = {v: set(d) for v, d in self._resharded.items()}

@@ -12,7 +12,10 @@ order, and every collective is exposed.
 This module list-schedules a report's rows (each with the values it reads and writes, and which of its
 collectives run before its compute and which wait for its result) region by region: a loop body is one
 region, run once per trip; its loop row is a barrier in the region around it that takes the body's span
-times its trips. A collective's exposed time is the part of its span in which the compute stream is idle.
+times its trips. A scan body that runs once per call of the region around it is no region of its own: XLA
+inlines a loop of one trip (WhileLoopSimplifier), so its rows join the region around it, reading the values
+their inputs stand for (the report's `links`). A collective's exposed time is the part of its span in
+which the compute stream is idle.
 Nothing is assumed of the hardware but the durations the caller gives.
 """
 from __future__ import annotations
@@ -144,19 +147,24 @@ def _list_schedule(nodes: list[_Node], t0: float, overlaps: bool) -> float:
     return end
 
 
-def analyse(rows: Sequence, comm_time: Callable, compute_time: Callable, overlaps: bool) -> list[Overlap]:
+def analyse(rows: Sequence, comm_time: Callable, compute_time: Callable, overlaps: bool,
+            links: tuple[dict, dict] = ({}, {})) -> list[Overlap]:
     """Per row, its collectives' time and exposed time per call of its region (see the module docstring).
 
     rows: report rows in program order (`reads`, `writes`, `issue`, `collectives`, `trips`, `calls`,
-    `primitive`). comm_time(collective) and compute_time(row): seconds, as the caller's machine takes them."""
+    `primitive`). comm_time(collective) and compute_time(row): seconds, as the caller's machine takes them.
+    links: (a body's input -> the value it stands for, a loop's result -> the body's value it stands for),
+    by value id, for the bodies that join the region around them."""
     out = [Overlap() for _ in rows]
     comms: list[list[_Node]] = [[] for _ in rows]
     computes: list[Optional[_Node]] = [None] * len(rows)
     regions: list[_Region] = []  # every region, to read its compute spans afterwards
-    stack: list[tuple[str, _Region]] = [("", _Region(1))]
+    stack: list[tuple[str, _Region, bool]] = [("", _Region(1), False)]  # (key, region, joined to the one around)
 
     def close() -> None:
-        _, done = stack.pop()
+        _, done, joined = stack.pop()
+        if joined:
+            return
         span = done.schedule(overlaps)
         stack[-1][1].pending += span * (done.calls or 1)  # seconds a step: the next loop row's
         regions.append(done)
@@ -167,14 +175,18 @@ def analyse(rows: Sequence, comm_time: Callable, compute_time: Callable, overlap
             close()
         while key != stack[-1][0]:  # into a body (and the bodies around it, whose rows come later)
             inner = key[len(stack[-1][0]):].split("/")[0] + "/"
-            stack.append((stack[-1][0] + inner, _Region(None)))
+            around = stack[-1][1]
+            if stack[-1][0] + inner == key and inner == "scan/" and around.calls == calls:  # one trip a call
+                stack.append((key, around, True))
+            else:
+                stack.append((stack[-1][0] + inner, _Region(None), False))
         g = stack[-1][1]
         g.calls = g.calls or calls
         per_call = r.trips / max(calls, 1)  # a ring's row stands for n - 1 permutes a call
         loop, g.pending = g.pending / max(calls, 1), 0.0
         if loop:
             g.barrier()
-        prev = [g.last.get(v) for v in getattr(r, "reads", ())]
+        prev = _deps(g, r, links)
         issue = len(r.collectives) if getattr(r, "issue", None) is None else r.issue
         for c in r.collectives[:issue]:
             node = g.add(i, COMM, comm_time(c) * per_call, prev)
@@ -209,6 +221,25 @@ def analyse(rows: Sequence, comm_time: Callable, compute_time: Callable, overlap
                 if s > o.hidden_by_it:
                     o.behind, o.hidden_by_it = row, s
     return out
+
+
+def _deps(g: _Region, r, links: tuple[dict, dict]) -> list:
+    """The nodes row r waits for in region g: the makers of the values it reads (or of the values they stand
+    for, a joined body's inputs), and of the values those it writes stand for (a joined body's input waits
+    for its operand, a loop's result for the body's)."""
+    ins, outs = links
+    deps = []
+    for v in getattr(r, "reads", ()):
+        n = g.last.get(v)
+        while n is None and v in ins:
+            v = ins[v]
+            n = g.last.get(v)
+        deps.append(n)
+    for w in getattr(r, "writes", ()):
+        for t in (ins.get(w), outs.get(w)):
+            if t is not None:
+                deps.append(g.last.get(t))
+    return deps
 
 
 def _hidden(spans: list, start: float, end: float) -> dict[int, float]:

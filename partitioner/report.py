@@ -153,6 +153,9 @@ class Report:
     kind_of: Callable[[str], str] = _argument  # groups inputs into kinds for memory (default: the argument)
     compiled_memory: Optional[dict] = None  # XLA's memory_analysis() of the compiled program (attach_compiled)
     pipelines: list[dict] = dataclasses.field(default_factory=list)  # gs.pipeline schedules traced (Schedule.summary)
+    # For overlap.py, by value id: a scan body's input -> the operand it stands for, and a scan's result -> the
+    # body's value it stands for (a body run once a call is inlined into the code around it)
+    links: tuple[dict, dict] = dataclasses.field(default_factory=lambda: ({}, {}))
     _overlap: Optional[list] = dataclasses.field(default=None, repr=False, compare=False)  # overlap() at the profile
 
     def argument_bytes(self, host: bool = False) -> dict:
@@ -242,7 +245,7 @@ class Report:
             return self._overlap
         got = OV.analyse(self.rows, comm_time or (lambda c: c.time(self.profile)),
                          compute_time or (lambda r: r.compute_time),
-                         self.profile.overlap if overlaps is None else overlaps)
+                         self.profile.overlap if overlaps is None else overlaps, self.links)
         if comm_time is None and compute_time is None and overlaps is None:
             self._overlap = got
         return got

@@ -75,6 +75,32 @@ def test_a_loop_is_a_barrier_and_takes_its_bodys_span():
     assert timing[0].exposed == pytest.approx(1.0)
 
 
+def test_a_body_of_one_trip_a_call_joins_the_region_around_it():
+    """XLA inlines a loop of one trip: the body's collective runs beside compute outside it, and the body's
+    ops wait for the operands their inputs stand for (links), not for the region's start."""
+    links = ({"x_in": "a"}, {"c": "y_body"})
+    body = [_row("scan/dot", 2, ("x_in",), ("y_body",), after=[AR]), _row("scan", 0, ("a",), ("c",))]
+    rows = [_row("dot", 1, (), ("a",))] + body + [_row("dot", 3, (), ("b",)), _row("add", 1, ("c", "b"), ("d",))]
+    timing = OV.analyse(rows, lambda c: 1.0, lambda r: r.compute_time, True, links)
+    assert timing[1].exposed == pytest.approx(0.0)  # hidden behind the independent dot
+    assert OV.exposed_per_step(timing) == pytest.approx(0.0)
+    twice = list(rows)
+    twice[1] = _row("scan/dot", 2, ("x_in",), ("y_body",), after=[AR], trips=2)  # two trips a call: a region
+    assert OV.analyse(twice, lambda c: 1.0, lambda r: r.compute_time, True, links)[1].exposed == pytest.approx(1.0)
+
+
+def test_the_body_waits_for_its_operands_maker():
+    """A joined body's op reads its input, which stands for an operand an earlier op makes: it starts after
+    that op, so a collective before it is not hidden by the maker."""
+    links = ({"x_in": "a"}, {})
+    rows = [_row("dot", 3, (), ("a",)), _row("scan/dot", 1, ("x_in",), ("y",), before=[AR]),
+            _row("scan", 0, ("a",), ("c",))]
+    timing = OV.analyse(rows, lambda c: 1.0, lambda r: r.compute_time, True, links)
+    assert timing[1].exposed == pytest.approx(1.0)
+    unlinked = OV.analyse(rows, lambda c: 1.0, lambda r: r.compute_time, True)  # as if it read nothing made
+    assert unlinked[1].exposed == pytest.approx(0.0)
+
+
 @pytest.mark.parametrize("prim,body", [("scan/checkpoint/dot_general", "scan/"), ("ring/dot_general", ""),
                                        ("while.body/scan/add", "while.body/scan/"), ("dot_general", "")])
 def test_regions(prim, body):
@@ -129,3 +155,32 @@ def test_the_full_table_says_what_hides_each_collective():
     assert "exposed" in text and "behind dot_general at" in text
     cpu = gs.explain(fn, gs.make_mesh({"data": 2, "model": 4}), *args, in_shardings=ins).table()
     assert "behind" not in cpu  # the CPU profile hides nothing: no per-row line
+
+
+def _one_trip_scan(length):
+    """A row-parallel matmul (its all-reduce[model]) in a scan of `length` trips, beside an independent matmul."""
+    def f(x, w, v):
+        def body(c, _):
+            return c, jnp.tanh(c @ w)
+        _, y = jax.lax.scan(body, x, None, length=length)
+        return jnp.sum(y[-1]) + jnp.sum(jnp.tanh(v @ v))
+    r = np.random.default_rng(0)
+    args = [jnp.asarray(r.standard_normal(s), jnp.float32) for s in ((64, 512), (512, 256), (512, 512))]
+    return f, args, (P("data", "model"), P("model", None), P())
+
+
+def test_a_scan_of_one_trip_is_inlined_and_its_collective_overlaps_the_code_around_it():
+    """XLA compiles a scan of one trip without a loop, so its all-reduce may run beside the independent matmul
+    after it; with two trips the loop stands between them and the all-reduce is exposed."""
+    mesh = gs.make_mesh({"data": 2, "model": 4})
+    exposed = {}
+    for length in (1, 2):
+        f, args, ins = _one_trip_scan(length)
+        report = gs.explain(f, mesh, *args, in_shardings=ins, profile=GPU_LIKE)
+        rows = [(r, o) for r, o in zip(report.rows, report.overlap())
+                if r.primitive.startswith("scan/") and any(c.kind == "all-reduce" for c in r.collectives)]
+        assert rows, [r.primitive for r in report.rows]
+        exposed[length] = sum(o.exposed for _, o in rows) / sum(o.comm for _, o in rows)
+        hlo = gs.partition(f, mesh, in_shardings=ins).lower(*args).compile().as_text()
+        assert (" while(" in hlo) == (length > 1)  # the compiled program has a loop only for two trips
+    assert exposed[1] < 0.1 and exposed[2] > 0.9, exposed
