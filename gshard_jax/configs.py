@@ -80,6 +80,9 @@ class TrainConfig:
     microbatches: int = 1  # gradient accumulation: the batch split into this many microbatches, one update
     # AdamW's moments (and bf16's f32 master weights) in pinned_host memory between steps
     offload_optimizer: bool = False
+    # with offload_optimizer: a step's update applies the previous step's gradients, so the host's update runs
+    # beside the device's forward and backward (ZeRO-Offload's delayed parameter update; one step stale)
+    delayed_update: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

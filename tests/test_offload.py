@@ -5,12 +5,15 @@ import re
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 from test_sharded_state import batches, make
 
+import gshard_jax as gs
 from gshard_jax.partitioner import jax_compat
-from gshard_jax.training import train
+from gshard_jax.training import checkpoints, steps, train
 
 ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
 
@@ -86,6 +89,103 @@ def test_the_device_argument_bytes_drop_by_the_optimizers_share(dtype):
     assert "host transfers: to host" in str(r1) and '"host_transfers_per_step"' in r1.to_json()
 
 
+def test_the_delayed_update_applies_each_steps_gradients_a_step_later():
+    """train.delayed_update: step t's device computes its gradients at params P_t while the host applies
+    step t - 1's, P_(t+1) = U(P_t, g_(t-1)), ZeRO-Offload's delayed parameter update. Checked against the
+    on-device optimizer applied to gradients computed by hand one step apart."""
+    base, late = make("d8"), make("d8", offload_optimizer=True, delayed_update=True)
+    data = [jax.device_put(b, base.batch_sharding) for b in batches(base, 4)]
+    grads_of = gs.partition(lambda p, b, s: steps.gradients(p, b, s, c=base.step_config)[::2], base.mesh,
+                            in_shardings=(base.layout.stored, base.batch_spec, P()))
+    apply = base.partitioned("update")
+    ref, waiting, want = base.init_fn(jax.random.key(0)), None, []
+    for t, b in enumerate(data, 1):
+        loss, g = grads_of(ref["params"], b, jnp.int32(t))
+        want.append(float(loss))
+        if waiting is not None:
+            ref = apply(ref, waiting)
+        waiting = g
+    state, losses = late.init_fn(jax.random.key(0)), []
+    for b in data:
+        state, m = late.step_fn(state, b)
+        losses.append(float(m["loss"]))
+    assert losses == pytest.approx(want, rel=1e-6)
+    for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(ref["params"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-8)
+    pending = state["opt_state"]["pending"]  # the last step's gradients wait on the host for the next
+    assert kinds(state["opt_state"]) == {"pinned_host"} and bool(pending["ok"])
+    for a, b in zip(jax.tree.leaves(pending["grads"]), jax.tree.leaves(waiting)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-8)
+
+
+def test_the_delayed_update_does_not_wait_for_the_devices_gradients():
+    """What the host applies in a step reads nothing the device computes in it: from the same state, two
+    different batches give the same params, master weights and moments (only what waits differs), so
+    nothing in the program orders the host's update after the device's forward and backward."""
+    t = make("d8", offload_optimizer=True, delayed_update=True)
+    data = [jax.device_put(b, t.batch_sharding) for b in batches(t, 4)]
+    state, _ = t.step_fn(t.init_fn(jax.random.key(0)), data[0])
+    state, _ = t.step_fn(state, data[1])  # (the first update's learning rate is 0: warmup)
+    copy = jax.tree.map(lambda x: x.copy(), state)  # the step donates its state
+    before = [np.asarray(x) for x in jax.tree.leaves(state["params"])]
+    one, _ = t.step_fn(state, data[2])
+    two, _ = t.step_fn(copy, data[3])
+    for a, b in zip(jax.tree.leaves((one["params"], one["opt_state"]["master"], one["opt_state"]["adam"])),
+                    jax.tree.leaves((two["params"], two["opt_state"]["master"], two["opt_state"]["adam"]))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert any(not np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(one["params"]), before))
+    # (the update did apply the first step's gradients)
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
+               zip(jax.tree.leaves(one["opt_state"]["pending"]["grads"]),
+                   jax.tree.leaves(two["opt_state"]["pending"]["grads"])))
+
+
+def test_the_delayed_update_moves_what_the_update_moves_and_holds_the_waiting_gradients_on_the_host():
+    """The same host transfers a step as the update without delay; the host holds the waiting gradients
+    (this device's optimizer slice, in the params' dtype) beside the master weights and moments."""
+    reports = {}
+    for delayed in (False, True):
+        t = make("d8", dense=True, zero_stage=1, offload_optimizer=True, delayed_update=delayed)
+        state = t.init_fn(jax.random.key(0))
+        reports[delayed] = t.explain(state, jax.device_put(batches(t, 1)[0], t.batch_sharding), compile=False)
+    params = sum(x.size for x in jax.tree.leaves(t.param_shapes))
+    now, late = reports[False], reports[True]
+    assert late.host_transfers()["to_device"] == now.host_transfers()["to_device"]
+    assert 0 <= late.host_transfers()["to_host"] - now.host_transfers()["to_host"] <= 8  # the norm and ok flag
+    host = late.memory["predicted_host"]["optimizer"] - now.memory["predicted_host"]["optimizer"]
+    assert host == pytest.approx(4 * params / 8 + 5, rel=1e-3)  # float32 grads' slices, the norm, the flag
+
+
+def test_a_resumed_delayed_run_applies_the_gradients_its_checkpoint_kept(tmp_path):
+    """The waiting gradients are part of the state a checkpoint holds: a run restored after step 2 applies
+    step 2's gradients at step 3 and goes on to the uninterrupted run's losses."""
+    t = make("d8", offload_optimizer=True, delayed_update=True)
+    data = [jax.device_put(b, t.batch_sharding) for b in batches(t, 4)]
+    state, want = t.init_fn(jax.random.key(0)), []
+    for b in data:
+        state, m = t.step_fn(state, b)
+        want.append(float(m["loss"]))
+    state = t.init_fn(jax.random.key(0))
+    for b in data[:2]:
+        state, _ = t.step_fn(state, b)
+    saved = checkpoints.Checkpoints(str(tmp_path), 1, 1000, async_save=False)
+    saved.save(2, state, force=True)
+    saved.wait()
+    step, state = saved.restore_latest(t.init_fn(jax.random.key(1)))
+    assert step == 2 and bool(state["opt_state"]["pending"]["ok"])
+    assert kinds(state["opt_state"]) == {"pinned_host"}
+    got = []
+    for b in data[2:]:
+        state, m = t.step_fn(state, b)
+        got.append(float(m["loss"]))
+    assert got == pytest.approx(want[2:], rel=1e-6)
+
+
+def test_a_delayed_update_without_offload_says_how_to_set_it():
+    with pytest.raises(ValueError, match="train.offload_optimizer is False: set --config.train.offload_optimizer"):
+        make("d8", delayed_update=True)
+
+
 def test_a_skipped_step_leaves_the_offloaded_state_as_it_was():
     """nan_policy="skip" drops a non-finite step's update on both sides: the params on the device and the
     master weights and moments on the host stay as they were; only the step count moves."""
@@ -101,8 +201,9 @@ def test_a_skipped_step_leaves_the_offloaded_state_as_it_was():
         np.testing.assert_array_equal(np.asarray(a), b)
 
 
-def test_xlas_partitioner_runs_the_offloaded_step_too():
-    t = make("d8", offload_optimizer=True)
+@pytest.mark.parametrize("delayed", [False, True])
+def test_xlas_partitioner_runs_the_offloaded_step_too(delayed):
+    t = make("d8", offload_optimizer=True, delayed_update=delayed)
     state = t.init_fn(jax.random.key(0))
     b = jax.device_put(batches(t, 1)[0], t.batch_sharding)
     xla = t.partitioned("train", backend="xla")

@@ -48,6 +48,7 @@ class StepConfig:
     shards: int  # the batch's shards: non-finite rows are counted per shard
     master: bool  # float32 master weights in the opt state: a low-precision model's, or an offloaded update's
     offload: bool  # train.offload_optimizer: the optimizer state in host memory, updated there (host_update)
+    delayed: bool = False  # train.delayed_update: the update applies the previous step's gradients (delayed_step)
 
     @property
     def compute_dtype(self) -> Any:
@@ -63,9 +64,17 @@ def init_state(key: jax.Array, *, c: StepConfig) -> dict:
     if c.master:
         opt_state = {"master": params, "adam": opt_state}
         params = jax.tree.map(lambda p: p.astype(c.compute_dtype), params)
+    if c.delayed:
+        opt_state["pending"] = no_pending(params)
     if c.offload:
         opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
     return {"params": params, "opt_state": opt_state, "step": jnp.zeros([], jnp.int32)}
+
+
+def no_pending(params: Any) -> dict:
+    """The delayed update's gradients waiting on the host before the first step: zeros, not to be applied."""
+    return {"grads": jax.tree.map(jnp.zeros_like, params), "norm": jnp.zeros([], jnp.float32),
+            "ok": jnp.zeros([], jnp.bool_)}
 
 
 def gradients(params: Any, batch: dict, step: jax.Array, *, c: StepConfig
@@ -134,11 +143,23 @@ def host_update(state: dict, grads: Any, grad_norm: jax.Array, ok: Optional[jax.
     params' dtype (2 bytes a parameter for bf16), the host's cores update the float32 master weights and
     moments where they live, and the new params come up in their dtype; clipping takes the norm the device
     computed. Under nan_policy="skip" an update whose `ok` is false is dropped on both sides."""
+    return _apply_on_host(state, *jax.device_put((_flat(_low(grads, state, c), c.layout.optimizer), grad_norm, ok),
+                                                 jax.memory.Space.Host), c=c)
+
+
+def _low(grads: Any, state: dict, c: StepConfig) -> Any:
+    """Float32 gradients as this device's slice (the optimizer's layout) in the params' dtype: what goes down."""
+    dtypes = jax.tree.map(lambda p: p.dtype, state["params"])
+    return jax.tree.map(lambda g, d: g.astype(d), state_layout.constrain(grads, c.layout.optimizer), dtypes)
+
+
+def _apply_on_host(state: dict, g_low: Any, norm: jax.Array, ok: Optional[jax.Array], *, c: StepConfig) -> dict:
+    """The host's update with gradients already in host memory, in the params' dtype (flat or in their shapes):
+    the master weights and moments updated there, the new params brought up to the device."""
     lo = c.layout
     dtypes = jax.tree.map(lambda p: p.dtype, state["params"])
     shapes = jax.tree.map(lambda p: p.shape, state["params"])
-    low = jax.tree.map(lambda g, d: g.astype(d), state_layout.constrain(grads, lo.optimizer), dtypes)
-    moved = jax.device_put((_flat(low, lo.optimizer), grad_norm, ok), jax.memory.Space.Host)
+    held = {k: state["opt_state"][k] for k in ("master", "adam")}
 
     def update(opt_state, g, norm, ok):
         master, inner = opt_state["master"], opt_state["adam"]
@@ -149,13 +170,26 @@ def host_update(state: dict, grads: Any, grad_norm: jax.Array, ok: Optional[jax.
             new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, opt_state)
         return new, _flat(jax.tree.map(lambda m, d: m.astype(d), new["master"], dtypes), lo.optimizer)
 
-    opt_state, params = jax_compat.on_host(update, state["opt_state"], *moved)
+    opt_state, params = jax_compat.on_host(update, held, g_low, norm, ok)
     opt_state = jax.device_put(opt_state, jax.memory.Space.Host)  # step counts: scalars XLA may keep on the device
     params = jax.tree.map(lambda x, shape: x.reshape(shape), jax.device_put(params, jax.memory.Space.Device), shapes)
     params = state_layout.constrain(params, lo.stored)
     if ok is not None:
         params = jax.tree.map(lambda a, b: jnp.where(ok, a, b), params, state["params"])
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
+
+
+def delayed_step(state: dict, grads: Any, grad_norm: jax.Array, ok: jax.Array, *, c: StepConfig) -> dict:
+    """ZeRO-Offload's delayed parameter update: the host applies the gradients the previous step left
+    waiting in host memory (none before the first step) while the device computes this step's, which go down
+    to wait for the next. The device's params are one update behind the gradients it computes, and the
+    host's work depends on nothing the device computes this step, so the two may run at once. `ok`: whether
+    this step's gradients may be applied (nan_policy="skip" drops them when not finite)."""
+    pending = state["opt_state"]["pending"]
+    new = _apply_on_host(state, pending["grads"], pending["norm"], pending["ok"], c=c)
+    waiting = {"grads": _low(grads, state, c), "norm": grad_norm, "ok": ok}
+    new["opt_state"]["pending"] = jax.device_put(waiting, jax.memory.Space.Host)
+    return new
 
 
 def _flat(tree: Any, specs: Any) -> Any:
@@ -175,7 +209,10 @@ def update(state: dict, grads: Any, *, c: StepConfig) -> dict:
     """The optimizer step as a function of its own (Trainer's "update" partitioned function): on the device,
     or on the host under offload_optimizer."""
     if c.offload:
-        return host_update(state, grads, optax.tree.norm(grads), None, c=c)
+        new = host_update(state, grads, optax.tree.norm(grads), None, c=c)
+        if c.delayed:  # the gradients given are applied now; those waiting still wait
+            new["opt_state"]["pending"] = state["opt_state"]["pending"]
+        return new
     return apply_update(state, grads, c=c)
 
 
@@ -189,7 +226,9 @@ def train_step(state: dict, batch: dict, *, c: StepConfig) -> tuple[dict, dict]:
     grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
     skip = t.nan_policy == "skip"
-    if c.offload:
+    if c.delayed:
+        new = delayed_step(state, grads, grad_norm, ok if skip else jnp.ones([], jnp.bool_), c=c)
+    elif c.offload:
         new = host_update(state, grads, grad_norm, ok if skip else None, c=c)
     else:
         new = apply_update(state, grads, c=c)

@@ -172,6 +172,13 @@ class Trainer:
                                             self.layout.optimizer)
         if self.master:
             opt_specs = {"master": self.layout.optimizer, "adam": opt_specs}
+        self.delayed = bool(t.delayed_update)
+        if self.delayed and not self.offload:
+            raise ValueError("train.delayed_update=True delays the host's update of an offloaded optimizer state, "
+                             "but train.offload_optimizer is False: set --config.train.offload_optimizer=true "
+                             "too, or leave train.delayed_update false")
+        if self.delayed:  # the previous step's gradients, waiting in host memory as the optimizer's slice
+            opt_specs["pending"] = {"grads": self.layout.optimizer, "norm": P(), "ok": P()}
         if self.offload:
             check_host_memory(self.mesh)
             opt_specs = jax.tree.map(lambda s: NamedSharding(self.mesh, s, memory_kind=HOST_MEMORY), opt_specs,
@@ -185,7 +192,7 @@ class Trainer:
             model=self.model, eval_model=self.eval_model, init_model=self.init_model, kind=cfg.model.kind,
             opt=self.opt, schedule=self.schedule, layout=self.layout, layer_order=self.layer_order, train=t,
             nan_at_step=cfg.debug.nan_at_step, pipeline=self.pipeline, shards=shards, master=self.master,
-            offload=self.offload)
+            offload=self.offload, delayed=self.delayed)
         # The step functions with their static config bound: what partition, explain and jit take.
         self.init_state = functools.partial(steps.init_state, c=self.step_config)
         self.train_step = functools.partial(steps.train_step, c=self.step_config)
@@ -258,6 +265,8 @@ class Trainer:
             o = tree["opt_state"]
             out["opt_state"] = {"master": move(o["master"]), "adam": move_opt(o["adam"])} if self.master \
                 else move_opt(o)
+            if "pending" in o:
+                out["opt_state"]["pending"] = dict(o["pending"], grads=move(o["pending"]["grads"]))
         return out
 
     def from_checkpoint(self, tree: dict, saved: dict) -> dict:
