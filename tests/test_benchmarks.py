@@ -86,7 +86,7 @@ def test_the_gpu_check_script_sets_fields_the_configs_have():
     gpu = _gpu_benchmark()
     from gshard_jax import configs
     script = _script("gpu_check.sh")
-    variants = re.search(r"for variant in (.*?); do", script, re.S).group(1)
+    variants, offloads = re.findall(r"for variant in (.*?); do", script, re.S)
     sets = re.search(r'--set "model.attention=\$attention" "model.remat=\$remat" "train.offload_optimizer=\$offload" '
                      r'"model.scan=\$scan"', script)
     assert sets, "the variant loop's --set arguments changed: update this test"
@@ -97,6 +97,15 @@ def test_the_gpu_check_script_sets_fields_the_configs_have():
         assert (typed.model.transformer.attention, typed.model.transformer.remat) == (attention, remat)
         assert typed.model.transformer.scan == (scan == "true")
         assert typed.train.offload_optimizer == (offload == "true")
+    assert re.search(r'"model.num_layers=4" "train.offload_optimizer=\$offload" \\\n\s+"train.delayed_update=\$delayed"',
+                     script), "the offload loop's --set arguments changed: update this test"
+    for offload, delayed in (v.split() for v in re.findall(r'"([^"]+)"', offloads)):
+        cfg = gpu.configure("mula_1b", 1, "auto", ["model.attention=cudnn", "model.remat=dots", "model.num_layers=4",
+                                                   f"train.offload_optimizer={offload}",
+                                                   f"train.delayed_update={delayed}"])
+        typed = configs.typed(cfg)
+        assert typed.train.offload_optimizer == (offload == "true") and cfg.model.num_layers == 4
+        assert typed.train.delayed_update == (delayed == "true")
     calibrate = script[script.index("gshard_jax.cli calibrate"):]
     for key in re.findall(r"--config\.([\w.]+)=", calibrate) + re.findall(r"--check ([\w.]+)=", calibrate):
         section, field = key.split(".")
