@@ -10,7 +10,7 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 from . import annotations as A, passes as P, sources as SRC, specs as S
-from .partitioner import subaxes as SUB
+from .partitioner import auto as AU, subaxes as SUB
 from .partitioner.collective_matmul import check_mode
 from .partitioner.cost import platform_of
 from .partitioner.hardware import Hardware, default_for
@@ -70,7 +70,8 @@ def _validate(specs, mesh: Mesh, what: str) -> None:
 
 
 def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardware,
-           report: Optional[Report], placements: tuple, collective_matmul: str = "auto", given=None) -> Callable:
+           report: Optional[Report], placements: tuple, collective_matmul: str = "auto", given=None,
+           auto: Optional[AU.Auto] = None) -> Callable:
     """The global function: trace fn, plan, and call the per-device program under shard_map (passes.py).
 
     `placements` holds, per flat argument leaf, the spec it is committed to on the mesh (None: not committed).
@@ -79,7 +80,7 @@ def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardw
     def global_fn(*args, **kwargs):
         with gc_paused():
             t, lowering, runs_on = P.partition_program(fn, mesh, in_shardings, out_shardings, placements, args,
-                                                       kwargs, given, profile, report, collective_matmul)
+                                                       kwargs, given, profile, report, collective_matmul, auto)
             in_specs, out_specs = P.entry_specs(lowering)
             per_device = jax.shard_map(lambda *xs: tuple(lowering.run(*xs)), mesh=runs_on, in_specs=in_specs,
                                        out_specs=out_specs, check_vma=False)
@@ -131,8 +132,9 @@ class Partitioned:
     """
 
     def __init__(self, fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardware,
-                 collective_matmul: str = "auto", given=None, donate_argnums: tuple = ()):
-        self._fn, self._mesh, self._given, self._donate = fn, mesh, given, donate_argnums
+                 collective_matmul: str = "auto", given=None, donate_argnums: tuple = (),
+                 auto: Optional[AU.Auto] = None):
+        self._fn, self._mesh, self._given, self._donate, self._auto = fn, mesh, given, donate_argnums, auto
         self._in, self._out, self._profile = in_shardings, out_shardings, profile
         self._collective_matmul = collective_matmul
         self._jits: dict = {}
@@ -150,7 +152,8 @@ class Partitioned:
             key = self._keys[seen] = _placements(self._fn, self._mesh, args, kwargs)
         if key not in self._jits:
             self._jits[key] = jax.jit(_build(self._fn, self._mesh, self._in, self._out, self._profile, None, key,
-                                             self._collective_matmul, self._given), donate_argnums=self._donate)
+                                             self._collective_matmul, self._given, self._auto),
+                                      donate_argnums=self._donate)
         return self._jits[key]
 
     def __call__(self, *args, **kwargs):
@@ -212,7 +215,8 @@ class _InMesh:
 
 def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings: Any = None,
               backend: str = "gshard", profile: Optional[Hardware] = None,
-              collective_matmul: str = "auto", donate_argnums: int | Sequence[int] = ()) -> Callable:
+              collective_matmul: str = "auto", donate_argnums: int | Sequence[int] = (), auto: bool = False,
+              memory_budget: Optional[float] = None) -> Callable:
     """Partition an annotated global-view function over `mesh`; returns a jax.jit-like function.
 
     in_shardings: None, one PartitionSpec for every argument, or a tuple with one
@@ -232,9 +236,13 @@ def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings:
     or "unidirectional" / "bidirectional" (the ring wherever the plan has such a collective).
     donate_argnums: as jax.jit's: positional arguments whose buffers the call may reuse for its outputs (a
     train step's state), so the caller must not read them afterwards.
+    auto=True: every value nobody annotated gets the sharding that minimises the step's predicted time (with
+    the arguments' and outputs' bytes per device within memory_budget, when given); annotations, in_shardings
+    and out_shardings are kept (partitioner/auto.py).
     """
     given, mesh = mesh, _check(mesh, backend)
     donate_argnums = _donated(donate_argnums)
+    choice = _auto(auto, memory_budget, backend)
     check_mode(collective_matmul)
     _validate(in_shardings, mesh, "in_shardings")
     _validate(out_shardings, mesh, "out_shardings")
@@ -248,7 +256,22 @@ def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings:
         explicit = isinstance(given, Mesh) and AxisType.Explicit in given.axis_types
         return _InMesh(jitted, given) if explicit else jitted
     return Partitioned(fn, mesh, in_shardings, out_shardings, _placed(profile, mesh), collective_matmul,
-                       given, donate_argnums)
+                       given, donate_argnums, choice)
+
+
+def _auto(auto: bool, memory_budget: Optional[float], backend: str = "gshard") -> Optional[AU.Auto]:
+    """partition's and explain's auto and memory_budget as the choice's options, or a ValueError saying why not."""
+    if not isinstance(auto, bool):
+        raise ValueError(f"auto={auto!r}: expected True (choose the shardings nobody annotated) or False")
+    if not auto:
+        if memory_budget is not None:
+            raise ValueError(f"memory_budget={memory_budget!r} bounds the automatic sharding's choice: pass "
+                             f"auto=True with it")
+        return None
+    if backend != "gshard":
+        raise ValueError(f"auto=True is this project's choice of shardings, for backend='gshard'; got "
+                         f"backend={backend!r}")
+    return AU.Auto(memory_budget)
 
 
 def _donated(donate_argnums) -> tuple:
@@ -262,14 +285,16 @@ def _donated(donate_argnums) -> tuple:
 
 def explain(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, out_shardings: Any = None,
             profile: Optional[Hardware] = None, collective_matmul: str = "auto",
-            trace_per_device: bool = True, **kwargs) -> Report:
+            trace_per_device: bool = True, auto: bool = False, memory_budget: Optional[float] = None,
+            **kwargs) -> Report:
     """What partition() decides for these arguments (arrays or ShapeDtypeStructs): one row per op, and totals.
 
     trace_per_device=False decides and reports the same program without tracing the per-device program
     (Lowering.cost: the choices, reshards and hooks' collectives only), several times faster on a large
-    train step; gs.plan costs its candidates this way.
+    train step; gs.plan costs its candidates this way. auto, memory_budget: as partition's.
     """
     given, mesh = mesh, _check(mesh, "gshard")
+    choice = _auto(auto, memory_budget)
     check_mode(collective_matmul)
     _validate(in_shardings, mesh, "in_shardings")
     _validate(out_shardings, mesh, "out_shardings")
@@ -278,10 +303,10 @@ def explain(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, out_shard
     placements = _placements(fn, mesh, args, kwargs)
     if trace_per_device:
         jax.make_jaxpr(_build(fn, mesh, in_shardings, out_shardings, profile, report, placements,
-                              collective_matmul, given))(*args, **kwargs)
+                              collective_matmul, given, choice))(*args, **kwargs)
         return report
     with gc_paused():
         P.partition_program(fn, mesh, in_shardings, out_shardings, placements, args, kwargs, given, profile,
-                            report, collective_matmul)[1].cost()
+                            report, collective_matmul, choice)[1].cost()
         SUB.name_whole_axes(report)
     return report

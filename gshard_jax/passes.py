@@ -21,7 +21,7 @@ import jax
 from jax.interpreters import partial_eval as pe
 
 from . import annotations as A, sources as SRC, specs as S
-from .partitioner import lower as L, subaxes as SUB
+from .partitioner import auto as AU, lower as L, subaxes as SUB
 from .partitioner.fold import fold_constant_reductions, fold_pads, merge_common, static_slices
 from .partitioner.hardware import Hardware
 from .partitioner.program import Program, Value, from_jaxpr
@@ -197,10 +197,16 @@ def plan_and_lower(t: Traced, mesh, profile: Hardware, report: Optional[Report],
 
 def partition_program(fn: Callable, mesh, in_shardings, out_shardings, placements: tuple, args: tuple,
                       kwargs: dict, given, profile: Hardware, report: Optional[Report],
-                      collective_matmul: str = "auto") -> tuple[Traced, L.Lowering, Any]:
-    """The one driver partition() and explain() share: fn traced for these arguments, planned and lowered.
-    Returns (the traced program, its lowering, the mesh the per-device program runs on)."""
+                      collective_matmul: str = "auto", auto: Optional[AU.Auto] = None
+                      ) -> tuple[Traced, L.Lowering, Any]:
+    """The one driver partition() and explain() share: fn traced for these arguments, planned and lowered
+    (with auto: the automatic sharding's choices as seeds). Returns (the traced program, its lowering, the
+    mesh the per-device program runs on)."""
     t = trace(fn, mesh, in_shardings, out_shardings, placements, args, kwargs, given)
+    if auto is not None:
+        chosen, lines = AU.choose(t.program, t.seeds, dict(mesh.shape), tuple(mesh.axis_names), profile,
+                                  dict(zip(t.program.invars, t.names)), auto)
+        t = dataclasses.replace(t, seeds={**chosen, **t.seeds}, notes=t.notes + lines)
     lowering, runs_on = plan_and_lower(t, mesh, profile, report, collective_matmul)
     return t, lowering, runs_on
 

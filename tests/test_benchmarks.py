@@ -97,8 +97,8 @@ def test_the_gpu_check_script_sets_fields_the_configs_have():
         assert (typed.model.transformer.attention, typed.model.transformer.remat) == (attention, remat)
         assert typed.model.transformer.scan == (scan == "true")
         assert typed.train.offload_optimizer == (offload == "true")
-    assert re.search(r'"model.num_layers=4" "train.offload_optimizer=\$offload" \\\n\s+"train.delayed_update=\$delayed"',
-                     script), "the offload loop's --set arguments changed: update this test"
+    offload_sets = r'"model.num_layers=4" "train.offload_optimizer=\$offload" \\\n\s+"train.delayed_update=\$delayed"'
+    assert re.search(offload_sets, script), "the offload loop's --set arguments changed: update this test"
     for offload, delayed in (v.split() for v in re.findall(r'"([^"]+)"', offloads)):
         cfg = gpu.configure("mula_1b", 1, "auto", ["model.attention=cudnn", "model.remat=dots", "model.num_layers=4",
                                                    f"train.offload_optimizer={offload}",

@@ -1,0 +1,110 @@
+"""partition(auto=True): the automatic sharding's choice (auto_graph.py, auto_solve.py) as seeds for the one
+engine, and the lines explain() adds about it: per argument and largest activation the sharding chosen,
+the runner-up and what it would cost, and the memory against the budget."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import time
+from typing import Mapping, Optional
+
+from .auto_graph import Builder, Graph
+from .auto_solve import Infeasible, Solution, memory_of, solve
+from .cost import _fmt_bytes
+from .program import Program, Value
+from .sharding import Sharding
+
+EXPLAINED_ARGUMENTS = 6  # the largest arguments explain() names with their runner-up (each a solve of its own)
+EXPLAINED_ACTIVATIONS = 3  # and the largest values the ops make
+
+
+@dataclasses.dataclass(frozen=True)
+class Auto:
+    """What partition(auto=True, memory_budget=...) asks of the choice."""
+    memory_budget: Optional[float] = None  # bytes per device the arguments and outputs may hold (None: no limit)
+
+    def __post_init__(self):
+        b = self.memory_budget
+        if b is not None and (isinstance(b, bool) or not isinstance(b, numbers.Real) or not b > 0):
+            raise ValueError(f"memory_budget={b!r}: expected a positive number of bytes per device, or None")
+
+
+def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_shape: dict, mesh_axes: tuple,
+           profile, names: Mapping[Value, str], auto: Auto) -> tuple[dict, list[str]]:
+    """(seeds for every value the choice decides and nothing fixed, explain()'s lines about it)."""
+    start = time.perf_counter()
+    g = Builder(program, seeds, mesh_shape, mesh_axes, profile, names).build()
+    try:
+        sol = solve(g, mesh_shape, auto.memory_budget)
+    except Infeasible:
+        raise ValueError(_over_budget(g, mesh_shape, auto.memory_budget)) from None
+    chosen: dict = {}
+    for i, (node, pick) in enumerate(zip(g.nodes, sol.picks)):
+        option = node.options[pick]
+        if node.value is not None:
+            if node.value not in seeds:
+                chosen[node.value] = (option.made[0], "automatic sharding")
+            continue
+        if node.eqn is None:
+            continue
+        for r, v in enumerate(node.eqn.outvars):
+            target = _target(g, sol, i, r, v, option.made[r])
+            if v not in seeds and target is not None:
+                chosen[v] = (target, "automatic sharding")
+    took = time.perf_counter() - start
+    lines = [f"automatic sharding: {len(g.nodes)} nodes, {len(g.edges)} edges, "
+             f"{sum(len(n.options) for n in g.nodes)} options; solved in {took:.2f} s; predicted "
+             f"{sol.seconds * 1e3:.3f} ms of the step's communication and compute; arguments and outputs "
+             f"{_fmt_bytes(sol.memory)} per device"
+             + (f" against a budget of {_fmt_bytes(auto.memory_budget)}" if auto.memory_budget else "")]
+    lines += _why(g, sol, mesh_shape, auto)
+    return chosen, lines
+
+
+def _target(g: Graph, sol: Solution, node: int, r: int, v: Value, made: Optional[Sharding]) -> Optional[Sharding]:
+    """The sharding a result is planned in: what its consumers all need, else as made (its sums reduced)."""
+    if made is None:
+        return None
+    needs = {g.nodes[e.dst].options[sol.picks[e.dst]].need[e.operand] for e in g.edges
+             if e.src == node and e.value is v}
+    needs.discard(None)
+    if len(needs) == 1:
+        return needs.pop()
+    return Sharding(made.dims, frozenset(), made.padded)
+
+
+def _why(g: Graph, sol: Solution, mesh_shape: dict, auto: Auto) -> list[str]:
+    """The choice for the largest arguments and activations, each against its runner-up."""
+    def size(v: Value) -> int:
+        return math.prod(v.shape) * v.aval.dtype.itemsize
+
+    args = sorted((i for i, n in enumerate(g.nodes) if n.value is not None and len(n.options) > 1),
+                  key=lambda i: -size(g.nodes[i].value))[:EXPLAINED_ARGUMENTS]
+    made = sorted((i for i, n in enumerate(g.nodes) if n.eqn is not None and len(n.options) > 1
+                   and n.eqn.outvars and isinstance(n.eqn.outvars[0], Value)),
+                  key=lambda i: -size(g.nodes[i].eqn.outvars[0]))[:EXPLAINED_ACTIVATIONS]
+    lines = []
+    for i in args + made:
+        node, pick = g.nodes[i], sol.picks[i]
+        what = node.what if node.value is not None else f"the result of {node.what}"
+        try:
+            other = solve(g, mesh_shape, auto.memory_budget, exclude=[(i, pick)])
+        except Infeasible:
+            lines.append(f"{what}: {node.options[pick].label}; every other choice is over the budget")
+            continue
+        lines.append(f"{what}: {node.options[pick].label}; runner-up {node.options[other.picks[i]].label}, "
+                     f"{(other.seconds - sol.seconds) * 1e3:+.3f} ms a step")
+    return lines
+
+
+def _over_budget(g: Graph, mesh_shape: dict, budget: float) -> str:
+    """The message for a budget no choice meets: the least memory found, and the values holding most of it."""
+    least = solve(g, mesh_shape, objective="memory")
+    memory = memory_of(g)
+    held = sorted(((memory[i][p], g.nodes[i]) for i, p in enumerate(least.picks) if memory[i][p]),
+                  key=lambda t: -t[0])[:4]
+    holders = ", ".join(f"{n.what} ({_fmt_bytes(b)})" for b, n in held)
+    return (f"memory_budget={budget:.0f} bytes per device: no sharding of this program's arguments and outputs "
+            f"fits it; the smallest found holds {_fmt_bytes(least.memory)} per device, most of it in {holders}. "
+            f"Raise the budget, use a mesh with more devices, or keep less state (a smaller model or batch)")

@@ -1,0 +1,162 @@
+"""Automatic sharding (partition(auto=True)): the partitioner chooses the shardings nobody gave, from its own
+costs under a memory budget, keeps what the user gave, and says why. On 8 simulated CPU devices."""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import gshard_jax as gs
+from gshard_jax.models.moe import expert_einsums
+from gshard_jax.partitioner import auto_graph
+
+
+def moved(report) -> float:
+    """Bytes a device moves per step, every collective of the report (loops times their trips)."""
+    return sum(t["moved_bytes"] for t in report.totals(dynamic=True).values())
+
+
+def close(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        b = np.asarray(b)
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-5 * max(float(np.abs(b).max()), 1.0))
+
+
+# ------------------------------------------------------------------ a two-layer MLP's train step
+def mlp_step(x, w1, w2):
+    def loss(w1, w2):
+        return jnp.mean(jnp.tanh(jnp.tanh(x @ w1) @ w2) ** 2)
+    value, (g1, g2) = jax.value_and_grad(loss, argnums=(0, 1))(w1, w2)
+    return value, w1 - 0.1 * g1, w2 - 0.1 * g2
+
+
+def mlp_args(batch=1024, d=1024, h=4096):
+    r = np.random.default_rng(0)
+    return [jnp.asarray(r.standard_normal(s) / np.sqrt(s[0]), jnp.float32) for s in ((batch, d), (d, h), (h, d))]
+
+
+MESH2 = {"data": 2, "model": 4}
+
+
+def test_a_two_layer_mlp_with_only_the_batch_given_moves_no_more_than_megatrons_plan():
+    """{data 2, model 4}, the batch split over data and nothing else given: the choice moves no more bytes a
+    step than Megatron's column-then-row plan, computes no more per device, and equals the unpartitioned step."""
+    mesh, args = gs.make_mesh(MESH2), mlp_args()
+    batch_only = (P("data", None), None, None)
+    auto = gs.explain(mlp_step, mesh, *args, in_shardings=batch_only, auto=True)
+    megatron = gs.explain(mlp_step, mesh, *args, in_shardings=(P("data", None), P(None, "model"), P("model", None)))
+    assert moved(auto) <= moved(megatron), (moved(auto), moved(megatron))
+    assert auto.compute_time <= megatron.compute_time * 1.0001
+    assert {v.name: str(v.boundary) for v in auto.inputs}["x"] == "[data, -]"  # what the user gave stays
+    close(gs.partition(mlp_step, mesh, in_shardings=batch_only, auto=True)(*args), jax.jit(mlp_step)(*args))
+
+
+def test_explain_names_the_choice_the_runner_up_and_what_it_costs():
+    mesh, args = gs.make_mesh(MESH2), mlp_args()
+    report = gs.explain(mlp_step, mesh, *args, in_shardings=(P("data", None), None, None), auto=True)
+    notes = "\n".join(report.notes)
+    assert re.search(r"automatic sharding: \d+ nodes, \d+ edges, \d+ options; solved in [\d.]+ s", notes)
+    for name in ("w1", "w2"):  # the arguments nobody gave, each with its runner-up
+        assert re.search(rf"^{name}: \[.*\]; runner-up \[.*\], [+-][\d.]+ ms a step$", notes, re.M), notes
+    assert "x:" not in notes  # given: not chosen
+    assert "the result of dot_general" in notes  # the largest activations
+    assert all(v.origin == "automatic sharding" for v in report.inputs if v.name in ("w1", "w2"))
+
+
+# ------------------------------------------------------------------ GShard's MoE layer
+def moe_plain(dispatch, combine, x, wi, wo):
+    e_in = jnp.einsum("GSEC,GSM->EGCM", dispatch, x)
+    h = jax.nn.relu(jnp.einsum("EGCM,EMH->EGCH", e_in, wi))
+    return jnp.einsum("GSEC,GECM->GSM", combine, jnp.einsum("EGCH,EHM->GECM", h, wo))
+
+
+def moe_annotated(dispatch, combine, x, wi, wo):
+    return expert_einsums(dispatch, combine, x, wi, wo, 8)
+
+
+def moe_args():
+    rng = np.random.default_rng(0)
+    G, S, E, C, M, H = 8, 256, 8, 64, 512, 2048
+    dispatch = (rng.random((G, S, E, C)) < 0.1).astype(np.float32)
+    combine = dispatch * rng.random((G, S, E, C)).astype(np.float32)
+    x = rng.standard_normal((G, S, M)).astype(np.float32)
+    wi = rng.standard_normal((E, M, H)).astype(np.float32) / 8
+    wo = rng.standard_normal((E, H, M)).astype(np.float32) / 8
+    return [jnp.asarray(a) for a in (dispatch, combine, x, wi, wo)]
+
+
+def held(report, mesh_shape) -> int:
+    """Bytes per device of a report's arguments and outputs, as they arrive and leave."""
+    return int(report.argument_bytes()["total"] + sum(
+        np.prod(o.boundary.local_shape(o.shape, mesh_shape)) * np.dtype(o.dtype).itemsize for o in report.outputs))
+
+
+def test_gshards_moe_layer_unannotated_within_the_annotated_programs_memory_finds_its_two_all_to_alls():
+    """GShard's dispatch and combine einsums on {expert 8}, nothing annotated, within the per-device memory
+    of the hand-annotated program: the choice moves no more bytes than that program's two all-to-alls (it
+    finds the same layout: groups split on the way in and out, experts in between), and fits the budget by
+    the compiled program's memory_analysis()."""
+    mesh, args = gs.make_mesh({"expert": 8}), moe_args()
+    hand = gs.explain(moe_annotated, mesh, *args)
+    assert {t for t, v in hand.totals(dynamic=True).items() if v["moved_bytes"]} == {"all-to-all"}
+    budget = held(hand, dict(mesh.shape))
+    auto = gs.explain(moe_plain, mesh, *args, auto=True, memory_budget=budget)
+    assert moved(auto) <= moved(hand)
+    assert held(auto, dict(mesh.shape)) <= budget
+    fn = gs.partition(moe_plain, mesh, auto=True, memory_budget=budget)
+    m = fn.lower(*args).compile().memory_analysis()
+    assert m.argument_size_in_bytes + m.output_size_in_bytes <= budget
+    close(fn(*args), moe_plain(*args))
+    unbounded = gs.explain(moe_plain, mesh, *args, auto=True)  # without a budget: every expert on every device
+    assert moved(unbounded) <= moved(hand) and held(unbounded, dict(mesh.shape)) > budget
+
+
+def test_a_budget_no_sharding_meets_names_the_smallest_found_and_what_holds_it():
+    mesh, args = gs.make_mesh({"expert": 8}), moe_args()
+    # the least is every array split 8 ways: 80 MiB of arguments and outputs over 8 devices
+    with pytest.raises(ValueError, match=r"memory_budget=1000 bytes per device: no sharding .* the smallest found "
+                                         r"holds 10\.0MiB per device, most of it in wi \(4\.0MiB\), wo \(4\.0MiB\)"):
+        gs.explain(moe_plain, mesh, *args, auto=True, memory_budget=1000)
+
+
+# ------------------------------------------------------------------ what the user gave is kept
+def test_annotations_in_and_out_shardings_are_kept():
+    mesh, args = gs.make_mesh(MESH2), mlp_args(256, 256, 1024)
+
+    def annotated(x, w1, w2):
+        value, n1, n2 = mlp_step(x, w1, w2)
+        return value, jax.lax.with_sharding_constraint(n1, P("model", None)), n2
+
+    report = gs.explain(annotated, mesh, *args, in_shardings=(P("data", None), P(None, "data"), None),
+                        out_shardings=(P(), None, P(None, "model")), auto=True)
+    ins, outs = {v.name: str(v.boundary) for v in report.inputs}, [str(v.boundary) for v in report.outputs]
+    assert ins["x"] == "[data, -]" and ins["w1"] == "[-, data]"
+    assert outs[1] == "[model, -]" and outs[2] == "[-, model]"
+    fn = gs.partition(annotated, mesh, in_shardings=(P("data", None), P(None, "data"), None),
+                      out_shardings=(P(), None, P(None, "model")), auto=True)
+    close(fn(*args), jax.jit(mlp_step)(*args))
+
+
+def test_the_options_are_every_split_the_rule_allows():
+    """A tensor's shardings: each mesh axis on one dim or none (3 x 3 on a 2-D tensor over 2 axes, less the
+    splits that do not divide); an op's options: its factor shardings, each axis on at most one factor."""
+    mesh_shape = {"data": 2, "model": 4}
+    got = {str(s) for s in auto_graph.tensor_shardings((8, 8), mesh_shape)}
+    assert got == {"[-, -]", "[data, -]", "[-, data]", "[model, -]", "[-, model]", "[data*model, -]",
+                   "[-, data*model]", "[data, model]", "[model, data]"}
+    assert auto_graph.axis_tuples(mesh_shape) == [("data",), ("model",), ("data", "model")]
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(memory_budget=10), "memory_budget=10 bounds the automatic sharding's choice: pass auto=True"),
+    (dict(auto=True, memory_budget=-1), "memory_budget=-1: expected a positive number of bytes"),
+    (dict(auto="yes"), "auto='yes': expected True"),
+    (dict(auto=True, backend="xla"), "auto=True is this project's choice of shardings, for backend='gshard'"),
+])
+def test_bad_options_say_what_was_expected(kw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gs.partition(mlp_step, gs.make_mesh(MESH2), **kw)
