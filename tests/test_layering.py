@@ -182,6 +182,7 @@ PARTITIONER_LAYERS = [
                     "collective_matmul", "control_flow", "relayout", "roll", "windowed", "partial_sums", "reorder"]),
     ("registry", ["registry"]),
     ("passes", ["fold", "propagation", "strategy", "local_shards", "lower_regions", "lower"]),
+    ("choice", ["auto_graph", "auto_solve", "auto"]),
 ]
 
 
