@@ -205,7 +205,7 @@ def partition_program(fn: Callable, mesh, in_shardings, out_shardings, placement
     t = trace(fn, mesh, in_shardings, out_shardings, placements, args, kwargs, given)
     if auto is not None:
         chosen, lines = AU.choose(t.program, t.seeds, dict(mesh.shape), tuple(mesh.axis_names), profile,
-                                  dict(zip(t.program.invars, t.names)), auto)
+                                  dict(zip(t.program.invars, t.names)), auto, why=report is not None)
         t = dataclasses.replace(t, seeds={**chosen, **t.seeds}, notes=t.notes + lines)
     lowering, runs_on = plan_and_lower(t, mesh, profile, report, collective_matmul)
     return t, lowering, runs_on

@@ -3,6 +3,7 @@ engine, and the lines explain() adds about it: per argument and largest activati
 the runner-up and what it would cost, and the memory against the budget."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import numbers
@@ -10,13 +11,14 @@ import time
 from typing import Mapping, Optional
 
 from .auto_graph import Builder, Graph
-from .auto_solve import Infeasible, Solution, memory_of, solve
+from .auto_solve import Infeasible, Solution, Unsolved, memory_of, solve
 from .cost import _fmt_bytes
 from .program import Program, Value
 from .sharding import Sharding
 
 EXPLAINED_ARGUMENTS = 6  # the largest arguments explain() names with their runner-up (each a solve of its own)
 EXPLAINED_ACTIVATIONS = 3  # and the largest values the ops make
+RUNNER_UP_SECONDS = 2.0  # the least each runner-up's solve may take (at most as long as the choice's own)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +33,9 @@ class Auto:
 
 
 def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_shape: dict, mesh_axes: tuple,
-           profile, names: Mapping[Value, str], auto: Auto) -> tuple[dict, list[str]]:
-    """(seeds for every value the choice decides and nothing fixed, explain()'s lines about it)."""
+           profile, names: Mapping[Value, str], auto: Auto, why: bool = True) -> tuple[dict, list[str]]:
+    """(seeds for every value the choice decides and nothing fixed, explain()'s lines about it; with why, the
+    runner-ups too, each a solve of its own)."""
     start = time.perf_counter()
     g = Builder(program, seeds, mesh_shape, mesh_axes, profile, names).build()
     try:
@@ -40,6 +43,9 @@ def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_s
     except Infeasible:
         raise ValueError(_over_budget(g, mesh_shape, auto.memory_budget)) from None
     chosen: dict = {}
+    readers = collections.defaultdict(list)  # (node, value) -> the edges that read it
+    for e in g.edges:
+        readers[e.src, e.value].append(e)
     for i, (node, pick) in enumerate(zip(g.nodes, sol.picks)):
         option = node.options[pick]
         if node.value is not None:
@@ -49,7 +55,7 @@ def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_s
         if node.eqn is None:
             continue
         for r, v in enumerate(node.eqn.outvars):
-            target = _target(g, sol, i, r, v, option.made[r])
+            target = _target(g, sol, readers[i, v], option.made[r])
             if v not in seeds and target is not None:
                 chosen[v] = (target, "automatic sharding")
     took = time.perf_counter() - start
@@ -58,24 +64,25 @@ def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_s
              f"{sol.seconds * 1e3:.3f} ms of the step's communication and compute; arguments and outputs "
              f"{_fmt_bytes(sol.memory)} per device"
              + (f" against a budget of {_fmt_bytes(auto.memory_budget)}" if auto.memory_budget else "")]
-    lines += _why(g, sol, mesh_shape, auto)
+    if why:
+        lines += _why(g, sol, mesh_shape, auto, time_limit=max(RUNNER_UP_SECONDS, took))
     return chosen, lines
 
 
-def _target(g: Graph, sol: Solution, node: int, r: int, v: Value, made: Optional[Sharding]) -> Optional[Sharding]:
-    """The sharding a result is planned in: what its consumers all need, else as made (its sums reduced)."""
+def _target(g: Graph, sol: Solution, readers: list, made: Optional[Sharding]) -> Optional[Sharding]:
+    """The sharding a result is planned in: what its readers all need, else as made (its sums reduced)."""
     if made is None:
         return None
-    needs = {g.nodes[e.dst].options[sol.picks[e.dst]].need[e.operand] for e in g.edges
-             if e.src == node and e.value is v}
+    needs = {g.nodes[e.dst].options[sol.picks[e.dst]].need[e.operand] for e in readers}
     needs.discard(None)
     if len(needs) == 1:
         return needs.pop()
     return Sharding(made.dims, frozenset(), made.padded)
 
 
-def _why(g: Graph, sol: Solution, mesh_shape: dict, auto: Auto) -> list[str]:
-    """The choice for the largest arguments and activations, each against its runner-up."""
+def _why(g: Graph, sol: Solution, mesh_shape: dict, auto: Auto, time_limit: float) -> list[str]:
+    """The choice for the largest arguments and activations, each against its runner-up (the best choice
+    without it, found within time_limit seconds)."""
     def size(v: Value) -> int:
         return math.prod(v.shape) * v.aval.dtype.itemsize
 
@@ -89,12 +96,16 @@ def _why(g: Graph, sol: Solution, mesh_shape: dict, auto: Auto) -> list[str]:
         node, pick = g.nodes[i], sol.picks[i]
         what = node.what if node.value is not None else f"the result of {node.what}"
         try:
-            other = solve(g, mesh_shape, auto.memory_budget, exclude=[(i, pick)])
+            other = solve(g, mesh_shape, auto.memory_budget, exclude=[(i, pick)], time_limit=time_limit)
         except Infeasible:
             lines.append(f"{what}: {node.options[pick].label}; every other choice is over the budget")
             continue
+        except Unsolved:
+            lines.append(f"{what}: {node.options[pick].label}; no other choice found in {time_limit:.1f} s")
+            continue
         lines.append(f"{what}: {node.options[pick].label}; runner-up {node.options[other.picks[i]].label}, "
-                     f"{(other.seconds - sol.seconds) * 1e3:+.3f} ms a step")
+                     f"{(other.seconds - sol.seconds) * 1e3:+.3f} ms a step"
+                     + ("" if other.proven else f" (the best found in {time_limit:.1f} s)"))
     return lines
 
 

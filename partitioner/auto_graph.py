@@ -34,6 +34,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from . import factors as F, hooks as H, manual_regions as M, registry as REG
+from .cost import compute_time
 from .program import Eqn, Program, Value
 from .sharding import Sharding, splittable
 from .strategy import Strategy
@@ -119,9 +120,14 @@ class Builder:
             name = self.names.get(v, f"argument {len(nodes)}")
             nodes.append(Node(name, [Option((), (s,), 0.0, _local_bytes(v, s, self.mesh_shape), str(s))
                                      for s in choices], value=v))
-            makers[v] = (len(nodes) - 1, 0)
+            makers[v] = (len(nodes) - 1, 0, False)
         edges: list[Edge] = []
+        reduced: set = set()  # (node, result) whose partial sums a follower's reduction is charged to
         for e in self.program.eqns:
+            lead = self._follows(e, makers)
+            if lead is not None:
+                makers[e.outvars[0]] = self._follow(nodes, makers[lead], e, reduced)
+                continue
             node = Node(f"{e.name} at {e.source}", self._options(e), eqn=e)
             nodes.append(node)
             i = len(nodes) - 1
@@ -131,7 +137,7 @@ class Builder:
                     if edge is not None:
                         edges.append(edge)
             for r, v in enumerate(e.outvars):
-                makers[v] = (i, r)
+                makers[v] = (i, r, False)
         outputs = []
         for v in self.program.outvars:  # an output leaves in a sharding of its own: out_shardings', or chosen
             if isinstance(v, Value) and v in makers:
@@ -146,9 +152,46 @@ class Builder:
                     edges.append(edge)
         return Graph(nodes, edges, makers, outputs)
 
+    def _follows(self, e: Eqn, makers: dict) -> Optional[Value]:
+        """The one operand an elementwise op follows (the others scalars or constants), or None: such an op
+        runs in its operand's sharding, so it is merged into that operand's maker, as Alpa merges them."""
+        if e.subs or len(e.outvars) != 1 or self.seeds.get(e.outvars[0]):
+            return None
+        rule = REG.rule_for(e)
+        if rule is None or not rule.pointwise:
+            return None
+        big = [x for x in e.invars if isinstance(x, Value) and len(x.shape)]
+        if len(big) != 1 or tuple(big[0].shape) != tuple(e.outvars[0].shape) or big[0] not in makers:
+            return None
+        if any(isinstance(x, Value) and not len(x.shape) and x not in makers for x in e.invars):
+            return None
+        return big[0]
+
+    def _follow(self, nodes: list, maker: tuple, e: Eqn, reduced: set) -> tuple:
+        """e's result as its operand's maker makes it (partial sums reduced first: charged to the maker's
+        option once), with e's compute on each option's local shard added to it."""
+        a, r, _ = maker
+        v = e.outvars[0]
+        charged = []
+        for o in nodes[a].options:
+            m = o.made[r]
+            extra = 0.0
+            if m is not None:
+                whole = Sharding(m.dims, frozenset(), m.padded)
+                if m.partial and (a, r) not in reduced:
+                    extra += self.strategy.reshard_time(m, whole, v.shape, e.invars[0].aval.dtype
+                                                        if isinstance(e.invars[0], Value) else v.aval.dtype)
+                extra += compute_time(math.prod(whole.local_shape(v.shape, self.mesh_shape)), self.profile)
+            charged.append(dataclasses.replace(o, seconds=o.seconds + extra))
+        nodes[a].options = charged
+        reduced.add((a, r))
+        return a, r, True
+
     def _edge(self, nodes: list, src: tuple, dst: tuple, x: Value) -> Optional[Edge]:
-        (a, r), (b, k) = src, dst
+        (a, r, follower), (b, k) = src, dst
         made = [o.made[r] for o in nodes[a].options]
+        if follower:  # a merged elementwise op's result: its maker's sharding with the sums reduced
+            made = [None if m is None else Sharding(m.dims, frozenset(), m.padded) for m in made]
         need = [o.need[k] if k < len(o.need) else None for o in nodes[b].options]
         if all(m is None for m in made) or all(n is None for n in need):
             return None
@@ -187,4 +230,8 @@ class Builder:
             need = tuple(n if isinstance(x, Value) and len(x.shape) else None for x, n in zip(e.invars, need))
             label = f"{' '.join(str(n) for n in need if n is not None)} -> {' '.join(map(str, made))}"
             out.append(Option(need, tuple(made), seconds, label=label))
-        return out
+        best: dict = {}  # options that need and make the same: the cheapest stands for them
+        for o in out:
+            if (o.need, o.made) not in best or o.seconds < best[o.need, o.made].seconds:
+                best[o.need, o.made] = o
+        return list(best.values())

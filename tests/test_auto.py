@@ -2,7 +2,9 @@
 costs under a memory budget, keeps what the user gave, and says why. On 8 simulated CPU devices."""
 from __future__ import annotations
 
+import os
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -160,3 +162,38 @@ def test_the_options_are_every_split_the_rule_allows():
 def test_bad_options_say_what_was_expected(kw, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         gs.partition(mlp_step, gs.make_mesh(MESH2), **kw)
+
+
+# ------------------------------------------------------------------ a dense LM train step over the budget
+@pytest.mark.slow  # about 90 s: the choice under a budget, its runner-ups, a compile and a run
+def test_a_dense_train_step_over_the_budget_shards_its_state_and_fits():
+    """A Flax Transformer block's AdamW step (params and optimizer state given nothing, the batch split over
+    data) within a budget of half the state's bytes for its arguments and outputs: whole, they would be twice
+    the state. The choice shards the state (ZeRO's layout or better) and fits, by the compiled program's
+    memory_analysis(); the step equals jax.jit's."""
+    import flax.linen as nn
+    import optax
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from flax_model import Block
+
+    model, opt = Block(), optax.adamw(1e-3)
+
+    def train_step(params, opt_state, x):
+        value, grads = jax.value_and_grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    mesh = gs.make_mesh(MESH2)
+    x = jax.random.normal(jax.random.key(0), (16, 32, 64))
+    params = nn.unbox(model.init(jax.random.key(1), x))
+    opt_state = opt.init(params)
+    state = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((params, opt_state)))
+    budget = state // 2
+    ins = (None, None, P("data"))
+    report = gs.explain(train_step, mesh, params, opt_state, x, in_shardings=ins, auto=True, memory_budget=budget)
+    sharded = [v for v in report.inputs if v.name != "x" and v.boundary.axes]
+    assert len(sharded) >= len(jax.tree.leaves(params)), [(v.name, str(v.boundary)) for v in report.inputs]
+    fn = gs.partition(train_step, mesh, in_shardings=ins, auto=True, memory_budget=budget)
+    m = fn.lower(params, opt_state, x).compile().memory_analysis()
+    assert m.argument_size_in_bytes + m.output_size_in_bytes <= budget < state
+    close(fn(params, opt_state, x), jax.jit(train_step)(params, opt_state, x))
