@@ -49,6 +49,7 @@ class Traced:
     leaving: dict[int, Sharding]  # outputs resharded on exit (an input, another output or a constant)
     pipelines: list  # the schedules of the pipelines traced in fn
     factoring: dict = dataclasses.field(default_factory=dict)  # axes planned as parts (subaxes.py): axis -> sizes
+    pinned: dict = dataclasses.field(default_factory=dict)  # eqn -> its factor sharding, chosen (auto.py)
 
 
 def trace(fn: Callable, mesh, in_shardings, out_shardings, placements: tuple, args: tuple, kwargs: dict,
@@ -182,6 +183,7 @@ def plan_and_lower(t: Traced, mesh, profile: Hardware, report: Optional[Report],
     factoring = {} if t.pipelines else SUB.factorings(t.program, dict(mesh.shape))
     options = [(t, mesh)] + ([(refined(t, factoring), SUB.refine_mesh(mesh, factoring))] if factoring else [])
     plans = [propagate(o.program, dict(m.shape), o.seeds) for o, m in options]
+    plans[0].pinned = t.pinned  # the choice's ops are the unrefined program's
     best = 0
     if len(options) > 1:
         scores = []
@@ -204,9 +206,9 @@ def partition_program(fn: Callable, mesh, in_shardings, out_shardings, placement
     mesh the per-device program runs on)."""
     t = trace(fn, mesh, in_shardings, out_shardings, placements, args, kwargs, given)
     if auto is not None:
-        chosen, lines = AU.choose(t.program, t.seeds, dict(mesh.shape), tuple(mesh.axis_names), profile,
+        chosen, pinned, lines = AU.choose(t.program, t.seeds, dict(mesh.shape), tuple(mesh.axis_names), profile,
                                   dict(zip(t.program.invars, t.names)), auto, why=report is not None)
-        t = dataclasses.replace(t, seeds={**chosen, **t.seeds}, notes=t.notes + lines)
+        t = dataclasses.replace(t, seeds={**chosen, **t.seeds}, notes=t.notes + lines, pinned=pinned)
     lowering, runs_on = plan_and_lower(t, mesh, profile, report, collective_matmul)
     return t, lowering, runs_on
 

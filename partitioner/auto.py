@@ -33,9 +33,9 @@ class Auto:
 
 
 def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_shape: dict, mesh_axes: tuple,
-           profile, names: Mapping[Value, str], auto: Auto, why: bool = True) -> tuple[dict, list[str]]:
-    """(seeds for every value the choice decides and nothing fixed, explain()'s lines about it; with why, the
-    runner-ups too, each a solve of its own)."""
+           profile, names: Mapping[Value, str], auto: Auto, why: bool = True) -> tuple[dict, dict, list[str]]:
+    """(seeds for every value the choice decides and nothing fixed, each op's factor sharding chosen (for the
+    lowering to take), explain()'s lines about it; with why, the runner-ups too, each a solve of its own)."""
     start = time.perf_counter()
     g = Builder(program, seeds, mesh_shape, mesh_axes, profile, names).build()
     try:
@@ -43,6 +43,7 @@ def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_s
     except Infeasible:
         raise ValueError(_over_budget(g, mesh_shape, auto.memory_budget)) from None
     chosen: dict = {}
+    pinned = {n.eqn: n.options[p].fs for n, p in zip(g.nodes, sol.picks) if n.eqn is not None and n.options[p].fs}
     readers = collections.defaultdict(list)  # (node, value) -> the edges that read it
     for e in g.edges:
         readers[e.src, e.value].append(e)
@@ -66,7 +67,7 @@ def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_s
              + (f" against a budget of {_fmt_bytes(auto.memory_budget)}" if auto.memory_budget else "")]
     if why:
         lines += _why(g, sol, mesh_shape, auto, time_limit=max(RUNNER_UP_SECONDS, took))
-    return chosen, lines
+    return chosen, pinned, lines
 
 
 def _target(g: Graph, sol: Solution, readers: list, made: Optional[Sharding]) -> Optional[Sharding]:

@@ -48,6 +48,7 @@ class Option:
     seconds: float  # its own communication and compute
     memory: int = 0  # bytes per device it holds for the step (an argument's local bytes)
     label: str = ""
+    fs: Optional[dict] = dataclasses.field(default=None, compare=False)  # an op's factor sharding
 
 
 @dataclasses.dataclass
@@ -229,7 +230,7 @@ class Builder:
             seconds = sum(c.time(self.profile) for c in hook) + self.strategy._compute(rule, fs)
             need = tuple(n if isinstance(x, Value) and len(x.shape) else None for x, n in zip(e.invars, need))
             label = f"{' '.join(str(n) for n in need if n is not None)} -> {' '.join(map(str, made))}"
-            out.append(Option(need, tuple(made), seconds, label=label))
+            out.append(Option(need, tuple(made), seconds, label=label, fs=fs))
         best: dict = {}  # options that need and make the same: the cheapest stands for them
         for o in out:
             if (o.need, o.made) not in best or o.seconds < best[o.need, o.made].seconds:

@@ -46,6 +46,8 @@ class Assignment:
     shardings: dict[Value, Sharding]
     origins: dict[Value, str]
     rules: dict[Eqn, Optional[F.Rule]]
+    # an op's factor sharding chosen before the lowering (the automatic sharding's), which its strategy takes
+    pinned: dict = dataclasses.field(default_factory=dict)
 
     def sharding(self, v) -> Sharding:
         if isinstance(v, Value):

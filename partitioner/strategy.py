@@ -139,30 +139,34 @@ class Strategy:
         """
         ready = tuple(ready) or (frozenset(),) * len(eqn.invars)
         planned = planned or [self.plan.sharding(v) for v in eqn.outvars]
+        pinned = getattr(self.plan, "pinned", {}).get(eqn)
         key = _choice_key(eqn, rule, have, planned)
         if key is not None:
-            key += (ready, rings)
+            key += (ready, rings, tuple(sorted(pinned.items())) if pinned else None)
         choices = self.cache.choices
         choice = choices.get(key) if key is not None else None
         if choice is None:
-            choice = self._choose(eqn, rule, have, planned, ready, rings)
+            choice = self._choose(eqn, rule, have, planned, ready, rings, pinned)
             if key is not None:
                 choices[key] = choice
         return choice
 
     def _choose(self, eqn: Eqn, rule: F.Rule, have: list[Sharding], planned: list[Sharding],
-                ready: Ready, rings: bool = True) -> Choice:
+                ready: Ready, rings: bool = True, pinned: Optional[F.FactorSharding] = None) -> Choice:
         proposals = [_merge_fs(rule.to_factors(tf, s, self.mesh_shape))
                      for tf, s in zip(rule.results, planned)]
         proposals += [_merge_fs(rule.to_factors(tf, s, self.mesh_shape))
                       for tf, s in zip(rule.operands, have)]
-        aligned = self._aligned(eqn, rule, have, planned, proposals)
+        aligned = self._aligned(eqn, rule, have, planned, proposals) if pinned is None else None
         if aligned is not None:
             return aligned
         best: Optional[Choice] = None
         best_whole = False
         keep_split = bool(rule.ties) and self.profile.memory_matters
-        for fs in F.candidate_factor_shardings(rule, proposals, self.mesh_shape):
+        candidates = F.candidate_factor_shardings(rule, proposals, self.mesh_shape)
+        if pinned is not None and self._layout(rule, pinned) is not None:
+            candidates = [pinned]  # chosen for the whole program (partitioner/auto.py): taken as it is
+        for fs in candidates:
             layout = self._layout(rule, fs)
             if layout is None:
                 continue
