@@ -206,9 +206,14 @@ def partition_program(fn: Callable, mesh, in_shardings, out_shardings, placement
     mesh the per-device program runs on)."""
     t = trace(fn, mesh, in_shardings, out_shardings, placements, args, kwargs, given)
     if auto is not None:
-        chosen, pinned, lines = AU.choose(t.program, t.seeds, dict(mesh.shape), tuple(mesh.axis_names), profile,
-                                  dict(zip(t.program.invars, t.names)), auto, why=report is not None)
-        t = dataclasses.replace(t, seeds={**chosen, **t.seeds}, notes=t.notes + lines, pinned=pinned)
+        fixed = {k: t.leaving.get(k) or t.seeds[v][0] for k, v in enumerate(t.program.outvars)
+                 if k in t.leaving or (v in t.seeds and t.seeds[v][1].startswith("out_shardings"))}
+        chosen, pinned, leaving, lines = AU.choose(
+            t.program, t.seeds, dict(mesh.shape), tuple(mesh.axis_names), profile,
+            dict(zip(t.program.invars, t.names)), auto, why=report is not None, out_fixed=fixed,
+            out_names=dict(enumerate(t.out_names)))
+        t = dataclasses.replace(t, seeds={**chosen, **t.seeds}, notes=t.notes + lines, pinned=pinned,
+                                leaving={**leaving, **t.leaving})
     lowering, runs_on = plan_and_lower(t, mesh, profile, report, collective_matmul)
     return t, lowering, runs_on
 

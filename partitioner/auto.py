@@ -33,14 +33,18 @@ class Auto:
 
 
 def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_shape: dict, mesh_axes: tuple,
-           profile, names: Mapping[Value, str], auto: Auto, why: bool = True) -> tuple[dict, dict, list[str]]:
+           profile, names: Mapping[Value, str], auto: Auto, why: bool = True, out_fixed: Mapping[int, Sharding] = {},
+           out_names: Mapping[int, str] = {}) -> tuple[dict, dict, dict, list[str]]:
     """(seeds for every value the choice decides and nothing fixed, each op's factor sharding chosen (for the
-    lowering to take), explain()'s lines about it; with why, the runner-ups too, each a solve of its own)."""
+    lowering to take), the sharding each output not fixed leaves in (by index), explain()'s lines about it;
+    with why, the runner-ups too, each a solve of its own). out_fixed: the outputs out_shardings fixes."""
     start = time.perf_counter()
-    g = Builder(program, seeds, mesh_shape, mesh_axes, profile, names).build()
+    g = Builder(program, seeds, mesh_shape, mesh_axes, profile, names, out_fixed, out_names).build()
     try:
         sol = solve(g, mesh_shape, auto.memory_budget)
-    except Infeasible:
+    except Infeasible as e:
+        if auto.memory_budget is None:
+            raise RuntimeError(f"the automatic sharding found no option for some op: {e}") from None
         raise ValueError(_over_budget(g, mesh_shape, auto.memory_budget)) from None
     chosen: dict = {}
     pinned = {n.eqn: n.options[p].fs for n, p in zip(g.nodes, sol.picks) if n.eqn is not None and n.options[p].fs}
@@ -59,6 +63,7 @@ def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_s
             target = _target(g, sol, readers[i, v], option.made[r])
             if v not in seeds and target is not None:
                 chosen[v] = (target, "automatic sharding")
+    leaving = {k: g.nodes[node].options[sol.picks[node]].need[0] for node, v, k, fixed in g.outputs if not fixed}
     took = time.perf_counter() - start
     lines = [f"automatic sharding: {len(g.nodes)} nodes, {len(g.edges)} edges, "
              f"{sum(len(n.options) for n in g.nodes)} options; solved in {took:.2f} s; predicted "
@@ -67,7 +72,7 @@ def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_s
              + (f" against a budget of {_fmt_bytes(auto.memory_budget)}" if auto.memory_budget else "")]
     if why:
         lines += _why(g, sol, mesh_shape, auto, time_limit=max(RUNNER_UP_SECONDS, took))
-    return chosen, pinned, lines
+    return chosen, pinned, leaving, lines
 
 
 def _target(g: Graph, sol: Solution, readers: list, made: Optional[Sharding]) -> Optional[Sharding]:
@@ -112,7 +117,7 @@ def _why(g: Graph, sol: Solution, mesh_shape: dict, auto: Auto, time_limit: floa
 
 def _over_budget(g: Graph, mesh_shape: dict, budget: float) -> str:
     """The message for a budget no choice meets: the least memory found, and the values holding most of it."""
-    least = solve(g, mesh_shape, objective="memory")
+    least = solve(g, mesh_shape, objective="memory")  # raises Infeasible where no option at all is left
     memory = memory_of(g)
     held = sorted(((memory[i][p], g.nodes[i]) for i, p in enumerate(least.picks) if memory[i][p]),
                   key=lambda t: -t[0])[:4]

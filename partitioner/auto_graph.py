@@ -74,7 +74,7 @@ class Graph:
     nodes: list[Node]
     edges: list[Edge]
     makers: dict  # value -> (node, result index)
-    outputs: list  # (its output node, the value)
+    outputs: list  # (its output node, the value, its index among the outputs, whether its sharding is fixed)
 
 
 def axis_tuples(mesh_shape: Mapping[str, int]) -> list[tuple[str, ...]]:
@@ -104,8 +104,10 @@ class Builder:
     """The graph of a program's top-level values and ops on a mesh, costed on a profile."""
 
     def __init__(self, program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_shape: dict,
-                 mesh_axes: tuple, profile, names: Mapping[Value, str]):
+                 mesh_axes: tuple, profile, names: Mapping[Value, str], out_fixed: Mapping[int, Sharding] = {},
+                 out_names: Mapping[int, str] = {}):
         self.program, self.seeds, self.names = program, seeds, names
+        self.out_fixed, self.out_names = out_fixed, out_names  # outputs by index: out_shardings', their names
         self.mesh_shape = dict(mesh_shape)
         self.strategy = Strategy(None, self.mesh_shape, mesh_axes, profile, collective_matmul="off")
         self.profile = profile
@@ -140,14 +142,18 @@ class Builder:
             for r, v in enumerate(e.outvars):
                 makers[v] = (i, r, False)
         outputs = []
-        for v in self.program.outvars:  # an output leaves in a sharding of its own: out_shardings', or chosen
+        for k, v in enumerate(self.program.outvars):  # an output leaves in a sharding of its own, or as fixed
             if isinstance(v, Value) and v in makers:
-                fixed = self.seeds.get(v)
-                choices = [fixed[0]] if fixed else tensor_shardings(v.shape, self.mesh_shape)
-                nodes.append(Node(f"output {self.names.get(v, '')}".strip(),
+                fixed = self.out_fixed.get(k)
+                a, r, _ = makers[v]
+                maker = nodes[a].eqn
+                if fixed is None and maker is not None and getattr(REG.op_for(maker.name), "annotation", False):
+                    fixed = nodes[a].options[0].made[r]  # the user annotated the value it returns: kept
+                choices = [fixed] if fixed is not None else tensor_shardings(v.shape, self.mesh_shape)
+                nodes.append(Node(f"output {self.out_names.get(k, k)}",
                                   [Option((s,), (), 0.0, _local_bytes(v, s, self.mesh_shape), str(s))
                                    for s in choices]))
-                outputs.append((len(nodes) - 1, v))
+                outputs.append((len(nodes) - 1, v, k, fixed is not None))
                 edge = self._edge(nodes, makers[v], (len(nodes) - 1, 0), v)
                 if edge is not None:
                     edges.append(edge)
@@ -156,7 +162,8 @@ class Builder:
     def _follows(self, e: Eqn, makers: dict) -> Optional[Value]:
         """The one operand an elementwise op follows (the others scalars or constants), or None: such an op
         runs in its operand's sharding, so it is merged into that operand's maker, as Alpa merges them."""
-        if e.subs or len(e.outvars) != 1 or self.seeds.get(e.outvars[0]):
+        op = REG.op_for(e.name)
+        if e.subs or len(e.outvars) != 1 or self.seeds.get(e.outvars[0]) or op is None or op.annotation:
             return None
         rule = REG.rule_for(e)
         if rule is None or not rule.pointwise:
@@ -180,8 +187,8 @@ class Builder:
             if m is not None:
                 whole = Sharding(m.dims, frozenset(), m.padded)
                 if m.partial and (a, r) not in reduced:
-                    extra += self.strategy.reshard_time(m, whole, v.shape, e.invars[0].aval.dtype
-                                                        if isinstance(e.invars[0], Value) else v.aval.dtype)
+                    operand = next(x for x in e.invars if isinstance(x, Value) and len(x.shape))
+                    extra += self.strategy.reshard_time(m, whole, v.shape, operand.aval.dtype)
                 extra += compute_time(math.prod(whole.local_shape(v.shape, self.mesh_shape)), self.profile)
             charged.append(dataclasses.replace(o, seconds=o.seconds + extra))
         nodes[a].options = charged

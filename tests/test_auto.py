@@ -153,6 +153,25 @@ def test_the_options_are_every_split_the_rule_allows():
     assert auto_graph.axis_tuples(mesh_shape) == [("data",), ("model",), ("data", "model")]
 
 
+@pytest.mark.parametrize("program", ["elementwise", "scan"])
+def test_the_outputs_leave_as_chosen_so_the_budget_holds(program):
+    """An output's sharding counts toward the budget, so it leaves as chosen: an elementwise op of a whole
+    4 MiB argument (its result merged into the argument's node), and a scan's stacked result."""
+    mesh = gs.make_mesh(MESH2)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1024, 1024)), jnp.float32)
+
+    def f(x):
+        if program == "scan":
+            return jax.lax.scan(lambda c, row: (c + row, jnp.tanh(row) * 2), jnp.zeros(1024), x)[1]
+        return jnp.tanh(x) * 2
+
+    budget = 5 * 2**20  # the argument whole (4 MiB) and the output split
+    fn = gs.partition(f, mesh, in_shardings=P(), auto=True, memory_budget=budget)
+    m = fn.lower(x).compile().memory_analysis()
+    assert m.argument_size_in_bytes + m.output_size_in_bytes <= budget
+    close(fn(x), jax.jit(f)(x))
+
+
 @pytest.mark.parametrize("kw,message", [
     (dict(memory_budget=10), "memory_budget=10 bounds the automatic sharding's choice: pass auto=True"),
     (dict(auto=True, memory_budget=-1), "memory_budget=-1: expected a positive number of bytes"),
@@ -194,6 +213,9 @@ def test_a_dense_train_step_over_the_budget_shards_its_state_and_fits():
     layout = {v.name: v.boundary for v in report.inputs}
     moments = [n for n in layout if (".mu[" in n or ".nu[" in n) and n.endswith("['kernel']")]
     assert moments and all(len(layout[n].axes) == 2 for n in moments), layout  # over all 8 devices (ZeRO)
+    kernel = lambda n: layout[f"params['params']['{n}']['kernel']"]  # as docs/partitioner.md says of it
+    assert kernel("wi").axes == kernel("wo").axes == {"model"}
+    assert all(not kernel(n).axes for n in "qkvo"), layout
     fn = gs.partition(train_step, mesh, in_shardings=ins, auto=True, memory_budget=budget)
     m = fn.lower(params, opt_state, x).compile().memory_analysis()
     assert m.argument_size_in_bytes + m.output_size_in_bytes <= budget < state

@@ -105,11 +105,14 @@ def test_the_delayed_update_applies_each_steps_gradients_a_step_later():
         if waiting is not None:
             ref = apply(ref, waiting)
         waiting = g
-    state, losses = late.init_fn(jax.random.key(0)), []
+    state, losses, rates = late.init_fn(jax.random.key(0)), [], []
     for b in data:
         state, m = late.step_fn(state, b)
         losses.append(float(m["loss"]))
+        rates.append(float(m["learning_rate"]))
     assert losses == pytest.approx(want, rel=1e-6)
+    # the learning rate reported is the applied update's: step t applies step t - 1's gradients
+    assert rates == pytest.approx([float(late.schedule(max(t - 2, 0))) for t in range(1, 5)])
     for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(ref["params"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-8)
     pending = state["opt_state"]["pending"]  # the last step's gradients wait on the host for the next
@@ -120,8 +123,9 @@ def test_the_delayed_update_applies_each_steps_gradients_a_step_later():
 
 def test_the_delayed_update_does_not_wait_for_the_devices_gradients():
     """What the host applies in a step reads nothing the device computes in it: from the same state, two
-    different batches give the same params, master weights and moments (only what waits differs), so
-    nothing in the program orders the host's update after the device's forward and backward."""
+    different batches give the same params, master weights and moments (only what waits differs). No data
+    dependence orders the host's update after the device's forward and backward, which is what lets XLA
+    run them at once; whether it does is for a GPU to show."""
     t = make("d8", offload_optimizer=True, delayed_update=True)
     data = [jax.device_put(b, t.batch_sharding) for b in batches(t, 4)]
     state, _ = t.step_fn(t.init_fn(jax.random.key(0)), data[0])

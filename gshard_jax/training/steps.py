@@ -234,7 +234,9 @@ def train_step(state: dict, batch: dict, *, c: StepConfig) -> tuple[dict, dict]:
         new = apply_update(state, grads, c=c)
         if skip:
             new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, dict(state, step=step))
-    out = {"loss": value, "grad_norm": grad_norm, "learning_rate": c.schedule(step - 1), "finite": ok,
+    # the learning rate of the update this step applies (under delayed_update the previous step's gradients)
+    applied = jnp.maximum(step - 2, 0) if c.delayed else step - 1
+    out = {"loss": value, "grad_norm": grad_norm, "learning_rate": c.schedule(applied), "finite": ok,
            "nonfinite_rows": bad_S, **m}
     return new, out
 
