@@ -71,6 +71,7 @@ class Regions:
             outs.update((id(o), id(b)) for b, o in zip(program.outvars, outer[1]) if isinstance(b, Value))
         saved = (self._cache, self._resharded, self._prefix, self._trips)
         self._cache, self._prefix, self._trips = dict(self._cache), f"{self._prefix}{name}/", self._trips * trips
+        first = len(self.report.rows) if self.report is not None else 0
         self._resharded = {v: set(d) for v, d in self._resharded.items()}
         try:
             benv = collections.ChainMap({}, env)
@@ -87,6 +88,8 @@ class Regions:
             edge = []
             outs = [self._read_sum(benv, v, t, edge) for v, t in zip(program.outvars, targets)]  # partial: carried
             self._edge_row(name, "results resharded to the loop's", edge, program.outvars, ())
+            if outer is not None and trips == 1 and self.report is not None:  # XLA inlines it (overlap.py)
+                self.report.one_trip.append((first, len(self.report.rows), self._prefix.count("/")))
             return outs + list(extra)
         finally:
             self._cache, self._resharded, self._prefix, self._trips = saved

@@ -13,9 +13,9 @@ This module list-schedules a report's rows (each with the values it reads and wr
 collectives run before its compute and which wait for its result) region by region: a loop body is one
 region, run once per trip; its loop row is a barrier in the region around it that takes the body's span
 times its trips. A scan body that runs once per call of the region around it is no region of its own: XLA
-inlines a loop of one trip (WhileLoopSimplifier), so its rows join the region around it, reading the values
-their inputs stand for (the report's `links`). A collective's exposed time is the part of its span in
-which the compute stream is idle.
+inlines a loop of one trip (WhileLoopSimplifier), so its rows (the report's `one_trip` ranges) join the
+region around it, reading the values their inputs stand for (the report's `links`). A collective's
+exposed time is the part of its span in which the compute stream is idle.
 Nothing is assumed of the hardware but the durations the caller gives.
 """
 from __future__ import annotations
@@ -40,11 +40,13 @@ class Overlap:
     calls: int = 1  # calls of the row's region per step
 
 
-def region(primitive: str) -> str:
+def region(primitive: str, joined: frozenset | set = frozenset()) -> str:
     """The loop body a row runs in: its primitive's prefix without the inline ones ("scan/checkpoint/dot"
-    runs in "scan/")."""
+    runs in "scan/") and without the levels `joined` (bodies of one trip a call: "scan/scan/dot" with level 2
+    joined runs in "scan/")."""
     head = primitive.rpartition("/")[0]
-    parts = [p for p in head.split("/") if p and p + "/" not in INLINE] if head else []
+    parts = [p for level, p in enumerate(head.split("/"), 1) if p and p + "/" not in INLINE and level not in joined
+             ] if head else []
     return "".join(p + "/" for p in parts)
 
 
@@ -148,38 +150,37 @@ def _list_schedule(nodes: list[_Node], t0: float, overlaps: bool) -> float:
 
 
 def analyse(rows: Sequence, comm_time: Callable, compute_time: Callable, overlaps: bool,
-            links: tuple[dict, dict] = ({}, {})) -> list[Overlap]:
+            links: tuple[dict, dict] = ({}, {}), joined: Sequence[tuple[int, int, int]] = ()) -> list[Overlap]:
     """Per row, its collectives' time and exposed time per call of its region (see the module docstring).
 
     rows: report rows in program order (`reads`, `writes`, `issue`, `collectives`, `trips`, `calls`,
     `primitive`). comm_time(collective) and compute_time(row): seconds, as the caller's machine takes them.
     links: (a body's input -> the value it stands for, a loop's result -> the body's value it stands for),
-    by value id, for the bodies that join the region around them."""
+    by value id, for the bodies that join the region around them. joined: (first row, end row, level) of each
+    body run once per call of the code around it (level: its place in the rows' primitive paths, from 1)."""
     out = [Overlap() for _ in rows]
     comms: list[list[_Node]] = [[] for _ in rows]
     computes: list[Optional[_Node]] = [None] * len(rows)
     regions: list[_Region] = []  # every region, to read its compute spans afterwards
-    stack: list[tuple[str, _Region, bool]] = [("", _Region(1), False)]  # (key, region, joined to the one around)
+    stack: list[tuple[str, _Region]] = [("", _Region(1))]
+    levels: list[set] = [set() for _ in rows]
+    for start, end, level in joined:
+        for i in range(start, min(end, len(rows))):
+            levels[i].add(level)
 
     def close() -> None:
-        _, done, joined = stack.pop()
-        if joined:
-            return
+        _, done = stack.pop()
         span = done.schedule(overlaps)
         stack[-1][1].pending += span * (done.calls or 1)  # seconds a step: the next loop row's
         regions.append(done)
 
     for i, r in enumerate(rows):
-        key, calls = region(r.primitive), getattr(r, "calls", r.trips)
+        key, calls = region(r.primitive, levels[i]), getattr(r, "calls", r.trips)
         while len(stack) > 1 and not key.startswith(stack[-1][0]):
             close()
         while key != stack[-1][0]:  # into a body (and the bodies around it, whose rows come later)
             inner = key[len(stack[-1][0]):].split("/")[0] + "/"
-            around = stack[-1][1]
-            if stack[-1][0] + inner == key and inner == "scan/" and around.calls == calls:  # one trip a call
-                stack.append((key, around, True))
-            else:
-                stack.append((stack[-1][0] + inner, _Region(None), False))
+            stack.append((stack[-1][0] + inner, _Region(None)))
         g = stack[-1][1]
         g.calls = g.calls or calls
         per_call = r.trips / max(calls, 1)  # a ring's row stands for n - 1 permutes a call

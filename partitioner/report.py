@@ -156,6 +156,8 @@ class Report:
     # For overlap.py, by value id: a scan body's input -> the operand it stands for, and a scan's result -> the
     # body's value it stands for (a body run once a call is inlined into the code around it)
     links: tuple[dict, dict] = dataclasses.field(default_factory=lambda: ({}, {}))
+    # (first row, end row, level) of each scan body of one trip a call, which XLA inlines (overlap.py joins it)
+    one_trip: list = dataclasses.field(default_factory=list)
     _overlap: Optional[list] = dataclasses.field(default=None, repr=False, compare=False)  # overlap() at the profile
 
     def argument_bytes(self, host: bool = False) -> dict:
@@ -245,7 +247,7 @@ class Report:
             return self._overlap
         got = OV.analyse(self.rows, comm_time or (lambda c: c.time(self.profile)),
                          compute_time or (lambda r: r.compute_time),
-                         self.profile.overlap if overlaps is None else overlaps, self.links)
+                         self.profile.overlap if overlaps is None else overlaps, self.links, self.one_trip)
         if comm_time is None and compute_time is None and overlaps is None:
             self._overlap = got
         return got

@@ -81,12 +81,27 @@ def test_a_body_of_one_trip_a_call_joins_the_region_around_it():
     links = ({"x_in": "a"}, {"c": "y_body"})
     body = [_row("scan/dot", 2, ("x_in",), ("y_body",), after=[AR]), _row("scan", 0, ("a",), ("c",))]
     rows = [_row("dot", 1, (), ("a",))] + body + [_row("dot", 3, (), ("b",)), _row("add", 1, ("c", "b"), ("d",))]
-    timing = OV.analyse(rows, lambda c: 1.0, lambda r: r.compute_time, True, links)
+    timing = OV.analyse(rows, lambda c: 1.0, lambda r: r.compute_time, True, links, joined=[(1, 2, 1)])
     assert timing[1].exposed == pytest.approx(0.0)  # hidden behind the independent dot
     assert OV.exposed_per_step(timing) == pytest.approx(0.0)
+    # not of one trip (two trips a call, or nothing says so): a region of its own
     twice = list(rows)
-    twice[1] = _row("scan/dot", 2, ("x_in",), ("y_body",), after=[AR], trips=2)  # two trips a call: a region
+    twice[1] = _row("scan/dot", 2, ("x_in",), ("y_body",), after=[AR], trips=2)
     assert OV.analyse(twice, lambda c: 1.0, lambda r: r.compute_time, True, links)[1].exposed == pytest.approx(1.0)
+    assert OV.analyse(rows, lambda c: 1.0, lambda r: r.compute_time, True, links)[1].exposed == pytest.approx(1.0)
+
+
+def test_a_joined_body_first_in_a_loop_body_or_holding_a_loop_still_joins():
+    """Which bodies run once a call is said by the report, not inferred from the rows around them: a body of
+    one trip whose rows open its enclosing loop's body joins it, and so does one that opens with a loop."""
+    rows = [_row("scan/scan/dot", 2, (), ("y",), after=[AR], trips=3), _row("scan/scan", 0, (), ("c",), trips=3),
+            _row("scan/dot", 3, (), ("b",), trips=3), _row("scan", 0, (), ("d",))]
+    timing = OV.analyse(rows, lambda c: 1.0, lambda r: r.compute_time, True, joined=[(0, 1, 2)])
+    assert timing[0].exposed == pytest.approx(0.0)  # beside the outer body's independent dot
+    nested = [_row("scan/scan/dot", 2, (), ("y",), after=[AR], trips=4), _row("scan", 0, (), ("c",)),
+              _row("dot", 3, (), ("b",))]  # a 4-trip loop opening a one-trip body: the loop stays a barrier
+    timing = OV.analyse(nested, lambda c: 1.0, lambda r: r.compute_time, True, joined=[(0, 2, 1)])
+    assert OV.exposed_per_step(timing) == pytest.approx(4.0)
 
 
 def test_the_body_waits_for_its_operands_maker():
@@ -95,9 +110,9 @@ def test_the_body_waits_for_its_operands_maker():
     links = ({"x_in": "a"}, {})
     rows = [_row("dot", 3, (), ("a",)), _row("scan/dot", 1, ("x_in",), ("y",), before=[AR]),
             _row("scan", 0, ("a",), ("c",))]
-    timing = OV.analyse(rows, lambda c: 1.0, lambda r: r.compute_time, True, links)
+    timing = OV.analyse(rows, lambda c: 1.0, lambda r: r.compute_time, True, links, joined=[(1, 2, 1)])
     assert timing[1].exposed == pytest.approx(1.0)
-    unlinked = OV.analyse(rows, lambda c: 1.0, lambda r: r.compute_time, True)  # as if it read nothing made
+    unlinked = OV.analyse(rows, lambda c: 1.0, lambda r: r.compute_time, True, joined=[(1, 2, 1)])  # reads nothing
     assert unlinked[1].exposed == pytest.approx(0.0)
 
 
