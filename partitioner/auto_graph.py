@@ -73,7 +73,6 @@ class Edge:
 class Graph:
     nodes: list[Node]
     edges: list[Edge]
-    makers: dict  # value -> (node, result index)
     outputs: list  # (its output node, the value, its index among the outputs, whether its sharding is fixed)
 
 
@@ -157,7 +156,7 @@ class Builder:
                 edge = self._edge(nodes, makers[v], (len(nodes) - 1, 0), v)
                 if edge is not None:
                     edges.append(edge)
-        return Graph(nodes, edges, makers, outputs)
+        return Graph(nodes, edges, outputs)
 
     def _follows(self, e: Eqn, makers: dict) -> Optional[Value]:
         """The one operand an elementwise op follows (the others scalars or constants), or None: such an op

@@ -85,40 +85,27 @@ def solve(g: Graph, mesh_shape: dict, budget: Optional[float] = None, exclude: S
         for at, mem in zip(offsets, memory):
             c[at: at + len(mem)] = mem / 2**20  # in MiB
     rows, cols, vals, lo, hi = [], [], [], [], []
-    r = 0
+
+    def row(at: list, coef: list, low: float, high: float) -> None:
+        """One constraint: low <= sum coef * x[at] <= high."""
+        rows.extend([len(lo)] * len(at))
+        cols.extend(at)
+        vals.extend(coef)
+        lo.append(low)
+        hi.append(high)
+
     for node, at in zip(g.nodes, offsets):  # one option per node
-        k = len(node.options)
-        rows += [r] * k
-        cols += list(range(at, at + k))
-        vals += [1.0] * k
-        lo.append(1.0)
-        hi.append(1.0)
-        r += 1
+        row(list(range(at, at + len(node.options))), [1.0] * len(node.options), 1.0, 1.0)
     for e, at in zip(edges, edge_at):  # each edge's joint has the two nodes' choices as marginals
         ns, nt = e.seconds.shape
         for s in range(ns):
-            rows += [r] * (nt + 1)
-            cols += [at + s * nt + t for t in range(nt)] + [offsets[e.src] + s]
-            vals += [1.0] * nt + [-1.0]
-            lo.append(0.0)
-            hi.append(0.0)
-            r += 1
+            row([at + s * nt + t for t in range(nt)] + [offsets[e.src] + s], [1.0] * nt + [-1.0], 0.0, 0.0)
         for t in range(nt):
-            rows += [r] * (ns + 1)
-            cols += [at + s * nt + t for s in range(ns)] + [offsets[e.dst] + t]
-            vals += [1.0] * ns + [-1.0]
-            lo.append(0.0)
-            hi.append(0.0)
-            r += 1
-    if budget is not None and objective == "time":
-        for at, mem in zip(offsets, memory):
-            rows += [r] * len(mem)
-            cols += list(range(at, at + len(mem)))
-            vals += list(mem / budget)  # in budgets, so the row reads <= 1
-        lo.append(-np.inf)
-        hi.append(1.0)
-        r += 1
-    a = sparse.csr_array((vals, (rows, cols)), shape=(r, m))
+            row([at + s * nt + t for s in range(ns)] + [offsets[e.dst] + t], [1.0] * ns + [-1.0], 0.0, 0.0)
+    if budget is not None and objective == "time":  # the memory row, in budgets so it reads <= 1
+        row([at + k for at, mem in zip(offsets, memory) for k in range(len(mem))],
+            [b / budget for mem in memory for b in mem], -np.inf, 1.0)
+    a = sparse.csr_array((vals, (rows, cols)), shape=(len(lo), m))
     upper = np.ones(m)
     for node, s in exclude:
         upper[offsets[node] + s] = 0.0
