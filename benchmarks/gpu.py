@@ -71,6 +71,7 @@ def parse_args(argv=None):
 
 def configure(name: str, devices: int, hardware: str, sets: list[str] = ()):
     """The case's config on `devices` devices, with --set overrides last."""
+    from gshard_jax import configs
     from gshard_jax.configs import load
     from gshard_jax.training.overrides import parse_value
     path, overrides = CASES[name]
@@ -86,12 +87,13 @@ def configure(name: str, devices: int, hardware: str, sets: list[str] = ()):
         put(key, value(devices) if callable(value) else value, False)
     for kv in sets:
         put(*kv.split("=", 1), True)
-    sizes = {k: v for k, v in cfg.mesh.items() if v not in (1, -1)}
+    axes = configs.section(configs.MeshConfig, "mesh", cfg.mesh).sizes()
+    sizes = {k: v for k, v in axes.items() if v not in (1, -1)}
     product = 1
     for v in sizes.values():
         product *= v
-    if product != devices or -1 in cfg.mesh.values():
-        cfg.mesh.update({k: 1 for k in cfg.mesh})
+    if product != devices or -1 in axes.values():
+        cfg.mesh.update({k: 1 for k in axes})
         cfg.mesh.data = devices
     cfg.train.hardware = hardware
     return cfg

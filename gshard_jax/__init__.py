@@ -21,7 +21,7 @@ for _lib in ("flax", "optax", "orbax", "einops"):
         for _path in _spec.submodule_search_locations:
             _source_info_util.register_exclusion(_path.rstrip(_os.sep) + _os.sep)
 from .annotations import replicate, shard, split
-from .api import explain, partition
+from .api import chosen_shardings, explain, partition
 from .manual import manual
 from .mesh import make_mesh
 from .partitioner import hardware
@@ -31,8 +31,8 @@ from .partitioner.report import Report
 from .partitioner.sharding import Sharding
 from .pipelines import pipeline, pipeline_value_and_grad
 
-__all__ = ["make_mesh", "replicate", "split", "shard", "manual", "partition", "explain", "Report", "Sharding",
-           "Hardware", "hardware", "collective_stats", "pipeline", "pipeline_value_and_grad", "plan"]
+__all__ = ["make_mesh", "replicate", "split", "shard", "manual", "partition", "explain", "chosen_shardings", "Report",
+           "Sharding", "Hardware", "hardware", "collective_stats", "pipeline", "pipeline_value_and_grad", "plan"]
 
 
 def __getattr__(name: str):

@@ -238,11 +238,13 @@ def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings:
     train step's state), so the caller must not read them afterwards.
     auto=True: every value nobody annotated gets the sharding that minimises the step's predicted time (with
     the arguments' and outputs' bytes per device within memory_budget, when given); annotations, in_shardings
-    and out_shardings are kept (partitioner/auto.py).
+    and out_shardings are kept (partitioner/auto.py). An output that reuses a donated argument's buffer (as
+    jax.jit pairs them: the first donated argument of its shape and dtype) leaves in the sharding that argument
+    arrives in, chosen once for both, and its bytes count once.
     """
     given, mesh = mesh, _check(mesh, backend)
     donate_argnums = _donated(donate_argnums)
-    choice = _auto(auto, memory_budget, backend)
+    choice = _auto(auto, memory_budget, backend, donate_argnums)
     check_mode(collective_matmul)
     _validate(in_shardings, mesh, "in_shardings")
     _validate(out_shardings, mesh, "out_shardings")
@@ -259,7 +261,8 @@ def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings:
                        given, donate_argnums, choice)
 
 
-def _auto(auto: bool, memory_budget: Optional[float], backend: str = "gshard") -> Optional[AU.Auto]:
+def _auto(auto: bool, memory_budget: Optional[float], backend: str = "gshard",
+          donate_argnums: tuple = ()) -> Optional[AU.Auto]:
     """partition's and explain's auto and memory_budget as the choice's options, or a ValueError saying why not."""
     if not isinstance(auto, bool):
         raise ValueError(f"auto={auto!r}: expected True (choose the shardings nobody annotated) or False")
@@ -271,7 +274,7 @@ def _auto(auto: bool, memory_budget: Optional[float], backend: str = "gshard") -
     if backend != "gshard":
         raise ValueError(f"auto=True is this project's choice of shardings, for backend='gshard'; got "
                          f"backend={backend!r}")
-    return AU.Auto(memory_budget)
+    return AU.Auto(memory_budget, donate_argnums)
 
 
 def _donated(donate_argnums) -> tuple:
@@ -286,15 +289,15 @@ def _donated(donate_argnums) -> tuple:
 def explain(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, out_shardings: Any = None,
             profile: Optional[Hardware] = None, collective_matmul: str = "auto",
             trace_per_device: bool = True, auto: bool = False, memory_budget: Optional[float] = None,
-            **kwargs) -> Report:
+            donate_argnums: int | Sequence[int] = (), **kwargs) -> Report:
     """What partition() decides for these arguments (arrays or ShapeDtypeStructs): one row per op, and totals.
 
     trace_per_device=False decides and reports the same program without tracing the per-device program
     (Lowering.cost: the choices, reshards and hooks' collectives only), several times faster on a large
-    train step; gs.plan costs its candidates this way. auto, memory_budget: as partition's.
+    train step; gs.plan costs its candidates this way. auto, memory_budget, donate_argnums: as partition's.
     """
     given, mesh = mesh, _check(mesh, "gshard")
-    choice = _auto(auto, memory_budget)
+    choice = _auto(auto, memory_budget, "gshard", _donated(donate_argnums))
     check_mode(collective_matmul)
     _validate(in_shardings, mesh, "in_shardings")
     _validate(out_shardings, mesh, "out_shardings")
@@ -310,3 +313,24 @@ def explain(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, out_shard
                             report, collective_matmul, choice)[1].cost()
         SUB.name_whole_axes(report)
     return report
+
+
+def chosen_shardings(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, out_shardings: Any = None,
+                     profile: Optional[Hardware] = None, memory_budget: Optional[float] = None,
+                     donate_argnums: int | Sequence[int] = (), **kwargs) -> tuple[Any, Any]:
+    """(in_shardings, out_shardings) the automatic sharding gives fn for these arguments (arrays or
+    ShapeDtypeStructs), as PartitionSpec trees shaped like the arguments (a tuple, one per positional argument)
+    and the outputs: what partition(auto=True) compiles, to fix them where a caller keeps them from call to
+    call (a training loop's state). Arguments as explain's; no runner-ups are solved."""
+    given, mesh = mesh, _check(mesh, "gshard")
+    choice = _auto(True, memory_budget, "gshard", _donated(donate_argnums))
+    _validate(in_shardings, mesh, "in_shardings")
+    _validate(out_shardings, mesh, "out_shardings")
+    placements = _placements(fn, mesh, args, kwargs)
+    with gc_paused():
+        t, lowering, _ = P.partition_program(fn, mesh, in_shardings, out_shardings, placements, args, kwargs,
+                                             given, _placed(profile, mesh), None, "auto", choice)
+    n = len(jax.tree_util.tree_leaves(args))
+    ins = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tuple(args)),
+                                       [s.spec() for s in lowering.entry[:n]])
+    return ins, jax.tree_util.tree_unflatten(t.out_tree, [s.spec() for s in lowering.exit])

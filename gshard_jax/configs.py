@@ -108,6 +108,9 @@ class ScheduleConfig:
     owned_ends: bool = True
 
 
+NOT_AXES = ("auto", "memory_budget")  # the mesh section's fields that are not axis sizes
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """The mesh section: axis sizes (one may be -1: the devices the others leave); axes of size 1 are left out
@@ -120,11 +123,16 @@ class MeshConfig:
     y: int = 1  # tensor axis: heads, FFN units and vocabulary (alone: Megatron's column-then-row layout)
     x: int = 1  # tensor axis: the model width (with y: AxoNN's 3D layout, ordinary and transposed layers)
     model: int = 1  # another name for y, kept for older configs
+    # True: the models' rules table is dropped and the partitioner chooses every sharding but the batch's
+    # (gs.partition(auto=True)): the params' and optimizer state's too, kept from step to step
+    auto: bool = False
+    memory_budget: float = 0.0  # with auto: bytes per device the state, batch and outputs may hold (0: no limit)
 
     def sizes(self) -> dict[str, int]:
         """{axis: size} in name order: the mesh's axis order when mesh_order gives none (the order a
         ConfigDict section iterates in)."""
-        return {name: getattr(self, name) for name in sorted(f.name for f in dataclasses.fields(self))}
+        return {name: getattr(self, name) for name in sorted(f.name for f in dataclasses.fields(self))
+                if name not in NOT_AXES}
 
     def on(self, devices: int) -> dict[str, int]:
         """sizes() on `devices` devices: the -1 axis (at most one) takes what the others leave, which must

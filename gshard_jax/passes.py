@@ -208,10 +208,12 @@ def partition_program(fn: Callable, mesh, in_shardings, out_shardings, placement
     if auto is not None:
         fixed = {k: t.leaving.get(k) or t.seeds[v][0] for k, v in enumerate(t.program.outvars)
                  if k in t.leaving or (v in t.seeds and t.seeds[v][1].startswith("out_shardings"))}
+        counts = [len(jax.tree_util.tree_leaves(a)) for a in args]
+        donated = [sum(counts[:i]) + j for i in auto.donate_argnums if i < len(args) for j in range(counts[i])]
         chosen, pinned, leaving, lines = AU.choose(
             t.program, t.seeds, dict(mesh.shape), tuple(mesh.axis_names), profile,
             dict(zip(t.program.invars, t.names)), auto, why=report is not None, out_fixed=fixed,
-            out_names=dict(enumerate(t.out_names)))
+            out_names=dict(enumerate(t.out_names)), ties=AU.donated_outputs(t.program, donated))
         t = dataclasses.replace(t, seeds={**chosen, **t.seeds}, notes=t.notes + lines, pinned=pinned,
                                 leaving={**leaving, **t.leaving})
     lowering, runs_on = plan_and_lower(t, mesh, profile, report, collective_matmul)

@@ -78,6 +78,19 @@ def end_owner(spec) -> str:
     return {FIRST_STAGE: "first", LAST_STAGE: "last"}.get(spec[0], "") if spec else ""
 
 
+# The table under automatic sharding (mesh.auto, gs.partition(auto=True)): every logical name maps to no mesh axis,
+# so the model's structure (MoE groups, ring attention, context order) is the unsplit one, and constrain()
+# annotates nothing, so every value's sharding is the partitioner's choice. The AUTOMATIC entry marks it.
+AUTOMATIC = "automatic"
+AUTO_RULES: Rules = tuple((name, None) for name in dict.fromkeys(
+    [n for n, _ in DEFAULT_RULES] + [SEQUENCE_PARALLEL[0], FIRST_STAGE, LAST_STAGE])) + ((AUTOMATIC, None),)
+
+
+def automatic(rules: Rules) -> bool:
+    """Whether `rules` is the automatic sharding's table (AUTO_RULES): constrain() then annotates nothing."""
+    return any(name == AUTOMATIC for name, _ in rules)
+
+
 # A logical name a table may lack, and the entry that stands in for it (tables written before `seq` existed, or
 # the stage-owned ends).
 STANDS_IN = {"seq": "length", FIRST_STAGE: "layers", LAST_STAGE: "layers"}
@@ -118,6 +131,6 @@ def constrain(x: jax.Array, names: Sequence[Optional[str]], rules: Rules, grad: 
         raise ValueError(f"constrain: {len(names)} logical names {tuple(names)} for an array of shape "
                          f"{tuple(x.shape)}; expected one name (or None) per dim")
     mesh = gs.annotations.current_mesh()
-    if mesh is None:
+    if mesh is None or automatic(rules):
         return x
     return gs.shard(x, mesh_spec(names, rules, mesh.axis_names), grad=grad)

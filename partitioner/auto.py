@@ -8,9 +8,9 @@ import dataclasses
 import math
 import numbers
 import time
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
-from .auto_graph import Builder, Graph
+from .auto_graph import Builder, Graph, viewed
 from .auto_solve import Infeasible, Solution, Unsolved, memory_of, solve
 from .cost import _fmt_bytes
 from .program import Program, Value
@@ -25,6 +25,7 @@ RUNNER_UP_SECONDS = 2.0  # the least each runner-up's solve may take (at most as
 class Auto:
     """What partition(auto=True, memory_budget=...) asks of the choice."""
     memory_budget: Optional[float] = None  # bytes per device the arguments and outputs may hold (None: no limit)
+    donate_argnums: tuple = ()  # donated positional arguments: an output reusing one's buffer leaves as it arrives
 
     def __post_init__(self):
         b = self.memory_budget
@@ -34,12 +35,13 @@ class Auto:
 
 def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_shape: dict, mesh_axes: tuple,
            profile, names: Mapping[Value, str], auto: Auto, why: bool = True, out_fixed: Mapping[int, Sharding] = {},
-           out_names: Mapping[int, str] = {}) -> tuple[dict, dict, dict, list[str]]:
+           out_names: Mapping[int, str] = {}, ties: Mapping[int, int] = {}) -> tuple[dict, dict, dict, list[str]]:
     """(seeds for every value the choice decides and nothing fixed, each op's factor sharding chosen (for the
     lowering to take), the sharding each output not fixed leaves in (by index), explain()'s lines about it;
-    with why, the runner-ups too, each a solve of its own). out_fixed: the outputs out_shardings fixes."""
+    with why, the runner-ups too, each a solve of its own). out_fixed: the outputs out_shardings fixes; ties:
+    output index -> the input (flat index) whose donated buffer it reuses (donated_outputs)."""
     start = time.perf_counter()
-    g = Builder(program, seeds, mesh_shape, mesh_axes, profile, names, out_fixed, out_names).build()
+    g = Builder(program, seeds, mesh_shape, mesh_axes, profile, names, out_fixed, out_names, ties).build()
     try:
         sol = solve(g, mesh_shape, auto.memory_budget)
     except Infeasible as e:
@@ -51,18 +53,22 @@ def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_s
     readers = collections.defaultdict(list)  # (node, value) -> the edges that read it
     for e in g.edges:
         readers[e.src, e.value].append(e)
-    for i, (node, pick) in enumerate(zip(g.nodes, sol.picks)):
-        option = node.options[pick]
-        if node.value is not None:
-            if node.value not in seeds:
-                chosen[node.value] = (option.made[0], "automatic sharding")
+    for v, (i, r, view) in g.values.items():  # every value a node makes, or an op merged into it
+        made = g.nodes[i].options[sol.picks[i]].made[r]
+        if v in seeds or made is None:
             continue
-        if node.eqn is None:
+        if g.nodes[i].value is not None and view is None:
+            chosen[v] = (made, "automatic sharding")  # an argument: as it arrives
             continue
-        for r, v in enumerate(node.eqn.outvars):
-            target = _target(g, sol, readers[i, v], option.made[r])
-            if v not in seeds and target is not None:
-                chosen[v] = (target, "automatic sharding")
+        target = _target(g, sol, readers[i, v], made if view is None else viewed(made, view))
+        if target is not None:
+            chosen[v] = (target, "automatic sharding")
+    for v, (i, k) in g.free.items():  # a value made anywhere: as its one reader needs it
+        pick = sol.picks[i]
+        need = k[pick] if not isinstance(k, int) else g.nodes[i].options[pick].need[k] \
+            if k < len(g.nodes[i].options[pick].need) else None
+        if v not in seeds and need is not None:
+            chosen[v] = (need, "automatic sharding")
     leaving = {k: g.nodes[node].options[sol.picks[node]].need[0] for node, v, k, fixed in g.outputs if not fixed}
     took = time.perf_counter() - start
     lines = [f"automatic sharding: {len(g.nodes)} nodes, {len(g.edges)} edges, "
@@ -75,11 +81,27 @@ def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_s
     return chosen, pinned, leaving, lines
 
 
+def donated_outputs(program: Program, donated: Sequence[int]) -> dict[int, int]:
+    """{output index: input index} for the outputs that reuse a donated input's buffer, paired as jax.jit
+    pairs them: each output, in order, takes the first donated input of its shape and dtype not yet taken."""
+    free = collections.defaultdict(collections.deque)
+    for j in donated:
+        v = program.invars[j]
+        free[tuple(v.shape), str(v.aval.dtype)].append(j)
+    out = {}
+    for k, v in enumerate(program.outvars):
+        key = (tuple(v.shape), str(v.aval.dtype))
+        if isinstance(v, Value) and free[key]:
+            out[k] = free[key].popleft()
+    return out
+
+
 def _target(g: Graph, sol: Solution, readers: list, made: Optional[Sharding]) -> Optional[Sharding]:
     """The sharding a result is planned in: what its readers all need, else as made (its sums reduced)."""
     if made is None:
         return None
-    needs = {g.nodes[e.dst].options[sol.picks[e.dst]].need[e.operand] for e in readers}
+    needs = {e.needs[sol.picks[e.dst]] if e.needs is not None
+             else g.nodes[e.dst].options[sol.picks[e.dst]].need[e.operand] for e in readers}
     needs.discard(None)
     if len(needs) == 1:
         return needs.pop()

@@ -1,8 +1,9 @@
 """The integer program of automatic sharding (auto_graph.py's Graph), solved by scipy.optimize.milp (HiGHS).
 
-Variables: x[n, s] in {0, 1}, node n runs option s, one per node; y[e, s, t] in [0, 1] per edge e and pair of
-options of its two nodes, with sum_t y[e, s, t] = x[src, s] and sum_s y[e, s, t] = x[dst, t] (the joint of two
-0/1 choices is their product: exact). Minimised: the options' seconds plus the edges' reshard seconds. The
+Variables: x[n, s] in {0, 1}, node n runs option s, one per node; y[e, p, q] in [0, 1] per edge e and pair of
+classes of its two nodes' options (options whose reshard costs on the edge are alike are one class), with
+sum_q y[e, p, q] = sum_{s in p} x[src, s] and sum_p y[e, p, q] = sum_{t in q} x[dst, t] (the joint of two 0/1
+choices is their product: exact). Minimised: the options' seconds plus the edges' reshard seconds. The
 arguments' and outputs' bytes per device stay within a budget when one is given.
 """
 from __future__ import annotations
@@ -14,9 +15,10 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from .auto_graph import Edge, Graph
+from .auto_graph import Graph
 
 MIP_GAP = 1e-3  # HiGHS stops within 0.1% of the optimum's bound: a choice at most that far from the best
+DISP = False
 
 
 @dataclasses.dataclass
@@ -40,10 +42,10 @@ def memory_of(g: Graph) -> list[np.ndarray]:
     return [np.array([o.memory for o in n.options], float) for n in g.nodes]
 
 
-def _presolved(g: Graph) -> tuple[list[np.ndarray], list[Edge]]:
-    """(per node its options' seconds, the edges left): an edge from or to a node of one option is a cost on
-    the other node's options, edges between the same two nodes are one (their costs summed), and an edge
-    that costs nothing is none."""
+def _presolved(g: Graph) -> tuple[list[np.ndarray], dict]:
+    """(per node its options' seconds, the edges left as {(a, b): seconds [options of a, options of b]}, a < b):
+    an edge from or to a node of one option is a cost on the other node's options, edges between the same two
+    nodes are one (their costs summed), and an edge that costs nothing is none."""
     unary = [np.array([o.seconds for o in node.options], float) for node in g.nodes]
     joined: dict = {}
     for e in g.edges:
@@ -52,11 +54,57 @@ def _presolved(g: Graph) -> tuple[list[np.ndarray], list[Edge]]:
             unary[e.dst] += e.seconds[0]
         elif nt == 1:
             unary[e.src] += e.seconds[:, 0]
-        elif (e.src, e.dst) in joined:
-            joined[e.src, e.dst].seconds = joined[e.src, e.dst].seconds + e.seconds
+        elif e.src != e.dst:
+            key, cost = ((e.src, e.dst), e.seconds) if e.src < e.dst else ((e.dst, e.src), e.seconds.T)
+            joined[key] = joined[key] + cost if key in joined else cost
         else:
-            joined[e.src, e.dst] = dataclasses.replace(e)
-    return unary, [e for e in joined.values() if e.seconds.any()]
+            unary[e.src] += np.diag(e.seconds)
+    return unary, {k: c for k, c in joined.items() if c.any()}
+
+
+def _eliminate(unary: list, edges: dict, keep: set) -> list:
+    """Nodes of at most two neighbours, solved for every choice of their neighbours (the min-sum elimination
+    of a chain: exact): a leaf's best cost per neighbour option becomes that neighbour's, a node between two
+    its best cost per pair of their options an edge between them. Mutates unary and edges; returns, in the
+    order eliminated, (node, its neighbours, its best option per choice of theirs)."""
+    around: dict = {}
+    for a, b in edges:
+        around.setdefault(a, set()).add(b)
+        around.setdefault(b, set()).add(a)
+
+    def cost(i: int, j: int) -> np.ndarray:  # the edge's seconds as [options of i, options of j]
+        return edges[i, j] if i < j else edges[j, i].T
+
+    order, gone = [], set()
+    queue = [i for i in range(len(unary)) if i not in keep and len(around.get(i, ())) <= 2]
+    while queue:
+        i = queue.pop()
+        near = sorted(around.get(i, ()))
+        if i in keep or i in gone or len(near) > 2:
+            continue
+        u = unary[i]
+        if not near:
+            order.append((i, (), np.argmin(u)))
+        elif len(near) == 1:
+            (j,) = near
+            total = u[:, None] + cost(i, j)  # [i, j]
+            order.append((i, (j,), np.argmin(total, axis=0)))
+            unary[j] = unary[j] + total.min(axis=0)
+        else:
+            j, k = near
+            total = u[:, None, None] + cost(i, j)[:, :, None] + cost(i, k)[:, None, :]  # [i, j, k]
+            order.append((i, (j, k), np.argmin(total, axis=0)))
+            edges[j, k] = edges[j, k] + total.min(axis=0) if (j, k) in edges else total.min(axis=0)
+            around[j].add(k)
+            around[k].add(j)
+        for j in near:
+            edges.pop((min(i, j), max(i, j)))
+            around[j].discard(i)
+            if len(around[j]) <= 2:
+                queue.append(j)
+        gone.add(i)
+        around.pop(i, None)
+    return order
 
 
 def solve(g: Graph, mesh_shape: dict, budget: Optional[float] = None, exclude: Sequence[tuple[int, int]] = (),
@@ -64,26 +112,58 @@ def solve(g: Graph, mesh_shape: dict, budget: Optional[float] = None, exclude: S
     """The cheapest choice of one option per node (exclude: (node, option) pairs forbidden). objective="memory":
     the least memory instead (what a budget no choice meets is measured against). time_limit: seconds the
     solver may take; past them the best choice found is returned, marked not proven."""
-    offsets, n = [], 0
-    for node in g.nodes:
-        offsets.append(n)
-        n += len(node.options)
-    unary, edges = _presolved(g)
-    edge_at, m = [], n
-    for e in edges:
-        edge_at.append(m)
-        m += e.seconds.size
     memory = memory_of(g)
-    c = np.zeros(m)
     if objective == "time":
-        for u, at in zip(unary, offsets):
-            c[at: at + len(u)] = u * 1e6  # in microseconds
-        for e, at in zip(edges, edge_at):
-            c[at: at + e.seconds.size] = e.seconds.ravel() * 1e6
-        c[np.abs(c) < 1e-6] = 0.0  # below a picosecond: noise to the solver
+        unary, edges = _presolved(g)
     else:
-        for at, mem in zip(offsets, memory):
-            c[at: at + len(mem)] = mem / 2**20  # in MiB
+        unary, edges = [m / 2**20 for m in memory], {}  # in MiB
+    for node, s in exclude:
+        unary[node] = unary[node].copy()
+        unary[node][s] = np.inf
+    # what the integer program must keep: the nodes an equality ties, and those holding memory under a budget
+    keep = {i for t in g.ties for i in t} | ({i for i, m in enumerate(memory) if m.any()} if budget else set())
+    order = _eliminate(unary, edges, keep) if objective == "time" else []
+    gone = {i for i, _, _ in order}
+    alive = [i for i in range(len(g.nodes)) if i not in gone]
+    picks = [0] * len(g.nodes)
+    proven = True
+    if alive:
+        proven = _integer_program(g, unary, edges, alive, memory, budget, time_limit, picks)
+    for i, near, best in reversed(order):
+        if near and not np.isfinite(unary[i]).any():
+            raise Infeasible("an op has no option left")
+        picks[i] = int(best if not near else best[tuple(picks[j] for j in near)])
+    if any(not np.isfinite(unary[i][picks[i]]) for i in range(len(g.nodes)) if i in gone):
+        raise Infeasible("every option of an op is excluded")
+    held = int(sum(mem[p] for mem, p in zip(memory, picks)))
+    seconds = float(sum(node.options[p].seconds for node, p in zip(g.nodes, picks))
+                    + sum(e.seconds[picks[e.src], picks[e.dst]] for e in g.edges))
+    return Solution(picks, seconds, held, proven=proven)
+
+
+def _integer_program(g: Graph, unary: list, edges: dict, alive: list, memory: list, budget: Optional[float],
+                     time_limit: Optional[float], picks: list) -> bool:
+    """Solve the nodes left after elimination (setting their picks); returns whether the optimum is proven."""
+    offsets, n = {}, 0
+    for i in alive:
+        offsets[i] = n
+        n += len(unary[i])
+    edge_at, m, classes = [], n, []
+    for (a, b), seconds in edges.items():  # an edge's options that cost alike are one class: its joint is over
+        rows, row_of = np.unique(seconds, axis=0, return_inverse=True)  # classes
+        cols, col_of = np.unique(rows, axis=1, return_inverse=True)
+        classes.append((a, b, row_of.ravel(), col_of.ravel(), cols))
+        edge_at.append(m)
+        m += cols.size
+    c = np.zeros(m)
+    upper = np.ones(m)
+    for i in alive:
+        u = unary[i]
+        c[offsets[i]: offsets[i] + len(u)] = np.where(np.isfinite(u), u * 1e6, 0.0)  # in microseconds
+        upper[offsets[i]: offsets[i] + len(u)] = np.isfinite(u)  # an excluded option: forbidden
+    for (_, _, _, _, cost), at in zip(classes, edge_at):
+        c[at: at + cost.size] = np.where(np.isfinite(cost), cost, 1e12).ravel() * 1e6
+    c[np.abs(c) < 1e-6] = 0.0  # below a picosecond: noise to the solver
     rows, cols, vals, lo, hi = [], [], [], [], []
 
     def row(at: list, coef: list, low: float, high: float) -> None:
@@ -94,24 +174,26 @@ def solve(g: Graph, mesh_shape: dict, budget: Optional[float] = None, exclude: S
         lo.append(low)
         hi.append(high)
 
-    for node, at in zip(g.nodes, offsets):  # one option per node
-        row(list(range(at, at + len(node.options))), [1.0] * len(node.options), 1.0, 1.0)
-    for e, at in zip(edges, edge_at):  # each edge's joint has the two nodes' choices as marginals
-        ns, nt = e.seconds.shape
-        for s in range(ns):
-            row([at + s * nt + t for t in range(nt)] + [offsets[e.src] + s], [1.0] * nt + [-1.0], 0.0, 0.0)
-        for t in range(nt):
-            row([at + s * nt + t for s in range(ns)] + [offsets[e.dst] + t], [1.0] * ns + [-1.0], 0.0, 0.0)
-    if budget is not None and objective == "time":  # the memory row, in budgets so it reads <= 1
-        row([at + k for at, mem in zip(offsets, memory) for k in range(len(mem))],
-            [b / budget for mem in memory for b in mem], -np.inf, 1.0)
+    for i in alive:  # one option per node
+        row(list(range(offsets[i], offsets[i] + len(unary[i]))), [1.0] * len(unary[i]), 1.0, 1.0)
+    for (a, b, row_of, col_of, cost), at in zip(classes, edge_at):  # each edge's joint has the two nodes'
+        ns, nt = cost.shape  # choices (summed over a class) as its marginals
+        for p in range(ns):
+            members = [offsets[a] + s for s in np.flatnonzero(row_of == p)]
+            row([at + p * nt + q for q in range(nt)] + members, [1.0] * nt + [-1.0] * len(members), 0.0, 0.0)
+        for q in range(nt):
+            members = [offsets[b] + t for t in np.flatnonzero(col_of == q)]
+            row([at + p * nt + q for p in range(ns)] + members, [1.0] * ns + [-1.0] * len(members), 0.0, 0.0)
+    for a, b in g.ties:  # an output in a donated argument's buffer: both in the same sharding
+        for s in range(len(unary[a])):
+            row([offsets[a] + s, offsets[b] + s], [1.0, -1.0], 0.0, 0.0)
+    if budget is not None:  # the memory row, in budgets so it reads <= 1 (the nodes holding memory are alive)
+        row([offsets[i] + k for i in alive for k in range(len(memory[i]))],
+            [b / budget for i in alive for b in memory[i]], -np.inf, 1.0)
     a = sparse.csr_array((vals, (rows, cols)), shape=(len(lo), m))
-    upper = np.ones(m)
-    for node, s in exclude:
-        upper[offsets[node] + s] = 0.0
     integrality = np.zeros(m)
     integrality[:n] = 1
-    options = {"mip_rel_gap": MIP_GAP, **({"time_limit": time_limit} if time_limit else {})}
+    options = {"disp": DISP, "mip_rel_gap": MIP_GAP, **({"time_limit": time_limit} if time_limit else {})}
     res = milp(c, integrality=integrality, bounds=Bounds(np.zeros(m), upper),
                constraints=LinearConstraint(a, np.array(lo), np.array(hi)), options=options)
     if res.x is None and res.status == 1:
@@ -120,8 +202,6 @@ def solve(g: Graph, mesh_shape: dict, budget: Optional[float] = None, exclude: S
         raise Infeasible(res.message)
     if not res.success and res.status != 1:  # 1: the time limit, with a choice found
         raise RuntimeError(f"the automatic sharding's integer program was not solved: {res.message}")
-    picks = [int(np.argmax(res.x[at: at + len(node.options)])) for node, at in zip(g.nodes, offsets)]
-    held = int(sum(mem[p] for mem, p in zip(memory, picks)))
-    seconds = float(sum(node.options[p].seconds for node, p in zip(g.nodes, picks))
-                    + sum(e.seconds[picks[e.src], picks[e.dst]] for e in g.edges))
-    return Solution(picks, seconds, held, proven=res.status == 0)
+    for i in alive:
+        picks[i] = int(np.argmax(res.x[offsets[i]: offsets[i] + len(unary[i])]))
+    return res.status == 0

@@ -46,13 +46,14 @@ MESH2 = {"data": 2, "model": 4}
 
 def test_a_two_layer_mlp_with_only_the_batch_given_moves_no_more_than_megatrons_plan():
     """{data 2, model 4}, the batch split over data and nothing else given: the choice moves no more bytes a
-    step than Megatron's column-then-row plan, computes no more per device, and equals the unpartitioned step."""
+    step than Megatron's column-then-row plan, its step (communication and compute) is predicted no slower,
+    and it equals the unpartitioned step."""
     mesh, args = gs.make_mesh(MESH2), mlp_args()
     batch_only = (P("data", None), None, None)
     auto = gs.explain(mlp_step, mesh, *args, in_shardings=batch_only, auto=True)
     megatron = gs.explain(mlp_step, mesh, *args, in_shardings=(P("data", None), P(None, "model"), P("model", None)))
     assert moved(auto) <= moved(megatron), (moved(auto), moved(megatron))
-    assert auto.compute_time <= megatron.compute_time * 1.0001
+    assert auto.comm_time + auto.compute_time <= megatron.comm_time + megatron.compute_time
     assert {v.name: str(v.boundary) for v in auto.inputs}["x"] == "[data, -]"  # what the user gave stays
     close(gs.partition(mlp_step, mesh, in_shardings=batch_only, auto=True)(*args), jax.jit(mlp_step)(*args))
 

@@ -55,7 +55,9 @@ def test_every_config_has_the_runtime_fields_and_builds(path):
     for key in ("num_steps", "checkpoint_every", "log_every", "eval_every"):
         assert isinstance(cfg.train[key], int), key
     assert cfg.debug.nan_at_step == -1
-    assert set(cfg.mesh) == {"stage", "data", "z", "expert", "context", "y", "x", "model"}  # docs/models.md
+    assert set(cfg.mesh) == {"stage", "data", "z", "expert", "context", "y", "x", "model",  # docs/models.md
+                             "auto", "memory_budget"}  # and automatic sharding's (docs/training.md)
+    assert set(configs.typed(cfg).mesh.sizes()) == {"stage", "data", "z", "expert", "context", "y", "x", "model"}
     # experiments/README.md's sections, and the mesh order field
     assert set(cfg) == {"model", "mesh", "train", "data", "pipeline", "debug", "mesh_order"}
     configs.transformer_config(cfg.model)  # every field is a TransformerConfig / MoeConfig field
@@ -113,7 +115,8 @@ def test_the_default_run_is_the_model_readme_describes():
     m = configs.transformer_config(cfg.model)
     assert (m.num_layers, m.moe.num_experts, m.moe.gating.k, m.moe.activation) == (4, 8, 2, "swiglu")
     assert cfg.model.moe_every == 1 and cfg.train.num_steps == 300
-    assert {k: v for k, v in cfg.mesh.items() if v != 1} == {"data": 2, "expert": 4}
+    assert {k: v for k, v in configs.typed(cfg).mesh.sizes().items() if v != 1} == {"data": 2, "expert": 4}
+    assert not cfg.mesh.auto
 
 
 @pytest.mark.parametrize("name,stages", [("mula_100b_a7b", 4), ("mula_220b_a10b", 8)])
@@ -153,7 +156,8 @@ def test_the_typed_config_holds_the_configdict_exactly(path):
     assert typed.to_json(indent=1) == cfg.to_json(indent=1)
     assert configs.typed(typed) is typed
     assert typed.model.transformer == configs.transformer_config(cfg.model)
-    assert typed.mesh.sizes() == dict(cfg.mesh) and list(typed.mesh.sizes()) == list(cfg.mesh)  # name order
+    axes = {k: v for k, v in cfg.mesh.items() if k not in configs.NOT_AXES}
+    assert typed.mesh.sizes() == axes and list(typed.mesh.sizes()) == list(axes)  # name order
     assert typed.train.batch_size == cfg.train.batch_size and typed.pipeline.schedule == cfg.pipeline.schedule
     with pytest.raises(Exception, match="cannot assign"):
         typed.train.seed = 1  # frozen
@@ -162,7 +166,7 @@ def test_the_typed_config_holds_the_configdict_exactly(path):
 def test_the_sections_defaults_are_their_dataclasses():
     assert configs.typed(configs.gpt(2, 128, 2)).train == configs.dataclasses.replace(
         configs.TrainConfig(), batch_size=256, seq_len=2048, warmup_steps=2500)
-    assert dict(configs.mesh_defaults()) == configs.MeshConfig().sizes()
+    assert dict(configs.mesh_defaults()) == dict(configs.MeshConfig().sizes(), auto=False, memory_budget=0.0)
     assert configs.pipeline_defaults().to_dict() == {"schedule": "gpipe", "repeats": 1, "owned_ends": True}
 
 

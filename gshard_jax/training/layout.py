@@ -14,6 +14,9 @@ The ZeRO axes are the data-parallel axes a parameter is replicated over: ``data`
 non-expert parameters under EPSO (seed 001 section 3.2), whose states would otherwise be held once per
 expert shard. Each is placed on the parameter's dim with the most elements per shard that it divides (never
 the stacked-layers dim of a scanned stack, which the scan slices), after the axes already there.
+
+Under automatic sharding (``mesh.auto``, the rules table ``AUTO_RULES``) the three specs are None: nothing in
+the step constrains the state, and the partitioner chooses where it lives (``gs.chosen_shardings``).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 import gshard_jax as gs
 
-from ..models.logical import Rules, axes_of, end_owner, mesh_spec
+from ..models.logical import Rules, automatic, axes_of, end_owner, mesh_spec
 
 ZERO_STAGES = (0, 1, 2, 3)
 STORAGE_AXES = ("z",)  # weights are stored split over these and gathered where used (FSDP)
@@ -66,9 +69,9 @@ def add_axes(spec: tuple, shape: Sequence[int], axes: Sequence[str], mesh: Mappi
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Per-parameter PartitionSpecs (trees shaped like the params) of one train configuration."""
-    compute: Any  # as the model uses each weight
-    stored: Any  # as the state holds it
-    optimizer: Any  # moments and master weights; where gradients are reduce-scattered to (stage >= 1)
+    compute: Any  # as the model uses each weight (None under automatic sharding: the partitioner's choice)
+    stored: Any  # as the state holds it (None: the same)
+    optimizer: Any  # moments and master weights; where gradients are reduce-scattered to (stage >= 1; None)
     zero_stage: int
     zero_axes: dict  # parameter path -> the ZeRO axes it was given (for the docs and reports)
     stacked: Any = None  # per parameter, whether its leading dim is a scanned stack's layers (bools)
@@ -114,6 +117,8 @@ def layout(logical: Any, shapes: Any, rules: Rules, mesh: Mapping[str, int], zer
 
     def un(leaves):
         return jax.tree_util.tree_unflatten(tree, leaves)
+    if automatic(rules):
+        return Layout(None, None, None, zero_stage, {}, un(stacked), un(ends))
     return Layout(un(compute), un(stored), un(optimizer), zero_stage, given, un(stacked), un(ends))
 
 
@@ -132,7 +137,9 @@ def optimizer_specs(opt: optax.GradientTransformation, opt_shapes: Any, param_sp
 
 
 def constrain(tree: Any, specs: Any) -> Any:
-    """Annotate every leaf of `tree` with its spec (gs.shard)."""
+    """Annotate every leaf of `tree` with its spec (gs.shard); specs None (automatic sharding): none."""
+    if specs is None:
+        return tree
     return jax.tree.map(lambda s, x: gs.shard(x, tuple(s) + (None,) * (x.ndim - len(s))), specs, tree,
                         is_leaf=_is_spec)
 

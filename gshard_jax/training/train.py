@@ -15,6 +15,7 @@ import functools
 import logging
 import math
 import os
+import time
 from typing import Any, Optional
 
 import jax
@@ -28,7 +29,7 @@ import gshard_jax as gs
 
 from .. import configs
 from ..models import pipelined
-from ..models.logical import axes_of, mesh_spec
+from ..models.logical import AUTO_RULES, DEFAULT_RULES, axes_of, mesh_spec
 from . import checkpoints, cluster, data, faults, layout as state_layout, metrics, optim, steps, timing
 from .checkpoints import Checkpoints
 from .faults import Faults, Preempted
@@ -111,6 +112,26 @@ def mesh_for(cfg: configs.Config | ml_collections.ConfigDict) -> jax.sharding.Me
     return gs.make_mesh(kept)
 
 
+def automatic(cfg: configs.Config, mesh: dict) -> configs.Config:
+    """cfg under mesh.auto: the model's rules table dropped (AUTO_RULES: nothing annotated), or a ValueError
+    naming the option that needs a table."""
+    t = cfg.model.transformer
+    needs = {"mesh.stage > 1 (a pipeline's stages are a rules table's layers axis)": mesh.get("stage", 1) > 1,
+             "train.offload_optimizer (the host-memory state is laid out by the rules table)":
+                 cfg.train.offload_optimizer,
+             "model.sequence_parallel (a rule for the residual stream)": t.sequence_parallel,
+             "model.moe.dispatch='dropless' (a manual region over the rules' expert axes)":
+                 t.moe is not None and t.moe.dispatch == "dropless"}
+    bad = [k for k, v in needs.items() if v]
+    if bad:
+        raise ValueError(f"mesh.auto=True drops the rules table and lets the partitioner choose, but {bad[0]} "
+                         f"needs one: unset it, or leave mesh.auto false")
+    if cfg.mesh.memory_budget < 0:
+        raise ValueError(f"mesh.memory_budget={cfg.mesh.memory_budget!r}: expected bytes per device (0: no limit)")
+    model = dataclasses.replace(cfg.model, transformer=dataclasses.replace(t, rules=AUTO_RULES))
+    return dataclasses.replace(cfg, model=model)
+
+
 @dataclasses.dataclass
 class Trainer:
     """A config's model, optimiser, mesh, data and partitioned step functions: what the step functions
@@ -134,6 +155,9 @@ class Trainer:
                                  f"it once)")
         if self.mesh is None:
             self.mesh = mesh_for(cfg)
+        self.auto = bool(cfg.mesh.auto)
+        if self.auto:
+            cfg = self.cfg = automatic(cfg, dict(self.mesh.shape))
         self.pipeline = configs.pipeline_config(cfg, dict(self.mesh.shape).get("stage", 1))
         ends = self.end_stages = configs.end_stages_of(cfg, self.pipeline)
         self.model = configs.build_model(cfg.model, train=True, pipeline=self.pipeline, end_stages=ends)
@@ -150,7 +174,9 @@ class Trainer:
         self.opt = optim.optimizer(t)
         self.schedule = optim.schedule(t)
         self.length = data.window_length(cfg.model.kind, t.seq_len)
-        batch_spec = mesh_spec(("batch", None), self.model.cfg.rules, self.mesh.axis_names)
+        # the batch as the input pipeline loads it: split over the data-parallel axes (under mesh.auto too)
+        batch_spec = mesh_spec(("batch", None), DEFAULT_RULES if self.auto else self.model.cfg.rules,
+                               self.mesh.axis_names)
         self.batch_sharding = NamedSharding(self.mesh, P(*batch_spec))
         shards = math.prod(self.mesh.shape[a] for a in axes_of(batch_spec[0]))
         if t.microbatches < 1 or t.batch_size % t.microbatches:
@@ -169,8 +195,8 @@ class Trainer:
         self.offload = bool(t.offload_optimizer)
         self.master = self.model.cfg.compute_dtype != jnp.float32 or self.offload
         opt_specs = state_layout.optimizer_specs(self.opt, jax.eval_shape(self.opt.init, self.param_shapes),
-                                            self.layout.optimizer)
-        if self.master:
+                                            self.layout.optimizer) if not self.auto else None
+        if self.master and not self.auto:
             opt_specs = {"master": self.layout.optimizer, "adam": opt_specs}
         self.delayed = bool(t.delayed_update)
         if self.delayed and not self.offload:
@@ -185,7 +211,6 @@ class Trainer:
                                      is_leaf=lambda x: isinstance(x, P))
         # As partition takes them: PartitionSpecs, and the offloaded optimizer state's NamedShardings in host memory.
         self.state_specs = {"params": self.layout.stored, "opt_state": opt_specs, "step": P()}
-        self.step_outs = (self.state_specs, P())  # the train step's: the metrics replicated, read by every process
         self.batch_spec = P(*batch_spec)
         self.shards = shards  # the batch's shards: soft failures are counted per shard
         self.step_config = steps.StepConfig(
@@ -198,6 +223,10 @@ class Trainer:
         self.train_step = functools.partial(steps.train_step, c=self.step_config)
         self.update = functools.partial(steps.update, c=self.step_config)
         self.eval_step = functools.partial(steps.eval_step, c=self.step_config)
+        self.auto_notes: list[str] = []  # mesh.auto: how the state's shardings were chosen
+        if self.auto:
+            self.state_specs = self._chosen_state()
+        self.step_outs = (self.state_specs, P())  # the train step's: the metrics replicated, read by every process
         # The state is donated, as plain JAX's train steps do: its buffers become the next state's, so a step
         # holds one copy of the params and optimizer state, not two. The caller must not read it afterwards.
         self.step_fn = self.partitioned("train", donate_argnums=0)
@@ -208,15 +237,34 @@ class Trainer:
         """The train, optimizer-update, eval or init step partitioned on the mesh with the state's shardings fixed."""
         fn, ins, outs = {"train": (self.train_step, (self.state_specs, self.batch_spec), self.step_outs),
                          "update": (self.update, (self.state_specs, self.layout.gradients), self.state_specs),
-                         "eval": (self.eval_step, (self.layout.stored, self.batch_spec), None),
+                         "eval": (self.eval_step, (self.state_specs["params"], self.batch_spec), None),
                          "init": (self.init_state, None, self.state_specs)}[which]
+        if self.auto and backend == "gshard":  # the values in the step: chosen, with the state's shardings fixed
+            kw = dict(kw, auto=True)
         return gs.partition(fn, self.mesh, in_shardings=ins, out_shardings=outs, backend=backend, **kw)
+
+    def _chosen_state(self) -> dict:
+        """mesh.auto: the state's PartitionSpecs, the automatic sharding's choice for the train step with the
+        batch split over the data axes and the state donated (so each leaf leaves as it arrives), within
+        mesh.memory_budget bytes per device when one is given."""
+        state = jax.eval_shape(self.init_state, jax.random.key(0))
+        windows = np.zeros((self.cfg.train.batch_size, self.length), np.int32)
+        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
+                 for k, v in data.model_batch(self.cfg.model.kind, windows).items()}
+        start = time.perf_counter()
+        (specs, _), _ = gs.chosen_shardings(self.train_step, self.mesh, state, batch,
+                                            in_shardings=(None, self.batch_spec), out_shardings=(None, P()),
+                                            memory_budget=self.cfg.mesh.memory_budget or None, donate_argnums=0)
+        self.auto_notes.append(f"mesh.auto: the state's shardings chosen in {time.perf_counter() - start:.1f} s")
+        return specs
 
     def explain(self, state: dict, batch: dict, compile: bool = True) -> gs.Report:
         """The train step's partition report, with argument memory by kind (params, optimizer state, batch)
         and, when compiled, XLA's memory_analysis()."""
         ins, outs = (self.state_specs, self.batch_spec), self.step_outs
-        report = gs.explain(self.train_step, self.mesh, state, batch, in_shardings=ins, out_shardings=outs)
+        report = gs.explain(self.train_step, self.mesh, state, batch, in_shardings=ins, out_shardings=outs,
+                            auto=self.auto)
+        report.notes = self.auto_notes + report.notes
         report.kind_of = state_kind
         if compile:
             report.attach_compiled(self.step_fn.lower(state, batch).compile())
@@ -276,7 +324,7 @@ class Trainer:
         src = saved.get("layer_order", pipelined.order_key(None))
         if src == self.layer_order:
             return tree
-        specs = self.state_specs if "opt_state" in tree else {"params": self.layout.stored}
+        specs = self.state_specs if "opt_state" in tree else {"params": self.state_specs["params"]}
         shardings = jax.tree.map(lambda s: s if isinstance(s, NamedSharding) else NamedSharding(self.mesh, s), specs,
                                  is_leaf=lambda x: isinstance(x, (P, NamedSharding)))
         log.info("checkpoint layer order %s re-laid to %s", src, self.layer_order)
