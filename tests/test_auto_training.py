@@ -50,9 +50,9 @@ def test_chosen_shardings_are_what_partition_auto_compiles():
 
 
 def test_mesh_auto_trains_as_the_unpartitioned_step_and_keeps_the_state_where_it_chose():
-    """A small tiny_moe_lm (its layers scanned) on {data 2, expert 4} with mesh.auto: nothing in the model annotates (the rules
-    table is AUTO_RULES), five steps equal the unpartitioned step's, and the state leaves each step in the
-    shardings it arrived in, the ones the choice gave it."""
+    """A small tiny_moe_lm (its layers scanned) on {data 2, expert 4} with mesh.auto: nothing in the model
+    annotates (the rules table is AUTO_RULES), five steps equal the unpartitioned step's, and the state leaves
+    each step in the shardings it arrived in, the ones the choice gave it."""
     trainer = make(AUTO, model=dict(scan=True))
     assert trainer.model.cfg.rules == AUTO_RULES and trainer.batch_spec == P(("data", "expert"), None)
     with gs.annotations.active(trainer.mesh, "gshard"):  # as partition traces it
