@@ -16,6 +16,7 @@ SMALL_MODEL = ["--set", "model.num_layers=1", "model.vocab_size=256"]
 RUNS = {
     "annotation_forms.py": ([], "with_sharding_constraint"),
     "auto_sharding.py": (["--scale", "0.25"], "auto, the hand program's memory"),
+    "auto_training.py": (["--configs", "tiny_dense_lm", "--layers", "1"], "mesh.auto, the rules table's memory"),
     "checkpoint_io.py": (TINY + ["--processes", "1"] + SMALL_MODEL, "restored equal: True"),
     "collective_matmul.py": (["--d-model", "64", "--seq", "64", "--steps", "1"], "bidirectional"),
     "gpu.py": (["--cpu-devices", "4", "--steps", "1", "--cases", "tiny_dense_lm_tp", "--flags", "on", "--set",
