@@ -48,7 +48,7 @@ from gshard_jax.training.timing import median_times  # noqa: E402
 def trainer_for(stage: int, epso: bool) -> train.Trainer:
     cfg = configs.load(ARGS.config)
     mesh = dict(kv.split("=") for kv in ARGS.mesh.split(","))
-    cfg.mesh.update({k: 1 for k in cfg.mesh} | {k: int(v) for k, v in mesh.items()})
+    cfg.mesh.update({k: 1 for k in configs.MeshConfig().sizes()} | {k: int(v) for k, v in mesh.items()})
     overrides.apply(cfg, [tuple(kv.split("=", 1)) for kv in ARGS.set] +
                     [("model.dtype", ARGS.dtype), ("train.zero_stage", str(stage)), ("train.epso", str(epso))])
     return train.Trainer(cfg, "/nonexistent")
@@ -57,7 +57,7 @@ def trainer_for(stage: int, epso: bool) -> train.Trainer:
 def measure(stage: int, epso: bool) -> dict:
     t = trainer_for(stage, epso)
     rng = np.random.default_rng(0)
-    toks = rng.integers(0, t.cfg.model.vocab_size, (t.cfg.train.batch_size, t.cfg.train.seq_len + 1))
+    toks = rng.integers(0, t.cfg.model.transformer.vocab_size, (t.cfg.train.batch_size, t.cfg.train.seq_len + 1))
     batch = jax.device_put({"inputs": toks[:, :-1].astype(np.int32), "targets": toks[:, 1:].astype(np.int32)},
                            t.batch_sharding)
     state = t.fresh_state()

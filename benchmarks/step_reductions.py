@@ -47,7 +47,7 @@ CASES = [
 
 def trainer(mesh: dict, train_kw: dict, pipe: dict, layers: int) -> train.Trainer:
     cfg = configs.load(ARGS.config)
-    cfg.mesh.update({**{a: 1 for a in cfg.mesh if isinstance(cfg.mesh[a], int)}, **mesh})
+    cfg.mesh.update({**{a: 1 for a in configs.MeshConfig().sizes()}, **mesh})
     cfg.pipeline.update(pipe)
     cfg.model.num_layers = cfg.model.num_layers * layers
     cfg.train.update(dict(batch_size=ARGS.batch, **train_kw))

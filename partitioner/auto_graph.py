@@ -76,8 +76,9 @@ class Edge:
 class Graph:
     nodes: list[Node]
     edges: list[Edge]
-    outputs: list  # (its output node, the value, its index among the outputs, whether its sharding is fixed)
-    ties: list = dataclasses.field(default_factory=list)  # (argument node, output node): the same option
+    # (its output node, the value, its index among the outputs, whether its sharding is fixed); an output in a
+    # donated argument's buffer has that argument's node, whose options need it as they make the argument
+    outputs: list
     values: dict = dataclasses.field(default_factory=dict)  # value -> (its node, result, view: viewed's perm)
     free: dict = dataclasses.field(default_factory=dict)  # a value made anywhere -> its reader (node, operand
     # index, or per option of the node the sharding it needs)
@@ -153,7 +154,7 @@ class Builder:
         edges: list[Edge] = []
         free: dict = {}  # values any device makes in any sharding from scalars alone, read once -> their reader
         self._ops(self.program.eqns, nodes, edges, makers, free, 1.0)
-        outputs, ties = [], []
+        outputs = []
         for k, v in enumerate(self.program.outvars):  # an output leaves in a sharding of its own, or as fixed
             if isinstance(v, Value) and v in makers:
                 fixed = self.out_fixed.get(k)
@@ -161,20 +162,20 @@ class Builder:
                 maker = nodes[a].eqn if view is None else None
                 if fixed is None and maker is not None and getattr(REG.op_for(maker.name), "annotation", False):
                     fixed = nodes[a].options[0].made[r]  # the user annotated the value it returns: kept
-                donor = nodes[arg_node[self.ties[k]][0]] if self.ties.get(k) in arg_node else None
-                if donor is not None and fixed is None and len(donor.options) == 1:
-                    fixed = donor.options[0].made[0]  # it reuses a given argument's buffer: it leaves as that arrives
+                j = arg_node[self.ties[k]][0] if self.ties.get(k) in arg_node else None
+                if j is not None and fixed is None and len(nodes[j].options) == 1:
+                    fixed = nodes[j].options[0].made[0]  # in a given argument's buffer: it leaves as that arrives
                 choices = [canon(fixed, v)] if fixed is not None else tensor_shardings(v.shape, self.mesh_shape)
-                # an output in a donated argument's buffer (the same sharding) holds no memory of its own
-                aliased = donor is not None and [o.made[0] for o in donor.options] == choices
-                held = (lambda s: 0) if aliased else (lambda s: _local_bytes(v, s, self.mesh_shape))
-                nodes.append(Node(f"output {self.out_names.get(k, k)}",
-                                  [Option((s,), (), 0.0, held(s), str(s)) for s in choices]))
-                outputs.append((len(nodes) - 1, v, k, fixed is not None))
-                if aliased and len(choices) > 1:
-                    ties.append((arg_node[self.ties[k]][0], len(nodes) - 1))
-                self._link(nodes, edges, makers[v], (len(nodes) - 1, 0), v, 1.0)
-        return Graph(nodes, edges, outputs, ties, makers, {v: r for v, r in free.items() if r is not None})
+                if j is not None and [o.made[0] for o in nodes[j].options] == choices:
+                    # in a donated argument's buffer: the argument's node, which it leaves as it arrives
+                    nodes[j].options = [dataclasses.replace(o, need=o.made) for o in nodes[j].options]
+                else:
+                    nodes.append(Node(f"output {self.out_names.get(k, k)}", [
+                        Option((s,), (), 0.0, _local_bytes(v, s, self.mesh_shape), str(s)) for s in choices]))
+                    j = len(nodes) - 1
+                outputs.append((j, v, k, fixed is not None))
+                self._link(nodes, edges, makers[v], (j, 0), v, 1.0)
+        return Graph(nodes, edges, outputs, makers, {v: r for v, r in free.items() if r is not None})
 
     def _ops(self, eqns: Sequence[Eqn], nodes: list, edges: list, makers: dict, free: dict, scale: float) -> None:
         """The nodes and edges of a program's ops, each run `scale` times a step (a scan body's trips)."""

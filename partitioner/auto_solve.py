@@ -120,8 +120,7 @@ def solve(g: Graph, mesh_shape: dict, budget: Optional[float] = None, exclude: S
     for node, s in exclude:
         unary[node] = unary[node].copy()
         unary[node][s] = np.inf
-    # what the integer program must keep: the nodes an equality ties, and those holding memory under a budget
-    keep = {i for t in g.ties for i in t} | ({i for i, m in enumerate(memory) if m.any()} if budget else set())
+    keep = {i for i, m in enumerate(memory) if m.any()} if budget else set()  # in the memory row
     order = _eliminate(unary, edges, keep) if objective == "time" else []
     gone = {i for i, _, _ in order}
     alive = [i for i in range(len(g.nodes)) if i not in gone]
@@ -184,9 +183,6 @@ def _integer_program(g: Graph, unary: list, edges: dict, alive: list, memory: li
         for q in range(nt):
             members = [offsets[b] + t for t in np.flatnonzero(col_of == q)]
             row([at + p * nt + q for p in range(ns)] + members, [1.0] * ns + [-1.0] * len(members), 0.0, 0.0)
-    for a, b in g.ties:  # an output in a donated argument's buffer: both in the same sharding
-        for s in range(len(unary[a])):
-            row([offsets[a] + s, offsets[b] + s], [1.0, -1.0], 0.0, 0.0)
     if budget is not None:  # the memory row, in budgets so it reads <= 1 (the nodes holding memory are alive)
         row([offsets[i] + k for i in alive for k in range(len(memory[i]))],
             [b / budget for i in alive for b in memory[i]], -np.inf, 1.0)

@@ -529,7 +529,7 @@ def test_an_unrolled_train_step_compiles_to_straight_line_code(tmp_path, backend
     cfg.model.update(dict(num_layers=2, d_model=128, num_heads=2, head_dim=64, d_ff=256, vocab_size=512,
                           scan=False, attention="xla"))
     cfg.train.update(dict(seq_len=16, batch_size=8, nan_policy="skip", warmup_steps=2))
-    cfg.mesh.update({k: 1 for k in cfg.mesh})
+    cfg.mesh.update({k: 1 for k in configs.MeshConfig().sizes()})
     cfg.mesh.data = 8
     trainer = Trainer(cfg, str(tmp_path))
     state = trainer.fresh_state()

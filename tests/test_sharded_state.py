@@ -279,7 +279,7 @@ def test_the_layout_table_in_the_docs_is_what_explain_reports():
     assert len(table) == 6
     for mesh, want in table.items():
         cfg = configs.load(os.path.join(ROOT, "experiments", "tiny_dense_lm.py"))
-        cfg.mesh.update({**{k: 1 for k in cfg.mesh}, **dict(mesh)})
+        cfg.mesh.update({**{k: 1 for k in configs.MeshConfig().sizes()}, **dict(mesh)})
         cfg.model.update(dict(num_layers=1, vocab_size=256))
         cfg.train.update(dict(batch_size=16, seq_len=16))
         trainer = train.Trainer(cfg, "/nonexistent")
