@@ -7,7 +7,8 @@ device, and how long the choice took.
 Cases: a two-layer MLP train step on {data 2, model 4} with only the batch given, against Megatron's
 column-then-row plan; GShard's MoE layer on {expert 8} with nothing annotated, against its hand-annotated
 two-all-to-all program, unbounded and within that program's memory; the gradient of two 3x3 convolutions
-on {data 8} with the image split by height, against propagation's halo exchanges and a gathered image.
+on {data 8} with the images split by height (a small batch and a larger one), against propagation's halo
+exchanges and a gathered image.
 """
 from __future__ import annotations
 
@@ -20,33 +21,23 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import gshard_jax as gs  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from test_auto import held, mlp_args, mlp_step, moe_annotated, moe_args, moe_plain, moved  # noqa: E402
-
-
-def conv(x, w):
-    return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
-
-
-def conv_grad(img, w1, w2):
-    return jax.value_and_grad(lambda a, b: jnp.mean(conv(jax.nn.relu(conv(img, a)), b) ** 2), argnums=(0, 1))(w1, w2)
-
-
-def conv_gathered(img, w1, w2):
-    return conv_grad(jax.lax.with_sharding_constraint(img, P()), w1, w2)
-
-
-def conv_args():
-    r = np.random.default_rng(0)
-    img = r.standard_normal((2, 512, 64, 16))
-    w1, w2 = r.standard_normal((3, 3, 16, 32)) / 12, r.standard_normal((3, 3, 32, 32)) / 17  # ~1/sqrt(fan-in)
-    return [jnp.asarray(a, jnp.float32) for a in (img, w1, w2)]
+from test_auto import (  # noqa: E402
+    conv_args,
+    conv_gathered,
+    conv_grad,
+    held,
+    mlp_args,
+    mlp_step,
+    moe_annotated,
+    moe_args,
+    moe_plain,
+    moved,
+)
 
 
 def row(case: str, plan: str, report, mesh_shape: dict, seconds: float = 0.0) -> str:
@@ -85,12 +76,14 @@ def main() -> None:
     auto, took = timed(gs.explain, moe_plain, mesh, *args, auto=True, memory_budget=budget)
     print(row("GShard MoE", "auto, the hand program's memory", auto, shape, took))
     mesh = gs.make_mesh({"data": 8})
-    shape, args = dict(mesh.shape), conv_args()
     ins = (P(None, "data"), None, None)
-    print(row("conv gradient", "propagated (halo)", gs.explain(conv_grad, mesh, *args, in_shardings=ins), shape))
-    print(row("conv gradient", "image gathered", gs.explain(conv_gathered, mesh, *args, in_shardings=ins), shape))
-    auto, took = timed(gs.explain, conv_grad, mesh, *args, in_shardings=ins, auto=True)
-    print(row("conv gradient", "auto, image given", auto, shape, took))
+    for images in ((2, 512, 64, 16), (8, 512, 128, 16)):
+        shape, args = dict(mesh.shape), conv_args(images)
+        case = f"conv gradient {'x'.join(map(str, images))}"
+        print(row(case, "propagated (halo)", gs.explain(conv_grad, mesh, *args, in_shardings=ins), shape))
+        print(row(case, "image gathered", gs.explain(conv_gathered, mesh, *args, in_shardings=ins), shape))
+        auto, took = timed(gs.explain, conv_grad, mesh, *args, in_shardings=ins, auto=True)
+        print(row(case, "auto, image given", auto, shape, took))
     print(f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].platform}; "
           f"comm and compute on the mesh's default profile; explain s includes the trace and the choice")
 
