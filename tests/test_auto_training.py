@@ -123,3 +123,11 @@ def test_an_unannotated_model_under_auto_rules_annotates_nothing():
     with gs.annotations.active(mesh, "gshard"):
         x = jnp.ones((4, 4))
         assert constrain(x, ("batch", "embed"), AUTO_RULES) is x
+
+
+def test_the_states_choice_is_the_same_every_time_so_a_checkpoint_restores_onto_it():
+    """A resumed run builds its trainer again: the choice (HiGHS on the same program) gives the same state
+    shardings, the ones its checkpoint's arrays are placed in."""
+    first, again = (make(AUTO, model=dict(scan=True)).state_specs for _ in range(2))
+    assert jax.tree.leaves(first, is_leaf=lambda x: isinstance(x, P)) == \
+        jax.tree.leaves(again, is_leaf=lambda x: isinstance(x, P))
