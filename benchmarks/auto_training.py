@@ -3,7 +3,7 @@ planner's pick, on the same mesh of 8 simulated CPU devices: per step, bytes mov
 communication, compute and step time (the generic CPU profile: no overlap), the state's and batch's bytes per
 device, and how long the state's choice took.
 
-    python benchmarks/auto_training.py [--configs tiny_moe_lm,tiny_dense_lm] [--layers N]
+    python benchmarks/auto_training.py [--configs tiny_moe_lm,tiny_dense_lm] [--layers N] [--scan] [--temps]
 
 Rows per config and mesh:
 - the rules table, as the config writes it (ZeRO stage 0);
@@ -44,8 +44,9 @@ def load(name: str, mesh: dict):
     return cfg
 
 
-def explain(cfg) -> tuple:
-    """(the train step's report on the generic CPU profile, seconds the state's choice took, or 0)."""
+def explain(cfg, temps: bool = False) -> tuple:
+    """(the train step's report on the generic CPU profile, seconds the state's choice took or 0, and with
+    temps the compiled step's temporaries in bytes per device, from memory_analysis())."""
     start = time.perf_counter()
     trainer = train.Trainer(cfg, "")
     took = time.perf_counter() - start if trainer.auto else 0.0
@@ -55,15 +56,19 @@ def explain(cfg) -> tuple:
     report = gs.explain(trainer.train_step, trainer.mesh, state, batch, in_shardings=(trainer.state_specs,
                         trainer.batch_spec), out_shardings=trainer.step_outs, auto=trainer.auto,
                         trace_per_device=False)
-    return report, took
+    if not temps:
+        return report, took, None
+    placed = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding) for k, v in batch.items()}
+    return report, took, trainer.step_fn.lower(state, placed).compile().memory_analysis().temp_size_in_bytes
 
 
-def row(name: str, mesh: dict, plan: str, report, took: float = 0.0) -> str:
+def row(name: str, mesh: dict, plan: str, report, took: float = 0.0, temp=None) -> str:
     moved = sum(t["moved_bytes"] for t in report.totals(dynamic=True).values())
     step = report.comm_time + report.compute_time
     return (f"| {name} | {' '.join(f'{a} {n}' for a, n in mesh.items())} | {plan} | {moved / 2**20:.2f} | "
             f"{report.comm_time * 1e3:.3f} | {report.compute_time * 1e3:.3f} | {step * 1e3:.3f} | "
-            f"{report.argument_bytes()['total'] / 2**20:.1f} | " + (f"{took:.1f} |" if took else "- |"))
+            f"{report.argument_bytes()['total'] / 2**20:.1f} | " + (f"{took:.1f} |" if took else "- |")
+            + ("" if temp is None else f" {temp / 2**20:.1f} |"))
 
 
 def planned(cfg, mesh: dict):
@@ -78,26 +83,30 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
     p.add_argument("--layers", type=int, default=0, help="model.num_layers (0: the config's)")
+    p.add_argument("--scan", action="store_true", help="model.scan=true: the layers as one scan")
+    p.add_argument("--temps", action="store_true", help="compile each step and print its temporaries")
     a = p.parse_args()
     print("| config | mesh | sharding | moved MiB | comm ms | compute ms | step ms | state + batch MiB | "
-          "choice s |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "choice s |" + (" temp MiB |" if a.temps else ""))
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if a.temps else ""))
     for name in a.configs.split(","):
         for mesh in CASES[name]:
             cfg = load(name, mesh)
             if a.layers:
                 cfg.model.num_layers = a.layers
-            rules, _ = explain(cfg)
-            print(row(name, mesh, "rules table", rules), flush=True)
+            cfg.model.scan = cfg.model.scan or a.scan
+            rules, _, temp = explain(cfg, a.temps)
+            print(row(name, mesh, "rules table", rules, 0.0, temp), flush=True)
             pick, key = planned(cfg, mesh)
-            print(row(name, mesh, f"planner's pick ({key})", explain(pick)[0]), flush=True)
+            report, _, temp = explain(pick, a.temps)
+            print(row(name, mesh, f"planner's pick ({key})", report, 0.0, temp), flush=True)
             cfg.mesh.auto = True
-            print(row(name, mesh, "mesh.auto", *explain(cfg)), flush=True)
+            print(row(name, mesh, "mesh.auto", *explain(cfg, a.temps)), flush=True)
             shape = dict(rules.mesh)
             metrics = sum(int(np.prod(v.boundary.local_shape(v.shape, shape))) * np.dtype(v.dtype).itemsize
                           for v in rules.outputs if v.name.startswith("out[1]"))  # the state's are donated
             cfg.mesh.memory_budget = float(rules.argument_bytes()["total"] + metrics)
-            print(row(name, mesh, "mesh.auto, the rules table's memory", *explain(cfg)), flush=True)
+            print(row(name, mesh, "mesh.auto, the rules table's memory", *explain(cfg, a.temps)), flush=True)
     print(f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].platform}; the generic CPU profile "
           f"(no overlap); step = communication + compute")
 

@@ -331,6 +331,6 @@ def chosen_shardings(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, 
         t, lowering, _ = P.partition_program(fn, mesh, in_shardings, out_shardings, placements, args, kwargs,
                                              given, _placed(profile, mesh), None, "auto", choice)
     n = len(jax.tree_util.tree_leaves(args))
-    ins = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tuple(args)),
-                                       [s.spec() for s in lowering.entry[:n]])
-    return ins, jax.tree_util.tree_unflatten(t.out_tree, [s.spec() for s in lowering.exit])
+    spec = lambda s: SUB.whole(s, dict(mesh.shape)).spec()  # planned with sub-axes: named over the mesh given
+    ins = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tuple(args)), [spec(s) for s in lowering.entry[:n]])
+    return ins, jax.tree_util.tree_unflatten(t.out_tree, [spec(s) for s in lowering.exit])

@@ -46,7 +46,8 @@ def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_s
         sol = solve(g, mesh_shape, auto.memory_budget)
     except Infeasible as e:
         if auto.memory_budget is None:
-            raise RuntimeError(f"the automatic sharding found no option for some op: {e}") from None
+            raise RuntimeError(f"the automatic sharding found no sharding that runs this program ({e}); annotate "
+                               f"the values around it, or partition without auto=True") from None
         raise ValueError(_over_budget(g, mesh_shape, auto.memory_budget)) from None
     chosen: dict = {}
     pinned = {n.eqn: n.options[p].fs for n, p in zip(g.nodes, sol.picks) if n.eqn is not None and n.options[p].fs}
@@ -89,10 +90,12 @@ def donated_outputs(program: Program, donated: Sequence[int]) -> dict[int, int]:
         v = program.invars[j]
         free[tuple(v.shape), str(v.aval.dtype)].append(j)
     out = {}
-    for k, v in enumerate(program.outvars):
+    for k, v in enumerate(program.outvars):  # a constant output takes its donated buffer too (jax.jit's pairing)
         key = (tuple(v.shape), str(v.aval.dtype))
-        if isinstance(v, Value) and free[key]:
-            out[k] = free[key].popleft()
+        if free[key]:
+            j = free[key].popleft()
+            if isinstance(v, Value):
+                out[k] = j
     return out
 
 

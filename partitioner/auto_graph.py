@@ -224,8 +224,12 @@ class Builder:
         for x, b in zip(e.invars[:nc], body.invars[:nc]):
             if isinstance(x, Value) and x in makers:
                 makers[b] = makers[x]
-            elif isinstance(x, Value) and x in free:
+            elif isinstance(x, Value) and x in free and self.uses.get(b, 0) <= 1:
                 free[b] = None
+            elif isinstance(x, Value) and x in free:  # made anywhere, read more than once: a node of no cost
+                nodes.append(Node(f"a const of the scan at {e.source}", [
+                    Option((None,), (s,), 0.0, label=str(s)) for s in tensor_shardings(b.shape, self.mesh_shape)]))
+                makers[b] = (len(nodes) - 1, 0, None)
         carries = []
         for j, (x, b) in enumerate(zip(e.invars[nc:], body.invars[nc:])):
             i = loop_node("carry" if j < nk else "stacked input", b, j >= nk, False)
@@ -235,6 +239,8 @@ class Builder:
             carries += [i] if j < nk else []
         self._ops(body.eqns, nodes, edges, makers, free, scale * trips)
         for k, (y, out) in enumerate(zip(body.outvars, e.outvars)):
+            if k < nk:
+                makers[out] = (carries[k], 0, None)  # the loop's carry, whatever each trip's result is
             if not (isinstance(y, Value) and y in makers):
                 continue
             i = carries[k] if k < nk else loop_node("stacked output", y, False, True)

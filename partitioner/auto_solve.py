@@ -129,11 +129,10 @@ def solve(g: Graph, mesh_shape: dict, budget: Optional[float] = None, exclude: S
     if alive:
         proven = _integer_program(g, unary, edges, alive, memory, budget, time_limit, picks)
     for i, near, best in reversed(order):
-        if near and not np.isfinite(unary[i]).any():
-            raise Infeasible("an op has no option left")
         picks[i] = int(best if not near else best[tuple(picks[j] for j in near)])
-    if any(not np.isfinite(unary[i][picks[i]]) for i in range(len(g.nodes)) if i in gone):
-        raise Infeasible("every option of an op is excluded")
+    stuck = [g.nodes[i].what for i in gone if not np.isfinite(unary[i][picks[i]])]
+    if stuck:
+        raise Infeasible(f"no option of {stuck[0]} is left")
     held = int(sum(mem[p] for mem, p in zip(memory, picks)))
     seconds = float(sum(node.options[p].seconds for node, p in zip(g.nodes, picks))
                     + sum(e.seconds[picks[e.src], picks[e.dst]] for e in g.edges))

@@ -54,6 +54,8 @@ def test_a_two_layer_mlp_with_only_the_batch_given_moves_no_more_than_megatrons_
     megatron = gs.explain(mlp_step, mesh, *args, in_shardings=(P("data", None), P(None, "model"), P("model", None)))
     assert moved(auto) <= moved(megatron), (moved(auto), moved(megatron))
     assert auto.comm_time + auto.compute_time <= megatron.comm_time + megatron.compute_time
+    estimate = float(re.search(r"predicted ([\d.]+) ms", auto.notes[0]).group(1)) * 1e-3
+    assert auto.comm_time + auto.compute_time <= estimate * 1.001  # a reshard's readers charged once each
     assert {v.name: str(v.boundary) for v in auto.inputs}["x"] == "[data, -]"  # what the user gave stays
     close(gs.partition(mlp_step, mesh, in_shardings=batch_only, auto=True)(*args), jax.jit(mlp_step)(*args))
 

@@ -103,14 +103,17 @@ def test_mesh_auto_within_a_memory_budget_shards_the_state_and_fits():
 @pytest.mark.parametrize("option,message", [
     (dict(train=dict(offload_optimizer=True)), "train.offload_optimizer"),
     (dict(model=dict(sequence_parallel=True)), "model.sequence_parallel"),
+    (dict(mesh=dict(stage=2, expert=2)), "mesh.stage > 1"),
+    (dict(moe=dict(dispatch="dropless")), "model.moe.dispatch='dropless'"),
     (dict(mesh=dict(memory_budget=-1.0)), "mesh.memory_budget=-1.0: expected bytes per device"),
+    (dict(mesh=dict(auto=False, memory_budget=1e6)), "mesh.memory_budget=1000000.0 bounds the automatic"),
 ])
 def test_mesh_auto_names_what_needs_a_rules_table(option, message):
     from gshard_jax import configs
     cfg = configs.load(os.path.join(ROOT, "experiments", "tiny_moe_lm.py"))
     cfg.mesh.update(AUTO)
     for section, values in option.items():
-        cfg[section].update(values)
+        (cfg.model if section == "moe" else cfg)[section].update(values)
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         from gshard_jax.training import train
         train.Trainer(cfg, "/nonexistent")

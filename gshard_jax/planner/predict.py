@@ -31,6 +31,7 @@ def apply(cfg: ml_collections.ConfigDict, c: Candidate) -> ml_collections.Config
     for a in AXES:
         out.mesh[a] = c.size(a)
     out.mesh.model = 1
+    out.mesh.auto = False  # the planner ranks configurations of the rules table (mesh.auto: docs/training.md)
     out.mesh_order = ",".join(a for a, _ in c.mesh)
     out.train.zero_stage, out.train.epso, out.train.microbatches = c.zero_stage, c.epso, c.microbatches
     out.model.remat = c.remat

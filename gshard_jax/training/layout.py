@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 import gshard_jax as gs
 
-from ..models.logical import Rules, automatic, axes_of, end_owner, mesh_spec
+from ..models.logical import AUTO_RULES, Rules, automatic as automatic_rules, axes_of, end_owner, mesh_spec
 
 ZERO_STAGES = (0, 1, 2, 3)
 STORAGE_AXES = ("z",)  # weights are stored split over these and gathered where used (FSDP)
@@ -117,7 +117,7 @@ def layout(logical: Any, shapes: Any, rules: Rules, mesh: Mapping[str, int], zer
 
     def un(leaves):
         return jax.tree_util.tree_unflatten(tree, leaves)
-    if automatic(rules):
+    if automatic_rules(rules):
         return Layout(None, None, None, zero_stage, {}, un(stacked), un(ends))
     return Layout(un(compute), un(stored), un(optimizer), zero_stage, given, un(stacked), un(ends))
 
@@ -152,3 +152,39 @@ def bytes_per_device(shapes: Any, specs: Any, mesh: Mapping[str, int]) -> int:
                  for n, e in zip(leaf.shape, tuple(spec) + (None,) * (len(leaf.shape) - len(spec)))]
         total += int(np.prod(local, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
     return total
+
+
+def automatic(cfg: Any, mesh: Mapping[str, int]) -> Any:
+    """A typed config (configs.Config) under mesh.auto: the model's rules table dropped (AUTO_RULES: nothing
+    annotated), or a ValueError naming the option that needs a table (or the budget without mesh.auto)."""
+    if not cfg.mesh.auto:
+        raise ValueError(f"mesh.memory_budget={cfg.mesh.memory_budget!r} bounds the automatic sharding's choice, "
+                         f"but mesh.auto is False: set --config.mesh.auto=true too, or leave the budget 0")
+    t = cfg.model.transformer
+    needs = {"mesh.stage > 1 (a pipeline's stages are a rules table's layers axis)": mesh.get("stage", 1) > 1,
+             "train.offload_optimizer (the host-memory state is laid out by the rules table)":
+                 cfg.train.offload_optimizer,
+             "model.sequence_parallel (a rule for the residual stream)": t.sequence_parallel,
+             "model.moe.dispatch='dropless' (a manual region over the rules' expert axes)":
+                 t.moe is not None and t.moe.dispatch == "dropless"}
+    bad = [k for k, v in needs.items() if v]
+    if bad:
+        raise ValueError(f"mesh.auto=True drops the rules table and lets the partitioner choose, but {bad[0]} "
+                         f"needs one: unset it, or leave mesh.auto false")
+    if cfg.mesh.memory_budget < 0:
+        raise ValueError(f"mesh.memory_budget={cfg.mesh.memory_budget!r}: expected bytes per device (0: no limit), "
+                         f"e.g. --config.mesh.memory_budget=8e9")
+    model = dataclasses.replace(cfg.model, transformer=dataclasses.replace(t, rules=AUTO_RULES))
+    return dataclasses.replace(cfg, model=model)
+
+
+def chosen(train_step: Callable, init_state: Callable, batch: dict, mesh: Any, batch_spec: P,
+           memory_budget: float = 0.0) -> dict:
+    """mesh.auto: the state's PartitionSpecs, the automatic sharding's choice for the train step with the batch
+    as `batch_spec` says and the state donated (so each leaf leaves as it arrives), within memory_budget bytes
+    per device when one is given (0: none). batch: its ShapeDtypeStructs."""
+    state = jax.eval_shape(init_state, jax.random.key(0))
+    (specs, _), _ = gs.chosen_shardings(train_step, mesh, state, batch, in_shardings=(None, batch_spec),
+                                        out_shardings=(None, P()), memory_budget=memory_budget or None,
+                                        donate_argnums=0)
+    return specs

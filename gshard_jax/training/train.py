@@ -29,7 +29,7 @@ import gshard_jax as gs
 
 from .. import configs
 from ..models import pipelined
-from ..models.logical import AUTO_RULES, DEFAULT_RULES, axes_of, mesh_spec
+from ..models.logical import DEFAULT_RULES, axes_of, mesh_spec
 from . import checkpoints, cluster, data, faults, layout as state_layout, metrics, optim, steps, timing
 from .checkpoints import Checkpoints
 from .faults import Faults, Preempted
@@ -112,26 +112,6 @@ def mesh_for(cfg: configs.Config | ml_collections.ConfigDict) -> jax.sharding.Me
     return gs.make_mesh(kept)
 
 
-def automatic(cfg: configs.Config, mesh: dict) -> configs.Config:
-    """cfg under mesh.auto: the model's rules table dropped (AUTO_RULES: nothing annotated), or a ValueError
-    naming the option that needs a table."""
-    t = cfg.model.transformer
-    needs = {"mesh.stage > 1 (a pipeline's stages are a rules table's layers axis)": mesh.get("stage", 1) > 1,
-             "train.offload_optimizer (the host-memory state is laid out by the rules table)":
-                 cfg.train.offload_optimizer,
-             "model.sequence_parallel (a rule for the residual stream)": t.sequence_parallel,
-             "model.moe.dispatch='dropless' (a manual region over the rules' expert axes)":
-                 t.moe is not None and t.moe.dispatch == "dropless"}
-    bad = [k for k, v in needs.items() if v]
-    if bad:
-        raise ValueError(f"mesh.auto=True drops the rules table and lets the partitioner choose, but {bad[0]} "
-                         f"needs one: unset it, or leave mesh.auto false")
-    if cfg.mesh.memory_budget < 0:
-        raise ValueError(f"mesh.memory_budget={cfg.mesh.memory_budget!r}: expected bytes per device (0: no limit)")
-    model = dataclasses.replace(cfg.model, transformer=dataclasses.replace(t, rules=AUTO_RULES))
-    return dataclasses.replace(cfg, model=model)
-
-
 @dataclasses.dataclass
 class Trainer:
     """A config's model, optimiser, mesh, data and partitioned step functions: what the step functions
@@ -156,8 +136,8 @@ class Trainer:
         if self.mesh is None:
             self.mesh = mesh_for(cfg)
         self.auto = bool(cfg.mesh.auto)
-        if self.auto:
-            cfg = self.cfg = automatic(cfg, dict(self.mesh.shape))
+        if self.auto or cfg.mesh.memory_budget:
+            cfg = self.cfg = state_layout.automatic(cfg, dict(self.mesh.shape))
         self.pipeline = configs.pipeline_config(cfg, dict(self.mesh.shape).get("stage", 1))
         ends = self.end_stages = configs.end_stages_of(cfg, self.pipeline)
         self.model = configs.build_model(cfg.model, train=True, pipeline=self.pipeline, end_stages=ends)
@@ -225,7 +205,13 @@ class Trainer:
         self.eval_step = functools.partial(steps.eval_step, c=self.step_config)
         self.auto_notes: list[str] = []  # mesh.auto: how the state's shardings were chosen
         if self.auto:
-            self.state_specs = self._chosen_state()
+            start = time.perf_counter()
+            windows = np.zeros((t.batch_size, self.length), np.int32)
+            batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in data.model_batch(cfg.model.kind,
+                                                                                             windows).items()}
+            self.state_specs = state_layout.chosen(self.train_step, self.init_state, batch, self.mesh,
+                                                   self.batch_spec, cfg.mesh.memory_budget)
+            self.auto_notes.append(f"mesh.auto: the state's shardings chosen in {time.perf_counter() - start:.1f} s")
         self.step_outs = (self.state_specs, P())  # the train step's: the metrics replicated, read by every process
         # The state is donated, as plain JAX's train steps do: its buffers become the next state's, so a step
         # holds one copy of the params and optimizer state, not two. The caller must not read it afterwards.
@@ -242,21 +228,6 @@ class Trainer:
         if self.auto and backend == "gshard":  # the values in the step: chosen, with the state's shardings fixed
             kw = dict(kw, auto=True)
         return gs.partition(fn, self.mesh, in_shardings=ins, out_shardings=outs, backend=backend, **kw)
-
-    def _chosen_state(self) -> dict:
-        """mesh.auto: the state's PartitionSpecs, the automatic sharding's choice for the train step with the
-        batch split over the data axes and the state donated (so each leaf leaves as it arrives), within
-        mesh.memory_budget bytes per device when one is given."""
-        state = jax.eval_shape(self.init_state, jax.random.key(0))
-        windows = np.zeros((self.cfg.train.batch_size, self.length), np.int32)
-        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
-                 for k, v in data.model_batch(self.cfg.model.kind, windows).items()}
-        start = time.perf_counter()
-        (specs, _), _ = gs.chosen_shardings(self.train_step, self.mesh, state, batch,
-                                            in_shardings=(None, self.batch_spec), out_shardings=(None, P()),
-                                            memory_budget=self.cfg.mesh.memory_budget or None, donate_argnums=0)
-        self.auto_notes.append(f"mesh.auto: the state's shardings chosen in {time.perf_counter() - start:.1f} s")
-        return specs
 
     def explain(self, state: dict, batch: dict, compile: bool = True) -> gs.Report:
         """The train step's partition report, with argument memory by kind (params, optimizer state, batch)
