@@ -134,3 +134,12 @@ def test_the_states_choice_is_the_same_every_time_so_a_checkpoint_restores_onto_
     first, again = (make(AUTO, model=dict(scan=True)).state_specs for _ in range(2))
     assert jax.tree.leaves(first, is_leaf=lambda x: isinstance(x, P)) == \
         jax.tree.leaves(again, is_leaf=lambda x: isinstance(x, P))
+
+
+def test_the_planner_plans_the_rules_tables_configurations_under_mesh_auto():
+    from gshard_jax import configs
+    from gshard_jax.planner import predict
+    from gshard_jax.planner.space import Candidate
+    cfg = configs.load(os.path.join(ROOT, "experiments", "tiny_moe_lm.py"))
+    cfg.mesh.auto = True
+    assert predict.apply(cfg, Candidate((("data", 8),))).mesh.auto is False
