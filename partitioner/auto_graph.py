@@ -11,15 +11,16 @@ bytes. An output is a node too, whose options are the shardings it may leave in 
 reduced on the way). An annotation, a manual region's specs, in_shardings and out_shardings are options of
 one.
 
-The choice is an integer program (`scipy.optimize.milp`, HiGHS): one binary per node and option, summing
-to 1; per edge a joint variable per pair of options whose marginals are the two nodes' (Alpa's
-formulation: exact for 0/1 choices); the arguments' and outputs' bytes per device within the memory budget.
+The choice is an integer program (auto_solve.py: `scipy.optimize.milp`, HiGHS) over this graph, made
+smaller first by exact steps (ops merged into their operands' nodes, values made from scalars left to their
+reader, chain nodes eliminated); the arguments' and outputs' bytes per device within the memory budget.
 What is exact and what is not:
 - exact: the optimum of this model of the program, under its costs;
 - a model: a value read by several consumers pays each one's reshard (the lowering pays a repeated one
   once); temporaries are not in the memory constraint (arguments and outputs are);
-- not chosen: the bodies of loops, branches and checkpointed regions (propagation carries the choices
-  into them, as it carries annotations); their operands' edges cost nothing.
+- a scan's body is in the graph once, at trips times its cost (Builder._scan), and a checkpointed region's
+  body is the caller's code; a while loop's and a branch's bodies are not chosen (propagation carries the
+  choices into them, as it carries annotations), and their operands' edges cost nothing.
 
 The choices enter the one engine as seeds (`passes.Traced.seeds`), as a planner's would: propagation and
 the lowering then run unchanged, and explain() reports the program they make.

@@ -18,7 +18,6 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from .auto_graph import Graph
 
 MIP_GAP = 1e-3  # HiGHS stops within 0.1% of the optimum's bound: a choice at most that far from the best
-DISP = False
 
 
 @dataclasses.dataclass
@@ -188,7 +187,7 @@ def _integer_program(g: Graph, unary: list, edges: dict, alive: list, memory: li
     a = sparse.csr_array((vals, (rows, cols)), shape=(len(lo), m))
     integrality = np.zeros(m)
     integrality[:n] = 1
-    options = {"disp": DISP, "mip_rel_gap": MIP_GAP, **({"time_limit": time_limit} if time_limit else {})}
+    options = {"mip_rel_gap": MIP_GAP, **({"time_limit": time_limit} if time_limit else {})}
     res = milp(c, integrality=integrality, bounds=Bounds(np.zeros(m), upper),
                constraints=LinearConstraint(a, np.array(lo), np.array(hi)), options=options)
     if res.x is None and res.status == 1:
