@@ -68,7 +68,7 @@ def row(name: str, mesh: dict, plan: str, report, took: float = 0.0, temp=None) 
     return (f"| {name} | {' '.join(f'{a} {n}' for a, n in mesh.items())} | {plan} | {moved / 2**20:.2f} | "
             f"{report.comm_time * 1e3:.3f} | {report.compute_time * 1e3:.3f} | {step * 1e3:.3f} | "
             f"{report.argument_bytes()['total'] / 2**20:.1f} | " + (f"{took:.1f} |" if took else "- |")
-            + ("" if temp is None else f" {temp / 2**20:.1f} |"))
+            + f" {report.temporaries.bytes / 2**20:.1f} |" + ("" if temp is None else f" {temp / 2**20:.1f} |"))
 
 
 def planned(cfg, mesh: dict):
@@ -84,11 +84,12 @@ def main() -> None:
     p.add_argument("--configs", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
     p.add_argument("--layers", type=int, default=0, help="model.num_layers (0: the config's)")
     p.add_argument("--scan", action="store_true", help="model.scan=true: the layers as one scan")
-    p.add_argument("--temps", action="store_true", help="compile each step and print its temporaries")
+    p.add_argument("--temps", action="store_true", help="compile each step and print its temporaries as "
+                   "memory_analysis() counts them, beside explain()'s prediction")
     a = p.parse_args()
     print("| config | mesh | sharding | moved MiB | comm ms | compute ms | step ms | state + batch MiB | "
-          "choice s |" + (" temp MiB |" if a.temps else ""))
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if a.temps else ""))
+          "choice s | temporaries MiB, predicted |" + (" temporaries MiB, compiled |" if a.temps else ""))
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if a.temps else ""))
     for name in a.configs.split(","):
         for mesh in CASES[name]:
             cfg = load(name, mesh)

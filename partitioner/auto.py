@@ -8,9 +8,12 @@ import dataclasses
 import math
 import numbers
 import time
+
+import numpy as np
 from typing import Mapping, Optional, Sequence
 
 from .auto_graph import Builder, Graph, viewed
+from .auto_memory import Temporaries, temporaries
 from .auto_solve import Infeasible, Solution, Unsolved, memory_of, solve
 from .cost import _fmt_bytes
 from .program import Program, Value
@@ -18,13 +21,16 @@ from .sharding import Sharding
 
 EXPLAINED_ARGUMENTS = 6  # the largest arguments explain() names with their runner-up (each a solve of its own)
 EXPLAINED_ACTIVATIONS = 3  # and the largest values the ops make
-RUNNER_UP_SECONDS = 2.0  # the least each runner-up's solve may take (at most as long as the choice's own)
+BUDGETED_SECONDS = 120.0  # the most a choice under a memory budget may take; past it, the best found is taken
+RUNNER_UP_SECONDS = 2.0  # the least each runner-up's solve may take
+RUNNER_UP_SHARE = 0.25  # and its most, as a share of the choice's own (under a budget, a runner-up's proof is slow)
 
 
 @dataclasses.dataclass(frozen=True)
 class Auto:
     """What partition(auto=True, memory_budget=...) asks of the choice."""
-    memory_budget: Optional[float] = None  # bytes per device the arguments and outputs may hold (None: no limit)
+    # bytes per device the arguments, the outputs and the temporaries alive at any point may hold (None: no limit)
+    memory_budget: Optional[float] = None
     donate_argnums: tuple = ()  # donated positional arguments: an output reusing one's buffer leaves as it arrives
 
     def __post_init__(self):
@@ -42,13 +48,18 @@ def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_s
     output index -> the input (flat index) whose donated buffer it reuses (donated_outputs)."""
     start = time.perf_counter()
     g = Builder(program, seeds, mesh_shape, mesh_axes, profile, names, out_fixed, out_names, ties).build()
+    temps = temporaries(g, program, mesh_shape)
+    limit = BUDGETED_SECONDS if auto.memory_budget is not None else None
     try:
-        sol = solve(g, mesh_shape, auto.memory_budget)
+        sol = solve(g, mesh_shape, auto.memory_budget, temps=temps, time_limit=limit)
+    except Unsolved:
+        raise ValueError(f"memory_budget={auto.memory_budget:.0f} bytes per device: no sharding within it was "
+                         f"found in {limit:.0f} s; raise the budget, or annotate the largest values") from None
     except Infeasible as e:
         if auto.memory_budget is None:
             raise RuntimeError(f"the automatic sharding found no sharding that runs this program ({e}); annotate "
                                f"the values around it, or partition without auto=True") from None
-        raise ValueError(_over_budget(g, mesh_shape, auto.memory_budget)) from None
+        raise ValueError(_over_budget(g, temps, mesh_shape, auto.memory_budget)) from None
     chosen: dict = {}
     pinned = {n.eqn: n.options[p].fs for n, p in zip(g.nodes, sol.picks) if n.eqn is not None and n.options[p].fs}
     readers = collections.defaultdict(list)  # (node, value) -> the edges that read it
@@ -75,10 +86,11 @@ def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_s
     lines = [f"automatic sharding: {len(g.nodes)} nodes, {len(g.edges)} edges, "
              f"{sum(len(n.options) for n in g.nodes)} options; solved in {took:.2f} s; predicted "
              f"{sol.seconds * 1e3:.3f} ms of the step's communication and compute; arguments and outputs "
-             f"{_fmt_bytes(sol.memory)} per device"
-             + (f" against a budget of {_fmt_bytes(auto.memory_budget)}" if auto.memory_budget else "")]
+             f"{_fmt_bytes(sol.memory)} and temporaries at their peak {_fmt_bytes(sol.temporaries)} per device"
+             + (f" against a budget of {_fmt_bytes(auto.memory_budget)}" if auto.memory_budget else "")
+             + ("" if sol.proven else f" (the best found in {limit:.0f} s, not proven the cheapest)")]
     if why:
-        lines += _why(g, sol, mesh_shape, auto, time_limit=max(RUNNER_UP_SECONDS, took))
+        lines += _why(g, temps, sol, mesh_shape, auto, time_limit=max(RUNNER_UP_SECONDS, took * RUNNER_UP_SHARE))
     return chosen, pinned, leaving, lines
 
 
@@ -111,7 +123,8 @@ def _target(g: Graph, sol: Solution, readers: list, made: Optional[Sharding]) ->
     return Sharding(made.dims, frozenset(), made.padded)
 
 
-def _why(g: Graph, sol: Solution, mesh_shape: dict, auto: Auto, time_limit: float) -> list[str]:
+def _why(g: Graph, temps: Temporaries, sol: Solution, mesh_shape: dict, auto: Auto,
+         time_limit: float) -> list[str]:
     """The choice for the largest arguments and activations, each against its runner-up (the best choice
     without it, found within time_limit seconds)."""
     def size(v: Value) -> int:
@@ -127,7 +140,8 @@ def _why(g: Graph, sol: Solution, mesh_shape: dict, auto: Auto, time_limit: floa
         node, pick = g.nodes[i], sol.picks[i]
         what = node.what if node.value is not None else f"the result of {node.what}"
         try:
-            other = solve(g, mesh_shape, auto.memory_budget, exclude=[(i, pick)], time_limit=time_limit)
+            other = solve(g, mesh_shape, auto.memory_budget, exclude=[(i, pick)], time_limit=time_limit,
+                          temps=temps, points=sol.points)
         except Infeasible:
             lines.append(f"{what}: {node.options[pick].label}; every other choice is over the budget")
             continue
@@ -140,13 +154,21 @@ def _why(g: Graph, sol: Solution, mesh_shape: dict, auto: Auto, time_limit: floa
     return lines
 
 
-def _over_budget(g: Graph, mesh_shape: dict, budget: float) -> str:
-    """The message for a budget no choice meets: the least memory found, and the values holding most of it."""
-    least = solve(g, mesh_shape, objective="memory")  # raises Infeasible where no option at all is left
+def _over_budget(g: Graph, temps: Temporaries, mesh_shape: dict, budget: float) -> str:
+    """The message for a budget no choice meets: the least memory found (the arguments, outputs and temporaries
+    at the peak), and the values holding most of it."""
+    least = solve(g, mesh_shape, objective="memory", temps=temps)  # raises Infeasible where no option is left
     memory = memory_of(g)
-    held = sorted(((memory[i][p], g.nodes[i]) for i, p in enumerate(least.picks) if memory[i][p]),
-                  key=lambda t: -t[0])[:4]
-    holders = ", ".join(f"{n.what} ({_fmt_bytes(b)})" for b, n in held)
-    return (f"memory_budget={budget:.0f} bytes per device: no sharding of this program's arguments and outputs "
-            f"fits it; the smallest found holds {_fmt_bytes(least.memory)} per device, most of it in {holders}. "
-            f"Raise the budget, use a mesh with more devices, or keep less state (a smaller model or batch)")
+    held = [(memory[i][p], g.nodes[i].what) for i, p in enumerate(least.picks) if memory[i][p]]
+    at = temps.at(least.picks)
+    if len(at):
+        point = int(np.argmax(at))
+        held += [(b, f"the result of {e.name}" + (f" at {e.source}" if e.source else ""))
+                 for b, e in temps.alive(point, least.picks)]
+    holders = ", ".join(f"{what} ({_fmt_bytes(b)})" for b, what in sorted(held, key=lambda t: -t[0])[:4])
+    temporaries = "" if not least.temporaries else \
+        f" ({_fmt_bytes(least.memory)} of arguments and outputs, {_fmt_bytes(least.temporaries)} of temporaries)"
+    return (f"memory_budget={budget:.0f} bytes per device: no sharding of this program fits it; the smallest "
+            f"found holds {_fmt_bytes(least.memory + (least.temporaries or 0))} per device{temporaries}, most of "
+            f"it in {holders}. Raise the budget, use a mesh with more devices, or keep less state (a smaller model "
+            f"or batch)")

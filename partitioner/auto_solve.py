@@ -3,20 +3,25 @@
 Variables: x[n, s] in {0, 1}, node n runs option s, one per node; y[e, p, q] in [0, 1] per edge e and pair of
 classes of its two nodes' options (options whose reshard costs on the edge are alike are one class), with
 sum_q y[e, p, q] = sum_{s in p} x[src, s] and sum_p y[e, p, q] = sum_{t in q} x[dst, t] (the joint of two 0/1
-choices is their product: exact). Minimised: the options' seconds plus the edges' reshard seconds. The
-arguments' and outputs' bytes per device stay within a budget when one is given.
+choices is their product: exact). Minimised: the options' seconds plus the edges' reshard seconds. Under a
+budget, memory rows (auto_memory.py) keep the arguments' and outputs' bytes per device, with the temporaries
+alive at a point of the step, within it.
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Optional, Sequence
 
 import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from . import auto_memory as RW
 from .auto_graph import Graph
+from .auto_memory import Temporaries
 
+SLACK = 0.02  # a memory row may overstate a point's bytes by this share of the budget (auto_memory.row)
 MIP_GAP = 1e-3  # HiGHS stops within 0.1% of the optimum's bound: a choice at most that far from the best
 
 
@@ -26,6 +31,8 @@ class Solution:
     seconds: float  # the objective: predicted seconds of the step under the model
     memory: int  # the arguments' and outputs' bytes per device
     proven: bool = True  # within MIP_GAP of the optimum (False: the best found within a time limit)
+    temporaries: Optional[int] = None  # the peak of the temporaries' bytes per device (when they were given)
+    points: list = dataclasses.field(default_factory=list)  # the program points whose memory rows it was solved with
 
 
 class Infeasible(Exception):
@@ -107,26 +114,60 @@ def _eliminate(unary: list, edges: dict, keep: set) -> list:
 
 
 def solve(g: Graph, mesh_shape: dict, budget: Optional[float] = None, exclude: Sequence[tuple[int, int]] = (),
-          objective: str = "time", time_limit: Optional[float] = None) -> Solution:
+          objective: str = "time", time_limit: Optional[float] = None, temps: Optional[Temporaries] = None,
+          points: Sequence[int] = ()) -> Solution:
     """The cheapest choice of one option per node (exclude: (node, option) pairs forbidden). objective="memory":
     the least memory instead (what a budget no choice meets is measured against). time_limit: seconds the
-    solver may take; past them the best choice found is returned, marked not proven."""
+    solver may take; past them the best choice found is returned, marked not proven. temps: the step's
+    temporaries, kept within the budget with the arguments and outputs at every point (auto_memory.py: a row
+    per point where a choice's peak was over the budget, added until none is; points: rows to start from,
+    a solve's own `points` for a solve of the same graph)."""
     memory = memory_of(g)
+    limited = temps is not None and (budget is not None or objective == "memory")
+    points = list(dict.fromkeys(list(points) + temps.first_points())) if limited else []
+    deadline = None if time_limit is None else time.perf_counter() + time_limit
+    while True:
+        slack = SLACK * budget if budget is not None and objective == "time" else 0.0
+        rows = [temps.row(p, memory, slack) for p in points] if points else [RW.row(dict(enumerate(memory)))]
+        left = None if deadline is None else max(deadline - time.perf_counter(), 0.1)
+        sol = _solve_rows(g, memory, rows, budget, exclude, objective, left)
+        sol.points = points
+        if temps is None:
+            return sol
+        at = temps.at(sol.picks)
+        worst = int(np.argmax(at)) if len(at) else 0
+        sol.temporaries = int(at[worst]) if len(at) else 0
+        if not limited or worst in points:
+            return sol
+        limit = budget if objective == "time" else max(r.at(sol.picks) for r in rows)
+        if sol.memory + sol.temporaries <= limit * (1 + 1e-9):
+            return sol
+        if deadline is not None and time.perf_counter() >= deadline:  # over the budget at a point no row holds yet
+            raise Unsolved(f"no choice within the budget at every point found in {time_limit:.0f} s")
+        points.append(worst)
+
+
+def _solve_rows(g: Graph, memory: list, rows: list, budget: Optional[float], exclude: Sequence[tuple[int, int]],
+                objective: str, time_limit: Optional[float]) -> Solution:
+    """The choice with each memory row within the budget (objective="memory": the least of the rows' largest)."""
     if objective == "time":
         unary, edges = _presolved(g)
     else:
-        unary, edges = [m / 2**20 for m in memory], {}  # in MiB
+        unary, edges = [np.zeros(len(n.options)) for n in g.nodes], {}
     for node, s in exclude:
         unary[node] = unary[node].copy()
         unary[node][s] = np.inf
-    keep = {i for i, m in enumerate(memory) if m.any()} if budget else set()  # in the memory row
-    order = _eliminate(unary, edges, keep) if objective == "time" else []
+    limited = budget is not None or objective == "memory"
+    keep = {i for r in rows for i in [*r.per_node, *(j for c in r.copies for j in (c.maker, c.reader))]} \
+        if limited else set()  # in a memory row
+    order = _eliminate(unary, edges, keep)
     gone = {i for i, _, _ in order}
     alive = [i for i in range(len(g.nodes)) if i not in gone]
     picks = [0] * len(g.nodes)
     proven = True
     if alive:
-        proven = _integer_program(g, unary, edges, alive, memory, budget, time_limit, picks)
+        proven = _integer_program(unary, edges, alive, rows if limited else [], budget, time_limit, picks,
+                                  minimax=objective == "memory")
     for i, near, best in reversed(order):
         picks[i] = int(best if not near else best[tuple(picks[j] for j in near)])
     stuck = [g.nodes[i].what for i in gone if not np.isfinite(unary[i][picks[i]])]
@@ -138,21 +179,23 @@ def solve(g: Graph, mesh_shape: dict, budget: Optional[float] = None, exclude: S
     return Solution(picks, seconds, held, proven=proven)
 
 
-def _integer_program(g: Graph, unary: list, edges: dict, alive: list, memory: list, budget: Optional[float],
-                     time_limit: Optional[float], picks: list) -> bool:
-    """Solve the nodes left after elimination (setting their picks); returns whether the optimum is proven."""
+def _integer_program(unary: list, edges: dict, alive: list, mem_rows: list, budget: Optional[float],
+                     time_limit: Optional[float], picks: list, minimax: bool = False) -> bool:
+    """Solve the nodes left after elimination (setting their picks), each memory row (auto_memory.Row, its
+    nodes alive) within the budget, or with minimax the largest row least; returns whether the optimum is
+    proven."""
     offsets, n = {}, 0
     for i in alive:
         offsets[i] = n
         n += len(unary[i])
     edge_at, m, classes = [], n, []
     for (a, b), seconds in edges.items():  # an edge's options that cost alike are one class: its joint is over
-        rows, row_of = np.unique(seconds, axis=0, return_inverse=True)  # classes
-        cols, col_of = np.unique(rows, axis=1, return_inverse=True)
+        alike, row_of = np.unique(seconds, axis=0, return_inverse=True)  # classes
+        cols, col_of = np.unique(alike, axis=1, return_inverse=True)
         classes.append((a, b, row_of.ravel(), col_of.ravel(), cols))
         edge_at.append(m)
         m += cols.size
-    c = np.zeros(m)
+    c = np.zeros(m)  # then, with minimax, the largest row in MiB; then the copies' bytes
     upper = np.ones(m)
     for i in alive:
         u = unary[i]
@@ -181,9 +224,40 @@ def _integer_program(g: Graph, unary: list, edges: dict, alive: list, memory: li
         for q in range(nt):
             members = [offsets[b] + t for t in np.flatnonzero(col_of == q)]
             row([at + p * nt + q for p in range(ns)] + members, [1.0] * ns + [-1.0] * len(members), 0.0, 0.0)
-    if budget is not None:  # the memory row, in budgets so it reads <= 1 (the nodes holding memory are alive)
-        row([offsets[i] + k for i in alive for k in range(len(memory[i]))],
-            [b / budget for i in alive for b in memory[i]], -np.inf, 1.0)
+    copy_at = {}  # each copy term's variable: at least its bytes where its maker's and reader's options differ
+    for r in mem_rows:
+        for cp in r.copies:
+            if id(cp) not in copy_at:
+                copy_at[id(cp)] = m + minimax + len(copy_at)
+    extra = minimax + len(copy_at)
+    c, upper = np.concatenate([c, np.zeros(extra)]), np.concatenate([upper, np.full(extra, np.inf)])
+    done = set()
+    for r in mem_rows:
+        for cp in r.copies:
+            if id(cp) in done:
+                continue
+            done.add(id(cp))
+            for t, b in enumerate(cp.need):  # z >= b (x[reader, t] - sum of x[maker, s] that make it as needed)
+                if b > 0:
+                    same = [offsets[cp.maker] + s for s in np.flatnonzero(cp.same[:, t])]
+                    row([copy_at[id(cp)], offsets[cp.reader] + t] + same, [1.0 / b, -1.0] + [1.0] * len(same),
+                        0.0, np.inf)
+
+    def terms(r, scale: float) -> tuple[list, list]:
+        at = [offsets[i] + k for i, b in r.per_node.items() for k in range(len(b))]
+        return (at + [copy_at[id(cp)] for cp in r.copies],
+                [x / scale for b in r.per_node.values() for x in b] + [1.0 / scale] * len(r.copies))
+
+    if minimax:
+        c[m] = 1.0
+        for r in mem_rows:  # each row's bytes, in MiB, at most the largest
+            at, coef = terms(r, 2**20)
+            row(at + [m], coef + [-1.0], -np.inf, -r.const / 2**20)
+    elif budget is not None:  # the memory rows, in budgets so each reads <= 1 (the nodes holding memory are alive)
+        for r in mem_rows:
+            at, coef = terms(r, budget)
+            row(at, coef, -np.inf, 1.0 - r.const / budget)
+    m += extra
     a = sparse.csr_array((vals, (rows, cols)), shape=(len(lo), m))
     integrality = np.zeros(m)
     integrality[:n] = 1

@@ -34,7 +34,7 @@ from typing import Any, Optional, Sequence
 
 import jax
 
-from . import deferral as DF, registry as REG
+from . import deferral as DF, liveness as LV, registry as REG
 from .cost import Collective, compute_time, platform_of
 from .hardware import Hardware
 from .jax_compat import bind_on
@@ -83,6 +83,7 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
         self._deferred: dict[int, dict[int, Sharding]] = {}  # id(loop eqn) -> carry index -> sharding in the loop
         # (id(scan eqn), index among its stacked results) -> a per-trip result kept a partial sum for an outer loop
         self.deferred_ys: dict[tuple[int, int], Sharding] = {}
+        self.resharded: dict[Eqn, int] = {}  # op -> bytes per device of its operands' copies as it needs them
 
     # ------------------------------------------------------------------ execution
     def run(self, *local_args):
@@ -107,6 +108,9 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
             outs.append(self._read(env, v, x, log))
             if isinstance(v, Value) and x != self.plan.sharding(v):
                 self._boundary_row("output", name, v, self.plan.sharding(v), x, log)
+        if self.report is not None:  # the temporaries at their peak, as this program holds them
+            self.report.temporaries = LV.peak(self.program, lambda v: LV.nbytes(v, self.plan.sharding(v).local_shape(
+                v.shape, self.mesh_shape)), resharded=self.resharded)
         return outs
 
     def cost(self) -> None:
@@ -202,8 +206,11 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
             if kept and not choice.made[0].partial and len(eqn.outvars) == 1:  # as predicted (PartialSums._predict)
                 choice = self.choose(eqn, rule, have, ready, rings=False, planned=self._unsplit(eqn, have))
         local_in = []
-        for x, n in zip(eqn.invars, choice.need):
+        for x, h, n in zip(eqn.invars, have, choice.need):
             local_in.append(self._reshard(env, x, n, log)[0] if isinstance(x, Value) else x.val)
+            if self.report is not None and isinstance(x, Value) and h != n:
+                self.resharded[eqn] = self.resharded.get(eqn, 0) + LV.nbytes(x, n.local_shape(x.shape,
+                                                                                           self.mesh_shape))
         outs = self._bind(eqn, rule, choice, local_in, log)
         issue = len(log)  # operand reshards and the op's own exchanges; its results' reshards follow it
         for v, o, m in zip(eqn.outvars, outs, choice.made):

@@ -152,6 +152,7 @@ class Report:
     notes: list[str] = dataclasses.field(default_factory=list)
     kind_of: Callable[[str], str] = _argument  # groups inputs into kinds for memory (default: the argument)
     compiled_memory: Optional[dict] = None  # XLA's memory_analysis() of the compiled program (attach_compiled)
+    temporaries: Optional[Any] = None  # liveness.Peak: the predicted peak of the step's temporaries per device
     pipelines: list[dict] = dataclasses.field(default_factory=list)  # gs.pipeline schedules traced (Schedule.summary)
     # For overlap.py, by value id: a scan body's input -> the operand it stands for, and a scan's result -> the
     # body's value it stands for (a body run once a call is inlined into the code around it)
@@ -183,8 +184,10 @@ class Report:
     @property
     def memory(self) -> dict:
         """{"predicted": device argument bytes per device by kind, "predicted_host": the same in host memory,
+        "predicted_temporaries": the temporaries' peak per device (liveness.py; None: not predicted),
         "compiled": memory_analysis() (or None)}."""
         return {"predicted": self.argument_bytes(), "predicted_host": self.argument_bytes(host=True),
+                "predicted_temporaries": None if self.temporaries is None else self.temporaries.bytes,
                 "compiled": self.compiled_memory}
 
     def _memory_line(self) -> str:
@@ -194,6 +197,8 @@ class Report:
         if host["total"]:
             text += "; in host memory " + ", ".join(
                 f"{k} {_fmt_bytes(v)}" for k, v in host.items() if k != "total") + f" = {_fmt_bytes(host['total'])}"
+        if self.temporaries is not None and self.temporaries.bytes:
+            text += f"; temporaries at their peak {_fmt_bytes(self.temporaries.bytes)} (at {self.temporaries.op})"
         if self.compiled_memory:
             text += "; compiled " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in self.compiled_memory.items())
         return text
@@ -264,6 +269,7 @@ class Report:
             "notes": self.notes, "rows": [dict(r.to_dict(), **self._overlap_dict(o)) for r, o in
                                           zip(self.rows, self.overlap())], "totals": self.totals(),
             "memory": self.memory, "pipelines": self.pipelines,
+            "temporaries": None if self.temporaries is None else self.temporaries.to_dict(),
             "totals_per_call": self.totals(dynamic=True),  # per step: a loop's collectives times its trips
             "predicted_comm_time_s": self.comm_time, "predicted_compute_time_s": self.compute_time,
             "predicted_exposed_comm_time_s": self.exposed_comm_time,

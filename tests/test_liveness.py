@@ -1,0 +1,76 @@
+"""The step's temporaries (partitioner/liveness.py): which values are alive at each point of the program, and
+explain()'s predicted peak of them per device. On 8 simulated CPU devices."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import gshard_jax as gs
+from gshard_jax.partitioner import liveness
+from gshard_jax.partitioner.program import from_jaxpr
+
+B, D, H = 256, 128, 512
+F32 = 4
+
+
+def mlp(x, w1, w2):
+    return jnp.tanh(x @ w1) @ w2
+
+
+def mlp_args():
+    r = np.random.default_rng(0)
+    return [jnp.asarray(r.standard_normal(s), jnp.float32) for s in ((B, D), (D, H), (H, D))]
+
+
+def test_a_chains_peak_is_the_two_hidden_activations_it_holds_at_once():
+    """x @ w1 (B x H) is alive while tanh makes its result (B x H); the output (B x D) is not a temporary."""
+    report = gs.explain(mlp, gs.make_mesh({"data": 8}), *mlp_args(), in_shardings=(P(), P(), P()))
+    assert report.temporaries.bytes == 2 * B * H * F32
+    assert report.temporaries.op.startswith("tanh at ")
+    assert [b for _, b in report.temporaries.largest] == [B * H * F32] * 2
+
+
+def test_a_split_batch_divides_the_temporaries_by_the_devices_it_is_split_over():
+    report = gs.explain(mlp, gs.make_mesh({"data": 8}), *mlp_args(), in_shardings=(P("data"), P(), P()))
+    assert report.temporaries.bytes == 2 * B * H * F32 // 8
+
+
+def test_a_scans_body_holds_one_trips_values_and_its_stacked_results_whole():
+    """A scan over 12 layers, each making a B x H activation and stacking a B x D result: the body's values
+    count once (its buffers are reused each trip), the stacked result (12 x B x D), made as the loop runs, whole."""
+    def f(x, w1s, w2s):
+        def body(c, w):
+            h = jnp.tanh(c @ w[0])  # (B, H), two values: the dot's and tanh's
+            y = h @ w[1]
+            return y, y * 2.0
+        return jax.lax.scan(body, x, (w1s, w2s))[1].sum(0)
+
+    r = np.random.default_rng(0)
+    x, w1s, w2s = (jnp.asarray(r.standard_normal(s), jnp.float32) for s in ((B, D), (12, D, H), (12, H, D)))
+    program = from_jaxpr(jax.make_jaxpr(f)(x, w1s, w2s))
+    lt = liveness.lifetimes(program)
+    whole = lambda v: liveness.nbytes(v, v.shape)
+    peak = liveness.peak(program, whole, lt)
+    stacked = 12 * B * D * F32
+    # in the body: the dot's and tanh's results, the next carry (B x D) and its double (B x D), the stacked ys
+    assert peak.bytes == 2 * B * H * F32 + stacked + B * D * F32, peak
+    assert peak.bytes < 2 * stacked  # not 12 trips of the body's values
+
+
+def test_a_checkpointed_regions_values_are_the_callers():
+    """jax.checkpoint's body runs in the caller's points: its values are alive as the caller's are."""
+    f = jax.checkpoint(lambda x, w1, w2: jnp.tanh(x @ w1) @ w2)
+    plain = liveness.peak(from_jaxpr(jax.make_jaxpr(mlp)(*mlp_args())), lambda v: liveness.nbytes(v, v.shape))
+    remat = liveness.peak(from_jaxpr(jax.make_jaxpr(f)(*mlp_args())), lambda v: liveness.nbytes(v, v.shape))
+    assert remat.bytes == plain.bytes == 2 * B * H * F32
+
+
+def test_the_report_shows_and_exports_the_peak():
+    report = gs.explain(mlp, gs.make_mesh({"data": 8}), *mlp_args(), in_shardings=(P("data"), P(), P()))
+    assert "temporaries at their peak 128.0KiB (at tanh at" in " ".join(report.table().split())
+    out = json.loads(report.to_json())
+    assert out["memory"]["predicted_temporaries"] == out["temporaries"]["bytes"] == 2 * B * H * F32 // 8
