@@ -8,9 +8,9 @@ import dataclasses
 import math
 import numbers
 import time
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
-from typing import Mapping, Optional, Sequence
 
 from .auto_graph import Builder, Graph, viewed
 from .auto_memory import Temporaries, temporaries

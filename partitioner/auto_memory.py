@@ -7,9 +7,10 @@ makes). A value the graph does not choose (a while loop's body's, a result left 
 whole, on every device. At an op's point, an operand its option needs in another sharding than its maker's
 option makes is a copy (what explain() counts from the lowering's reshards): a variable of its own, at
 least the copy's bytes where the two options differ (exact for 0/1 choices). Per point of the program
-(liveness.py), the sum is a row the integer program keeps within the budget with the arguments and outputs. Rows are added as they are
-violated (a cutting plane: solve, find the point of the choice's peak, add its row if over the budget, solve
-again), starting from the peaks of the program with every value at its largest and at its smallest shard.
+(liveness.py), the sum is a row the integer program keeps within the budget with the arguments and
+outputs. Rows are added as they are violated (a cutting plane: solve, find the point of the choice's peak,
+add its row if over the budget, solve again), starting from the peaks of the program with every value at
+its largest and at its smallest shard.
 """
 from __future__ import annotations
 

@@ -113,7 +113,8 @@ def estimate_of(report) -> tuple[float, float]:
     note = report.notes[0]
     units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
     temps = re.search(r"temporaries at their peak ([\d.]+)(B|KiB|MiB|GiB)", note)
-    return float(re.search(r"predicted ([\d.]+) ms", note).group(1)) * 1e-3, float(temps.group(1)) * units[temps.group(2)]
+    seconds = float(re.search(r"predicted ([\d.]+) ms", note).group(1)) * 1e-3
+    return seconds, float(temps.group(1)) * units[temps.group(2)]
 
 
 def test_gshards_moe_layer_unannotated_within_the_annotated_programs_memory_finds_its_two_all_to_alls():
