@@ -1,5 +1,5 @@
 """The automatic sharding (partition(auto=True)) against the plans an expert writes, on 8 simulated CPU devices:
-per case, bytes moved per device per step, predicted communication and compute, arguments and outputs per
+per case, bytes moved per device per step, predicted communication and compute, arguments, outputs and temporaries per
 device, and how long the choice took.
 
     python benchmarks/auto_sharding.py [--scale 1.0]
@@ -56,7 +56,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", type=float, default=1.0, help="the MLP's widths and batch times this")
     a = p.parse_args()
-    print("| case | plan | moved MiB | comm ms | compute ms | args + outputs MiB | explain s |")
+    print("| case | plan | moved MiB | comm ms | compute ms | args + outputs + temporaries MiB | explain s |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     mesh = gs.make_mesh({"data": 2, "model": 4})
     s = lambda n: max(8, int(n * a.scale) // 8 * 8)

@@ -9,7 +9,8 @@ Rows per config and mesh:
 - the rules table, as the config writes it (ZeRO stage 0);
 - the planner's pick on the same mesh (`gshard-jax plan`'s search over ZeRO stage, EPSO, remat, microbatches
   and sequence parallelism with the rules table, planned by the partitioner), costed by the same explain();
-- mesh.auto with no budget, and within the rules table's bytes per device (its state, batch and outputs).
+- mesh.auto with no budget, and within the rules table's bytes per device (its state, batch, outputs and
+  temporaries at their peak, as explain() predicts them).
 """
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def main() -> None:
             shape = dict(rules.mesh)
             metrics = sum(int(np.prod(v.boundary.local_shape(v.shape, shape))) * np.dtype(v.dtype).itemsize
                           for v in rules.outputs if v.name.startswith("out[1]"))  # the state's are donated
-            cfg.mesh.memory_budget = float(rules.argument_bytes()["total"] + metrics)
+            cfg.mesh.memory_budget = float(rules.argument_bytes()["total"] + metrics + rules.temporaries.bytes)
             print(row(name, mesh, "mesh.auto, the rules table's memory", *explain(cfg, a.temps)), flush=True)
     print(f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].platform}; the generic CPU profile "
           f"(no overlap); step = communication + compute")

@@ -236,11 +236,12 @@ def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings:
     or "unidirectional" / "bidirectional" (the ring wherever the plan has such a collective).
     donate_argnums: as jax.jit's: positional arguments whose buffers the call may reuse for its outputs (a
     train step's state), so the caller must not read them afterwards.
-    auto=True: every value nobody annotated gets the sharding that minimises the step's predicted time (with
-    the arguments' and outputs' bytes per device within memory_budget, when given); annotations, in_shardings
-    and out_shardings are kept (partitioner/auto.py). An output that reuses a donated argument's buffer (as
-    jax.jit pairs them: the first donated argument of its shape and dtype) leaves in the sharding that argument
-    arrives in, chosen once for both, and its bytes count once.
+    auto=True: every value nobody annotated gets the sharding that minimises the step's predicted time, with
+    every device's arguments, outputs and temporaries alive at any point, as explain() predicts them, within
+    memory_budget bytes when given (a choice under a budget takes at most 120 s; past that, the best found);
+    annotations, in_shardings and out_shardings are kept (partitioner/auto.py). An output that reuses a
+    donated argument's buffer (as jax.jit pairs them: the first donated argument of its shape and dtype)
+    leaves in the sharding that argument arrives in, chosen once for both, and its bytes count once.
     """
     given, mesh = mesh, _check(mesh, backend)
     donate_argnums = _donated(donate_argnums)

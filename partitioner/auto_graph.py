@@ -13,11 +13,11 @@ one.
 
 The choice is an integer program (auto_solve.py: `scipy.optimize.milp`, HiGHS) over this graph, made
 smaller first by exact steps (ops merged into their operands' nodes, values made from scalars left to their
-reader, chain nodes eliminated); the arguments' and outputs' bytes per device within the memory budget.
+reader, chain nodes eliminated); every device's memory within the budget (auto_memory.py).
 What is exact and what is not:
 - exact: the optimum of this model of the program, under its costs;
 - a model: a value read by several consumers pays each one's reshard (the lowering pays a repeated one
-  once); temporaries are not in the memory constraint (arguments and outputs are);
+  once); the memory rows are auto_memory.py's;
 - a scan's body is in the graph once, at trips times its cost (Builder._scan), and a checkpointed region's
   body is the caller's code; a while loop's and a branch's bodies are not chosen (propagation carries the
   choices into them, as it carries annotations), and their operands' edges cost nothing.

@@ -177,12 +177,12 @@ def test_no_package_imports_itself_in_a_circle():
 PARTITIONER_LAYERS = [
     ("representation", ["jax_compat", "sharding", "program", "factors"]),
     ("rules and costs", ["rules", "fused_attention", "rare_ops", "deferral", "subaxes", "hardware", "cost",
-                         "overlap"]),
+                         "overlap", "liveness"]),
     ("strategies", ["reshard", "manual_regions", "report", "hlo", "halo", "hooks", "lower_rows", "prefetch",
                     "collective_matmul", "control_flow", "relayout", "roll", "windowed", "partial_sums", "reorder"]),
     ("registry", ["registry"]),
     ("passes", ["fold", "propagation", "strategy", "local_shards", "lower_regions", "lower"]),
-    ("choice", ["auto_graph", "auto_solve", "auto"]),
+    ("choice", ["auto_graph", "auto_memory", "auto_solve", "auto"]),
 ]
 
 
