@@ -25,6 +25,7 @@ RUNS = {
     "gpu_profile.py": (["--small", "--variants", "xla:dots", "--out", os.path.join("build", "gpu_traces")],
                        "ms of device kernels a step"),
     "lm1b_style.py": ([], "xla"),
+    "memory_prediction.py": (["--cases", "Megatron"], "MLP step, Megatron"),
     "moe_dropless.py": (["--steps", "1", "--tokens", "256"], "dropless"),
     "moe_vs_dense.py": (["--steps", "2", "--seeds", "0", "--set", "model.num_layers=1"], "MoE - dense"),
     "partition_scaling.py": (["--layers", "1", "--repeats", "1", "--compile-repeats", "1", "--no-compile"],
