@@ -56,7 +56,8 @@ def explain(cfg, temps: bool = False) -> tuple:
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in data.model_batch(cfg.model.kind, windows).items()}
     report = gs.explain(trainer.train_step, trainer.mesh, state, batch, in_shardings=(trainer.state_specs,
                         trainer.batch_spec), out_shardings=trainer.step_outs, auto=trainer.auto,
-                        trace_per_device=False)
+                        memory_budget=(cfg.mesh.memory_budget or None) if trainer.auto else None,
+                        donate_argnums=0, trace_per_device=False)
     if not temps:
         return report, took, None
     placed = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding) for k, v in batch.items()}

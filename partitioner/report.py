@@ -190,7 +190,9 @@ class Report:
                 "predicted_temporaries": None if self.temporaries is None else self.temporaries.bytes,
                 "compiled": self.compiled_memory}
 
-    def _memory_line(self) -> str:
+    def _memory_line(self, where: bool = False) -> str:
+        """where: name the op at the temporaries' peak (the full table; the compact view names no op that does
+        not communicate)."""
         pred, host = self.argument_bytes(), self.argument_bytes(host=True)
         text = "memory per device: arguments " + ", ".join(
             f"{k} {_fmt_bytes(v)}" for k, v in pred.items() if k != "total") + f" = {_fmt_bytes(pred['total'])}"
@@ -198,7 +200,8 @@ class Report:
             text += "; in host memory " + ", ".join(
                 f"{k} {_fmt_bytes(v)}" for k, v in host.items() if k != "total") + f" = {_fmt_bytes(host['total'])}"
         if self.temporaries is not None and self.temporaries.bytes:
-            text += f"; temporaries at their peak {_fmt_bytes(self.temporaries.bytes)} (at {self.temporaries.op})"
+            text += f"; temporaries at their peak {_fmt_bytes(self.temporaries.bytes)}" + (
+                f" (at {self.temporaries.op})" if where else "")
         if self.compiled_memory:
             text += "; compiled " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in self.compiled_memory.items())
         return text
@@ -325,7 +328,7 @@ class Report:
             body.append(f"FALLBACK: {r.fallback}")
         return [_fit(head, 0)] + [_fit(b, 7) for b in body]
 
-    def _totals_lines(self) -> list[str]:
+    def _totals_lines(self, where: bool = False) -> list[str]:
         """Per step first (a loop's collectives times its trips, as one call executes them); then, where loops
         make them differ, each collective once, as the HLO lists it."""
         lines = ["totals per device per step:"]
@@ -347,7 +350,7 @@ class Report:
             lines.append(f"  host transfers: to host {_fmt_bytes(host['to_host'])}, to device "
                          f"{_fmt_bytes(host['to_device'])} per step")
         if self.inputs:
-            lines.append(_fit(self._memory_line(), 2))
+            lines.append(_fit(self._memory_line(where), 2))
         return lines
 
     def _header(self) -> list[str]:
@@ -373,7 +376,7 @@ class Report:
                     f"; {o.hidden_by_it * 1e6:.3g}us behind {behind.primitive} at {behind.source or '?'}"
                     if behind is not None else ""), 7))
             lines.append(_fit(f"result from: {'; '.join(r.origins)}", 7))
-        return "\n".join(lines + self._totals_lines())
+        return "\n".join(lines + self._totals_lines(where=True))
 
     def __str__(self) -> str:
         """The compact view, a screen whatever the program's size: the inputs and outputs (each one when there

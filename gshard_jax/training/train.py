@@ -226,7 +226,7 @@ class Trainer:
                          "eval": (self.eval_step, (self.state_specs["params"], self.batch_spec), None),
                          "init": (self.init_state, None, self.state_specs)}[which]
         if self.auto and backend == "gshard":  # the values in the step: chosen, with the state's shardings fixed
-            kw = dict(kw, auto=True)
+            kw = dict(kw, auto=True, memory_budget=self.cfg.mesh.memory_budget or None)
         return gs.partition(fn, self.mesh, in_shardings=ins, out_shardings=outs, backend=backend, **kw)
 
     def explain(self, state: dict, batch: dict, compile: bool = True) -> gs.Report:
@@ -234,7 +234,8 @@ class Trainer:
         and, when compiled, XLA's memory_analysis()."""
         ins, outs = (self.state_specs, self.batch_spec), self.step_outs
         report = gs.explain(self.train_step, self.mesh, state, batch, in_shardings=ins, out_shardings=outs,
-                            auto=self.auto)
+                            auto=self.auto, memory_budget=(self.cfg.mesh.memory_budget or None) if self.auto else None,
+                            donate_argnums=0)
         report.notes = self.auto_notes + report.notes
         report.kind_of = state_kind
         if compile:
