@@ -116,6 +116,8 @@ class Temporaries:
 
     def first_points(self) -> list[int]:
         """The points a budgeted solve starts from: the peaks with every value at its largest and smallest shard."""
+        if not self.lt.ops:
+            return []
         return list(dict.fromkeys(int(np.argmax(self.bound(b))) for b in (True, False)))
 
 

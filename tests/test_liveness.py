@@ -94,3 +94,11 @@ def test_a_train_steps_predicted_memory_is_at_least_what_it_compiles_to():
                   for o in report.outputs[n_state:])
     predicted = report.argument_bytes()["total"] + metrics + report.temporaries.bytes
     assert compiled <= predicted <= 1.5 * compiled, (predicted, compiled)
+
+
+def test_a_program_without_ops_has_no_temporaries_and_is_chosen_under_a_budget():
+    mesh, x = gs.make_mesh({"data": 8}), jnp.ones((64, 64))
+    report = gs.explain(lambda x: x, mesh, x, auto=True, memory_budget=1e6)
+    assert report.temporaries.bytes == 0
+    assert "arguments and outputs 4.0KiB and temporaries at their peak 0B" in report.notes[0]  # split 8 ways
+    np.testing.assert_array_equal(gs.partition(lambda x: x, mesh, auto=True, memory_budget=1e6)(x), x)
