@@ -52,9 +52,9 @@ def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_s
     limit = BUDGETED_SECONDS if auto.memory_budget is not None else None
     try:
         sol = solve(g, mesh_shape, auto.memory_budget, temps=temps, time_limit=limit)
-    except Unsolved:
+    except Unsolved as e:
         raise ValueError(f"memory_budget={auto.memory_budget:.0f} bytes per device: no sharding within it was "
-                         f"found in {limit:.0f} s; raise the budget, or annotate the largest values") from None
+                         f"found in {limit:.0f} s ({e}); raise the budget, or annotate the largest values") from None
     except Infeasible as e:
         if auto.memory_budget is None:
             raise RuntimeError(f"the automatic sharding found no sharding that runs this program ({e}); annotate "
@@ -157,7 +157,12 @@ def _why(g: Graph, temps: Temporaries, sol: Solution, mesh_shape: dict, auto: Au
 def _over_budget(g: Graph, temps: Temporaries, mesh_shape: dict, budget: float) -> str:
     """The message for a budget no choice meets: the least memory found (the arguments, outputs and temporaries
     at the peak), and the values holding most of it."""
-    least = solve(g, mesh_shape, objective="memory", temps=temps)  # raises Infeasible where no option is left
+    try:  # raises Infeasible where no option is left
+        least = solve(g, mesh_shape, objective="memory", temps=temps, time_limit=BUDGETED_SECONDS)
+    except Unsolved:
+        return (f"memory_budget={budget:.0f} bytes per device: no sharding of this program fits it, and the least "
+                f"memory was not found in {BUDGETED_SECONDS:.0f} s. Raise the budget, use a mesh with more "
+                f"devices, or keep less state (a smaller model or batch)")
     memory = memory_of(g)
     held = [(memory[i][p], g.nodes[i].what) for i, p in enumerate(least.picks) if memory[i][p]]
     at = temps.at(least.picks)

@@ -136,7 +136,7 @@ def temporaries(g: Graph, program: Program, mesh_shape: dict) -> Temporaries:
         if n.eqn is None or n.eqn not in at:
             continue
         for k, x in enumerate(n.eqn.invars):
-            if not (isinstance(x, Value) and len(x.shape) and x in g.values):
+            if not (isinstance(x, Value) and x in g.values and getattr(x.aval, "shape", None)):
                 continue
             a, r, view = g.values[x]
             makes = [o.made[r] if r < len(o.made) else None for o in g.nodes[a].options]

@@ -137,11 +137,14 @@ def solve(g: Graph, mesh_shape: dict, budget: Optional[float] = None, exclude: S
         at = temps.at(sol.picks)
         worst = int(np.argmax(at)) if len(at) else 0
         sol.temporaries = int(at[worst]) if len(at) else 0
-        if not limited or worst in points:
+        if not limited:
             return sol
         limit = budget if objective == "time" else max(r.at(sol.picks) for r in rows)
-        if sol.memory + sol.temporaries <= limit * (1 + 1e-9):
+        if sol.memory + sol.temporaries <= limit * (1 + 1e-6):
             return sol
+        if worst in points:  # its row holds, yet the choice is over it: the solver's tolerance, not a choice
+            raise Unsolved(f"the solver's choice holds {sol.memory + sol.temporaries:.0f} bytes at a point whose "
+                           f"row it was given, over {limit:.0f}")
         if deadline is not None and time.perf_counter() >= deadline:  # over the budget at a point no row holds yet
             raise Unsolved(f"no choice within the budget at every point found in {time_limit:.0f} s")
         points.append(worst)
@@ -238,15 +241,16 @@ def _integer_program(unary: list, edges: dict, alive: list, mem_rows: list, budg
                 continue
             done.add(id(cp))
             for t, b in enumerate(cp.need):  # z >= b (x[reader, t] - sum of x[maker, s] that make it as needed)
-                if b > 0:
+                if b > 0:  # z in MiB, so no coefficient is small enough for HiGHS to drop
                     same = [offsets[cp.maker] + s for s in np.flatnonzero(cp.same[:, t])]
-                    row([copy_at[id(cp)], offsets[cp.reader] + t] + same, [1.0 / b, -1.0] + [1.0] * len(same),
+                    mib = b / 2**20
+                    row([copy_at[id(cp)], offsets[cp.reader] + t] + same, [1.0, -mib] + [mib] * len(same),
                         0.0, np.inf)
 
     def terms(r, scale: float) -> tuple[list, list]:
         at = [offsets[i] + k for i, b in r.per_node.items() for k in range(len(b))]
         return (at + [copy_at[id(cp)] for cp in r.copies],
-                [x / scale for b in r.per_node.values() for x in b] + [1.0 / scale] * len(r.copies))
+                [x / scale for b in r.per_node.values() for x in b] + [2**20 / scale] * len(r.copies))
 
     if minimax:
         c[m] = 1.0

@@ -11,7 +11,8 @@ are copies alive while it runs: explain() adds them at its point, from what the 
 What this is: the program's own values, each in the sharding the plan gives it, at their per-device size.
 What it is not: XLA's buffer assignment. XLA fuses elementwise ops (their results are never stored) and may
 schedule ops in another order; a collective's own scratch is not counted, nor a reshard reused by a later
-reader past its first. explain()
+reader past its first, nor the reshards of a loop's or a branch's own operands (the loop is no point of its
+own: its body's ops are). explain()
 reports this peak beside memory_analysis()'s temp_size (tests/test_liveness.py compares them), and the
 automatic sharding bounds it under a memory budget.
 """

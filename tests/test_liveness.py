@@ -102,3 +102,19 @@ def test_a_program_without_ops_has_no_temporaries_and_is_chosen_under_a_budget()
     assert report.temporaries.bytes == 0
     assert "arguments and outputs 4.0KiB and temporaries at their peak 0B" in report.notes[0]  # split 8 ways
     np.testing.assert_array_equal(gs.partition(lambda x: x, mesh, auto=True, memory_budget=1e6)(x), x)
+
+
+def test_a_copy_counts_against_a_budget_of_many_gigabytes():
+    """The integer program's copy variables are in MiB: against a 20 GB budget a 500 MB copy is still a
+    coefficient the solver keeps, so the pair of options that would copy it over the budget is refused,
+    however much cheaper."""
+    from gshard_jax.partitioner import auto_memory, auto_solve
+
+    budget, copy = 2e10, 5e8
+    row = auto_memory.Row({}, budget - copy / 2, [auto_memory.Copy(0, 1, np.eye(2, dtype=bool), np.full(2, copy))])
+    picks = [0, 0]
+    unary = [np.array([0.0, 1e-3]), np.array([1e-3, 0.0])]  # apart (a copy) is the cheaper pair
+    auto_solve._integer_program(unary, {}, [0, 1], [row], budget, None, picks)
+    assert picks[0] == picks[1]
+    auto_solve._integer_program(unary, {}, [0, 1], [row], budget + copy, None, picks)
+    assert picks == [0, 1]  # with room for the copy, the cheaper pair
