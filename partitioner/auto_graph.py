@@ -38,6 +38,7 @@ from . import factors as F, hooks as H, manual_regions as M, program as P, regis
 from .control_flow import stacked
 from .cost import compute_time
 from .jax_compat import scan_counts
+from .liveness import nbytes
 from .program import Eqn, Program, Value
 from .sharding import Sharding, splittable
 from .strategy import Strategy
@@ -116,7 +117,7 @@ def viewed(m: Sharding, perm: tuple) -> Sharding:
 
 
 def _local_bytes(v: Value, s: Sharding, mesh_shape) -> int:
-    return math.prod(s.local_shape(v.shape, mesh_shape)) * v.aval.dtype.itemsize
+    return nbytes(v, s.local_shape(v.shape, mesh_shape))
 
 
 class Builder:
