@@ -69,8 +69,11 @@ def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_s
         made = g.nodes[i].options[sol.picks[i]].made[r]
         if v in seeds or made is None:
             continue
-        if g.nodes[i].value is not None and view is None:
-            chosen[v] = (made, "automatic sharding")  # an argument: as it arrives
+        loop = g.nodes[i].loop
+        if view is None and (g.nodes[i].value is not None or loop is not None and v in loop.subs["body"].invars):
+            # an argument as it arrives; a loop's carry or slice as the loop holds it (planned as its readers in
+            # the body need it, a stacked input would be resharded whole at the loop's entry, not a slice a trip)
+            chosen[v] = (made, "automatic sharding")
             continue
         target = _target(g, sol, readers[i, v], made if view is None else viewed(made, view))
         if target is not None:
@@ -168,8 +171,7 @@ def _over_budget(g: Graph, temps: Temporaries, mesh_shape: dict, budget: float) 
     at = temps.at(least.picks)
     if len(at):
         point = int(np.argmax(at))
-        held += [(b, f"the result of {e.name}" + (f" at {e.source}" if e.source else ""))
-                 for b, e in temps.alive(point, least.picks)]
+        held += temps.alive(point, least.picks)
     holders = ", ".join(f"{what} ({_fmt_bytes(b)})" for b, what in sorted(held, key=lambda t: -t[0])[:4])
     temporaries = "" if not least.temporaries else \
         f" ({_fmt_bytes(least.memory)} of arguments and outputs, {_fmt_bytes(least.temporaries)} of temporaries)"

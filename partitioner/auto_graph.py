@@ -61,6 +61,7 @@ class Node:
     options: list[Option]
     eqn: Optional[Eqn] = None
     value: Optional[Value] = None  # an argument's value
+    loop: Optional[Eqn] = None  # a carry's, stacked input's or stacked output's node: its scan
 
 
 @dataclasses.dataclass
@@ -72,6 +73,8 @@ class Edge:
     operand: int  # which operand of dst it is (-1: of an op merged into dst, needed as `needs` says)
     seconds: np.ndarray  # [options of src, options of dst]
     needs: Optional[list] = None  # operand -1: per option of dst, the sharding it needs of the value
+    reader: Optional[Eqn] = None  # the op that reads it where a copy would be made (None: an output's exit)
+    at_end: bool = False  # read at the reader's last point only (a loop's body's result, each trip)
 
 
 @dataclasses.dataclass
@@ -206,7 +209,7 @@ class Builder:
                 if isinstance(x, Value) and x in free:
                     free[x] = (i, k)
                 if isinstance(x, Value) and x in makers:  # scalars too: a partial sum is reduced on the way
-                    self._link(nodes, edges, makers[x], (i, k), x, scale)
+                    self._link(nodes, edges, makers[x], (i, k), x, scale, reader=e)
             for r, v in enumerate(e.outvars):
                 makers[v] = (i, r, None)
 
@@ -220,7 +223,7 @@ class Builder:
         def loop_node(what: str, v: Value, stacked_in: bool, stacked_out: bool) -> int:
             nodes.append(Node(f"{what} of the scan at {e.source}", [
                 Option((stacked(s) if stacked_in else s,), (stacked(s) if stacked_out else s,), 0.0, label=str(s))
-                for s in tensor_shardings(v.shape, self.mesh_shape)]))
+                for s in tensor_shardings(v.shape, self.mesh_shape)], loop=e))
             return len(nodes) - 1
 
         for x, b in zip(e.invars[:nc], body.invars[:nc]):
@@ -236,7 +239,7 @@ class Builder:
         for j, (x, b) in enumerate(zip(e.invars[nc:], body.invars[nc:])):
             i = loop_node("carry" if j < nk else "stacked input", b, j >= nk, False)
             if isinstance(x, Value) and x in makers:
-                self._link(nodes, edges, makers[x], (i, 0), x, scale)
+                self._link(nodes, edges, makers[x], (i, 0), x, scale, reader=e)
             makers[b] = (i, 0, None)
             carries += [i] if j < nk else []
         self._ops(body.eqns, nodes, edges, makers, free, scale * trips)
@@ -246,13 +249,14 @@ class Builder:
             if not (isinstance(y, Value) and y in makers):
                 continue
             i = carries[k] if k < nk else loop_node("stacked output", y, False, True)
-            self._link(nodes, edges, makers[y], (i, 0), y, scale * trips)
+            self._link(nodes, edges, makers[y], (i, 0), y, scale * trips, reader=e, at_end=True)
             makers[out] = (i, 0, None)
 
-    def _link(self, nodes: list, edges: list, src: tuple, dst: tuple, x: Value, scale: float) -> None:
+    def _link(self, nodes: list, edges: list, src: tuple, dst: tuple, x: Value, scale: float,
+              reader: Optional[Eqn] = None, at_end: bool = False) -> None:
         edge = self._edge(nodes, src, dst, x, scale)
         if edge is not None:
-            edges.append(edge)
+            edges.append(dataclasses.replace(edge, reader=reader, at_end=at_end))
 
     def _free(self, e: Eqn, free: dict, makers: dict) -> bool:
         """Whether e's results are made from scalars alone (an iota, a broadcast of a scalar, and what such
@@ -320,6 +324,7 @@ class Builder:
                 edge = self._edge(nodes, makers[x], (a, need), x, scale)
                 if edge is None:
                     continue
+                edge.reader = e
                 if edge.src == a:  # both from one node: a cost on its options
                     nodes[a].options = [dataclasses.replace(o, seconds=o.seconds + edge.seconds[t, t])
                                         for t, o in enumerate(nodes[a].options)]

@@ -4,10 +4,13 @@ point of the step, each as a linear function of the nodes' options.
 A temporary's bytes are those of its shard in the sharding its maker's option makes it (graph.values: an
 op's result, or a merged op's, viewed), or the one its reader needs of it (graph.free: a value any device
 makes). A value the graph does not choose (a while loop's body's, a result left to propagation) counts
-whole, on every device. At an op's point, an operand its option needs in another sharding than its maker's
-option makes is a copy (what explain() counts from the lowering's reshards): a variable of its own, at
-least the copy's bytes where the two options differ (exact for 0/1 choices). Per point of the program
-(liveness.py), the sum is a row the integer program keeps within the budget with the arguments and
+whole, on every device. An operand a reader's option needs in a sharding its maker's option does not make
+is a copy (`Copy`, what explain() counts from the lowering's reshards): one per value and sharding, made
+for the first reader that needs it and kept until the last, as the lowering's reshard cache keeps it; a
+loop's operand is read at the loop's entry, so its copy is alive through all of the loop's points. At a
+point, a copy is a variable z in [0, 1], at least each reader's need there, and at least B + A - 1 with B
+(A) at least the need of each reader before (after) the point: exact for 0/1 choices. Per point of the
+program (liveness.py), the sum is a row the integer program keeps within the budget with the arguments and
 outputs. Rows are added as they are violated (a cutting plane: solve, find the point of the choice's peak,
 add its row if over the budget, solve again), starting from the peaks of the program with every value at
 its largest and at its smallest shard.
@@ -15,6 +18,7 @@ its largest and at its smallest shard.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import numpy as np
 
@@ -26,28 +30,51 @@ from .sharding import Sharding
 
 @dataclasses.dataclass
 class Row:
-    """Bytes per device as a linear function of the choice: const + sum of per_node[node][its option]."""
+    """Bytes per device as a linear function of the choice: const + sum of per_node[node][its option], and the
+    copies that may be alive at its point."""
     per_node: dict  # node -> np.ndarray of bytes per option (its least moved into const)
     const: float
-    copies: list = dataclasses.field(default_factory=list)  # Copy terms: an operand resharded at the point
+    copies: list = dataclasses.field(default_factory=list)  # Copy
+    point: int = 0  # the program point the copies are alive at
 
     def at(self, picks) -> float:
         return self.const + sum(float(b[picks[i]]) for i, b in self.per_node.items()) + sum(
-            c.at(picks) for c in self.copies)
+            c.bytes for c in self.copies if c.alive(self.point, picks))
 
 
 @dataclasses.dataclass
-class Copy:
-    """An operand copied into the sharding its reader's option needs, unless its maker's option makes it so:
-    need[t] bytes where the reader runs option t and its maker an option s with not same[s, t]."""
-    maker: int  # node
-    reader: int  # node
-    same: np.ndarray  # [maker's options, reader's options]: whether the value comes as needed
-    need: np.ndarray  # per reader option, the bytes of the copy
+class Reader:
+    """An op that may read a copy: its node, which of its options need the copy, and its points."""
+    node: int
+    needs: np.ndarray  # per option of the node: whether it needs the value in the copy's sharding
+    first: int
+    last: int
 
-    def at(self, picks) -> float:
-        s, t = picks[self.maker], picks[self.reader]
-        return 0.0 if self.same[s, t] else float(self.need[t])
+
+@dataclasses.dataclass(eq=False)
+class Copy:
+    """A value in one sharding its maker's option may not make: made for the first reader that needs it and
+    kept until the last (the lowering's reshard cache reuses it), so alive at a point where a reader at or
+    before it and one at or after it need it and the maker makes it otherwise."""
+    maker: int  # node
+    made: np.ndarray  # per maker option: whether it makes the value in this sharding (no copy)
+    bytes: float  # per device
+    readers: list  # Reader
+    value: Optional[Value] = None  # the value it copies
+    what: str = ""  # the value, its sharding and its first reader, for messages
+
+    def span(self) -> tuple[int, int]:
+        return min(r.first for r in self.readers), max(r.last for r in self.readers)
+
+    def alive(self, point: int, picks) -> bool:
+        if self.made[picks[self.maker]]:
+            return False
+        need = [r for r in self.readers if r.needs[picks[r.node]]]
+        return any(r.first <= point for r in need) and any(r.last >= point for r in need)
+
+    def sides(self, point: int) -> tuple[list, list]:
+        """The readers that run at or before a point, and those at or after it."""
+        return [r for r in self.readers if r.first <= point], [r for r in self.readers if r.last >= point]
 
 
 def row(terms: dict, const: float = 0.0, slack: float = 0.0) -> Row:
@@ -75,23 +102,33 @@ class Temporaries:
     node: np.ndarray  # per temporary, the node whose option sets its bytes (-1: none does)
     sizes: list  # per temporary, its bytes per option of that node (one entry where none does)
     makers: list  # per temporary, the op that makes it
-    copies: dict = dataclasses.field(default_factory=dict)  # point -> [Copy]: the op's operands it may reshard
+    copies: list = dataclasses.field(default_factory=list)  # Copy: the operands' copies ops may make
 
     def at(self, picks) -> np.ndarray:
         """Per point, the bytes alive under a choice of one option per node."""
         at = self.lt.bytes_at(np.array([s[picks[i]] if i >= 0 else s[0] for i, s in zip(self.node, self.sizes)],
                                        float))
-        for p, cs in self.copies.items():
-            at[p] += sum(c.at(picks) for c in cs)
+        for c in self.copies:
+            if not c.made[picks[c.maker]]:
+                need = [r for r in c.readers if r.needs[picks[r.node]]]
+                if need:
+                    at[min(r.first for r in need): max(r.last for r in need) + 1] += c.bytes
         return at
 
     def bound(self, largest: bool) -> np.ndarray:
-        """Per point, the bytes alive with every value at its largest (or smallest) shard."""
+        """Per point, the bytes alive with every value at its largest (or smallest) shard (largest: and each
+        value's largest copy over all its readers' points)."""
         pick = np.max if largest else np.min
         at = self.lt.bytes_at(np.array([pick(s) for s in self.sizes], float))
         if largest:
-            for p, cs in self.copies.items():
-                at[p] += sum(c.need.max() for c in cs)
+            widest: dict = {}
+            for c in self.copies:
+                key = id(c.value)
+                a, b = c.span()
+                if key not in widest or c.bytes > widest[key][0]:
+                    widest[key] = (c.bytes, a, b)
+            for n, a, b in widest.values():
+                at[a: b + 1] += n
         return at
 
     def row(self, point: int, memory: list, slack: float = 0.0) -> Row:
@@ -106,19 +143,26 @@ class Temporaries:
             else:
                 terms[i] = terms[i] + s if i in terms else s.astype(float)
         out = row(terms, const, slack)
-        out.copies = list(self.copies.get(point, ()))
+        out.copies = [c for c in self.copies if c.span()[0] <= point <= c.span()[1]]
+        out.point = point
         return out
 
-    def alive(self, point: int, picks) -> list[tuple[float, Eqn]]:
-        """(bytes, the op making it) of each value alive at point under a choice, largest first."""
-        return sorted(((float(self.sizes[k][picks[self.node[k]]] if self.node[k] >= 0 else self.sizes[k][0]),
-                        self.makers[k]) for k in self.lt.alive(point)), key=lambda t: -t[0])
+    def alive(self, point: int, picks) -> list[tuple[float, str]]:
+        """(bytes, what holds them) of each value and copy alive at point under a choice, largest first."""
+        held = [(float(self.sizes[k][picks[self.node[k]]] if self.node[k] >= 0 else self.sizes[k][0]),
+                 _result_of(self.makers[k])) for k in self.lt.alive(point)]
+        held += [(c.bytes, c.what) for c in self.copies if c.alive(point, picks)]
+        return sorted(held, key=lambda t: -t[0])
 
     def first_points(self) -> list[int]:
         """The points a budgeted solve starts from: the peaks with every value at its largest and smallest shard."""
         if not self.lt.ops:
             return []
         return list(dict.fromkeys(int(np.argmax(self.bound(b))) for b in (True, False)))
+
+
+def _result_of(e: Eqn) -> str:
+    return f"the result of {e.name}" + (f" at {e.source}" if e.source else "")
 
 
 def temporaries(g: Graph, program: Program, mesh_shape: dict) -> Temporaries:
@@ -130,25 +174,52 @@ def temporaries(g: Graph, program: Program, mesh_shape: dict) -> Temporaries:
         i, per = _per_option(g, v, mesh_shape)
         node.append(i)
         sizes.append(per)
-    at = {op: p for p, op in enumerate(lt.ops)}
-    copies: dict = {}
-    for i, n in enumerate(g.nodes):
-        if n.eqn is None or n.eqn not in at:
+    return Temporaries(lt, np.array(node, int), sizes, [made[id(v)] for v in lt.values],
+                       _copies(g, program, lt, mesh_shape))
+
+
+def _copies(g: Graph, program: Program, lt: Lifetimes, mesh_shape: dict) -> list[Copy]:
+    """A Copy per value and sharding some reader's option needs of it that its maker's options may not make.
+    A scan's const is copied at the scan's entry (the lowering reads it there), so its readers in the body
+    read the caller's value over all of the scan's points."""
+    entry: dict = {}  # a scan body's const -> (the scan, the caller's value it stands for)
+    for e in program.all_eqns():
+        if e.name == "scan":
+            nc = e.params["num_consts"]
+            entry.update((b, (e, x)) for b, x in zip(e.subs["body"].invars[:nc], e.invars[:nc]) if isinstance(x, Value))
+    groups: dict = {}
+    for edge in g.edges:
+        x, reader = edge.value, edge.reader
+        if reader is None or reader not in lt.spans or not getattr(x.aval, "shape", None) or x not in g.values:
             continue
-        for k, x in enumerate(n.eqn.invars):
-            if not (isinstance(x, Value) and x in g.values and getattr(x.aval, "shape", None)):
+        first, last = lt.spans[reader]
+        while x in entry:  # read at the loop's entry
+            reader, x = entry[x]
+            first, last = lt.spans[reader]
+        if edge.at_end:
+            first = last
+        a, r, view = g.values[edge.value]
+        if a == edge.dst:
+            continue
+        makes = [o.made[r] if r < len(o.made) else None for o in g.nodes[a].options]
+        if any(m is None for m in makes):
+            continue
+        makes = [m if view is None else viewed(m, view) for m in makes]
+        options = g.nodes[edge.dst].options
+        need = edge.needs if edge.operand < 0 else [o.need[edge.operand] if edge.operand < len(o.need) else None
+                                                    for o in options]
+        for t in {n for n in need if n is not None}:
+            done = np.array([m == t for m in makes], bool)
+            if done.all():
                 continue
-            a, r, view = g.values[x]
-            makes = [o.made[r] if r < len(o.made) else None for o in g.nodes[a].options]
-            need = [o.need[k] if k < len(o.need) else None for o in n.options]
-            if a == i or any(m is None for m in makes) or all(m is None for m in need):
-                continue
-            makes = [m if view is None else viewed(m, view) for m in makes]
-            same = np.array([[m == t or t is None for t in need] for m in makes], bool)
-            size = np.array([0.0 if t is None else _local_bytes(x, t, mesh_shape) for t in need], float)
-            if not same.all():
-                copies.setdefault(at[n.eqn], []).append(Copy(a, i, same, size))
-    return Temporaries(lt, np.array(node, int), sizes, [made[id(v)] for v in lt.values], copies)
+            key = (id(x), t)
+            if key not in groups:
+                held = g.nodes[a].what if g.nodes[a].value is x else f"a value of {g.nodes[a].what}"
+                groups[key] = Copy(a, done, float(_local_bytes(x, t, mesh_shape)), [], x,
+                                   f"{held} resharded to {t} for {reader.name}" + (f" at {reader.source}"
+                                                                                if reader.source else ""))
+            groups[key].readers.append(Reader(edge.dst, np.array([n == t for n in need], bool), first, last))
+    return list(groups.values())
 
 
 def _per_option(g: Graph, v: Value, mesh_shape: dict) -> tuple[int, np.ndarray]:

@@ -161,7 +161,8 @@ def _solve_rows(g: Graph, memory: list, rows: list, budget: Optional[float], exc
         unary[node] = unary[node].copy()
         unary[node][s] = np.inf
     limited = budget is not None or objective == "memory"
-    keep = {i for r in rows for i in [*r.per_node, *(j for c in r.copies for j in (c.maker, c.reader))]} \
+    keep = {i for r in rows for i in [*r.per_node, *(j for c in r.copies for j in (c.maker, *(d.node for d in
+                                                                                              c.readers)))]} \
         if limited else set()  # in a memory row
     order = _eliminate(unary, edges, keep)
     gone = {i for i, _, _ in order}
@@ -227,30 +228,46 @@ def _integer_program(unary: list, edges: dict, alive: list, mem_rows: list, budg
         for q in range(nt):
             members = [offsets[b] + t for t in np.flatnonzero(col_of == q)]
             row([at + p * nt + q for p in range(ns)] + members, [1.0] * ns + [-1.0] * len(members), 0.0, 0.0)
-    copy_at = {}  # each copy term's variable: at least its bytes where its maker's and reader's options differ
+    # Each copy alive at a row's point: z in [0, 1], at least c_j = x[reader j, an option needing it] - x[maker,
+    # an option making it so] for a reader running there, and at least B + A - 1 with B >= c_j over the readers
+    # before the point, A >= c_j over those after (the copy is kept from the first reader to the last).
+    extra: list = []  # per added variable, whether it is a copy's z (in a row) or a helper B / A
+
+    def var() -> int:
+        extra.append(None)
+        return m + minimax + len(extra) - 1
+
+    def needed(z: int, rd, cp) -> None:  # z >= c_j
+        on = [offsets[rd.node] + o for o in np.flatnonzero(rd.needs)]
+        off = [offsets[cp.maker] + s for s in np.flatnonzero(cp.made)]
+        row([z] + on + off, [1.0] + [-1.0] * len(on) + [1.0] * len(off), 0.0, np.inf)
+
+    copy_at = {}
     for r in mem_rows:
         for cp in r.copies:
-            if id(cp) not in copy_at:
-                copy_at[id(cp)] = m + minimax + len(copy_at)
-    extra = minimax + len(copy_at)
-    c, upper = np.concatenate([c, np.zeros(extra)]), np.concatenate([upper, np.full(extra, np.inf)])
-    done = set()
-    for r in mem_rows:
-        for cp in r.copies:
-            if id(cp) in done:
-                continue
-            done.add(id(cp))
-            for t, b in enumerate(cp.need):  # z >= b (x[reader, t] - sum of x[maker, s] that make it as needed)
-                if b > 0:  # z in MiB, so no coefficient is small enough for HiGHS to drop
-                    same = [offsets[cp.maker] + s for s in np.flatnonzero(cp.same[:, t])]
-                    mib = b / 2**20
-                    row([copy_at[id(cp)], offsets[cp.reader] + t] + same, [1.0, -mib] + [mib] * len(same),
-                        0.0, np.inf)
+            z = copy_at[id(cp), r.point] = var()
+            before, after = [], []
+            for rd in cp.readers:
+                if rd.first <= r.point <= rd.last:
+                    needed(z, rd, cp)
+                elif rd.last < r.point:
+                    before.append(rd)
+                else:
+                    after.append(rd)
+            if before and after:
+                b, a = var(), var()
+                for rd in before:
+                    needed(b, rd, cp)
+                for rd in after:
+                    needed(a, rd, cp)
+                row([z, b, a], [1.0, -1.0, -1.0], -1.0, np.inf)
+    c, upper = np.concatenate([c, np.zeros(int(minimax) + len(extra))]), np.concatenate(
+        [upper, np.full(int(minimax), np.inf), np.ones(len(extra))])
 
     def terms(r, scale: float) -> tuple[list, list]:
         at = [offsets[i] + k for i, b in r.per_node.items() for k in range(len(b))]
-        return (at + [copy_at[id(cp)] for cp in r.copies],
-                [x / scale for b in r.per_node.values() for x in b] + [2**20 / scale] * len(r.copies))
+        return (at + [copy_at[id(cp), r.point] for cp in r.copies],
+                [x / scale for b in r.per_node.values() for x in b] + [cp.bytes / scale for cp in r.copies])
 
     if minimax:
         c[m] = 1.0
@@ -261,7 +278,7 @@ def _integer_program(unary: list, edges: dict, alive: list, mem_rows: list, budg
         for r in mem_rows:
             at, coef = terms(r, budget)
             row(at, coef, -np.inf, 1.0 - r.const / budget)
-    m += extra
+    m += minimax + len(extra)
     a = sparse.csr_array((vals, (rows, cols)), shape=(len(lo), m))
     integrality = np.zeros(m)
     integrality[:n] = 1

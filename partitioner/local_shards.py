@@ -7,13 +7,15 @@ fills report rows through lower_rows.py. In a walk without arrays (Lowering.cost
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import jax.numpy as jnp
 
 from . import collective_matmul as CM, deferral as DF, factors as F, hooks as H, registry as REG, reshard as RS
 from .cost import Collective
 from .jax_compat import bind_on
+from .liveness import Copy, nbytes
 from .program import Const, Eqn, Value
 from .report import Operand, Result
 from .sharding import Sharding
@@ -73,7 +75,20 @@ class LocalShards:
                 self._cache[key] = y
                 self._cache[("array", id(x), src, dst, tuple(v.shape))] = (x, y)
             self._resharded.setdefault(v, set()).add(dst)
+        if self._reader is not None and self.report is not None:  # a copy an op reads: alive while its readers run
+            y = self._cache[key]
+            copy = self.copies.setdefault(id(y), Copy(y, v, nbytes(v, dst.local_shape(v.shape, self.mesh_shape))))
+            copy.readers.append(self._reader)
         return self._cache[key], dst
+
+    @contextlib.contextmanager
+    def reading(self, eqn: Optional[Eqn]) -> Iterator[None]:
+        """Reshards made within are copies of eqn's operands (None: of no op's, as a body's own edges)."""
+        saved, self._reader = self._reader, eqn
+        try:
+            yield
+        finally:
+            self._reader = saved
 
     def gather_ahead(self, x, v: Value, src: Sharding, dst: Sharding, what: str):
         """x (a local slice of stacked input v's) resharded from src to dst where it is issued, as a row of its

@@ -83,7 +83,10 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
         self._deferred: dict[int, dict[int, Sharding]] = {}  # id(loop eqn) -> carry index -> sharding in the loop
         # (id(scan eqn), index among its stacked results) -> a per-trip result kept a partial sum for an outer loop
         self.deferred_ys: dict[tuple[int, int], Sharding] = {}
-        self.resharded: dict[Eqn, int] = {}  # op -> bytes per device of its operands' copies as it needs them
+        # the operands' copies in the shardings their readers need: id(local) -> Copy (one per copy, its readers
+        # every op that reuses it), and the op whose operands are being read (None: a reshard is no reader's copy)
+        self.copies: dict[int, LV.Copy] = {}
+        self._reader: Optional[Eqn] = None
 
     # ------------------------------------------------------------------ execution
     def run(self, *local_args):
@@ -94,6 +97,7 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
         self._made_by: Optional[dict] = None  # producers()
         self._reads: Optional[dict] = None  # value -> its readers (PartialSums._next_loop)
         self._prefix, self._trips = "", 1
+        self.copies, self._reader = {}, None
         values = list(self.program.invars) + [v for v, _ in self.program.consts]
         for v, x, e, name in zip(values, local_args, self.entry, self.in_names):
             log: list[Collective] = []
@@ -110,7 +114,7 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
                 self._boundary_row("output", name, v, self.plan.sharding(v), x, log)
         if self.report is not None:  # the temporaries at their peak, as this program holds them
             self.report.temporaries = LV.peak(self.program, lambda v: LV.nbytes(v, self.plan.sharding(v).local_shape(
-                v.shape, self.mesh_shape)), resharded=self.resharded)
+                v.shape, self.mesh_shape)), copies=list(self.copies.values()), names=dict(zip(values, self.in_names)))
         return outs
 
     def cost(self) -> None:
@@ -205,12 +209,9 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
             choice = self.choose(eqn, rule, have, ready, rings=not kept)
             if kept and not choice.made[0].partial and len(eqn.outvars) == 1:  # as predicted (PartialSums._predict)
                 choice = self.choose(eqn, rule, have, ready, rings=False, planned=self._unsplit(eqn, have))
-        local_in = []
-        for x, h, n in zip(eqn.invars, have, choice.need):
-            local_in.append(self._reshard(env, x, n, log)[0] if isinstance(x, Value) else x.val)
-            if self.report is not None and isinstance(x, Value) and h != n:
-                self.resharded[eqn] = self.resharded.get(eqn, 0) + LV.nbytes(x, n.local_shape(x.shape,
-                                                                                           self.mesh_shape))
+        with self.reading(eqn):
+            local_in = [self._reshard(env, x, n, log)[0] if isinstance(x, Value) else x.val
+                        for x, n in zip(eqn.invars, choice.need)]
         outs = self._bind(eqn, rule, choice, local_in, log)
         issue = len(log)  # operand reshards and the op's own exchanges; its results' reshards follow it
         for v, o, m in zip(eqn.outvars, outs, choice.made):

@@ -69,8 +69,9 @@ class Regions:
             ins, outs = self.report.links
             ins.update((id(b), id(o)) for b, o in zip(program.invars, outer[0]) if isinstance(o, Value))
             outs.update((id(o), id(b)) for b, o in zip(program.outvars, outer[1]) if isinstance(b, Value))
-        saved = (self._cache, self._resharded, self._prefix, self._trips)
+        saved = (self._cache, self._resharded, self._prefix, self._trips, self._reader)
         self._cache, self._prefix, self._trips = dict(self._cache), f"{self._prefix}{name}/", self._trips * trips
+        self._reader = None  # the body's own reshards are its ops' copies, not the loop's
         first = len(self.report.rows) if self.report is not None else 0
         self._resharded = {v: set(d) for v, d in self._resharded.items()}
         try:
@@ -92,7 +93,7 @@ class Regions:
                 self.report.one_trip.append((first, len(self.report.rows), self._prefix.count("/")))
             return outs + list(extra)
         finally:
-            self._cache, self._resharded, self._prefix, self._trips = saved
+            self._cache, self._resharded, self._prefix, self._trips, self._reader = saved
 
     def _checkpoint(self, eqn: Eqn, env) -> None:
         """A checkpointed region: its body (which reads the caller's values) re-emitted as a checkpoint."""
@@ -129,7 +130,8 @@ class Regions:
     def _control_flow(self, eqn: Eqn, env) -> None:
         """A loop or branch (control_flow.FORMS): its bodies run on local shards, results stored to the plan."""
         log: list[Collective] = []
-        results, strategy = REG.op_for(eqn.name).form.lower(self, eqn, env, log)
+        with self.reading(eqn):  # its operands' copies are alive through its bodies
+            results, strategy = REG.op_for(eqn.name).form.lower(self, eqn, env, log)
         issue = len(log)  # the results' reshards (a deferred reduction among them) wait for the loop
         for v, (x, have) in zip(eqn.outvars, results):
             self._store(env, v, x, have, log)
@@ -140,7 +142,8 @@ class Regions:
         """A manual region: operands resharded to its in_specs, the body on local shards, results as declared."""
         ins, outs = M.specs(eqn)
         log: list[Collective] = []
-        local_in = [self._read(env, x, s, log) for x, s in zip(eqn.invars, ins)]
+        with self.reading(eqn):
+            local_in = [self._read(env, x, s, log) for x, s in zip(eqn.invars, ins)]
         inner = M.collectives(eqn.params["jaxpr"], self.mesh_shape)
         log.extend(inner)
         results = [Token() for _ in eqn.outvars] if self.dry else M.run(eqn, local_in)

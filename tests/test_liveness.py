@@ -111,7 +111,9 @@ def test_a_copy_counts_against_a_budget_of_many_gigabytes():
     from gshard_jax.partitioner import auto_memory, auto_solve
 
     budget, copy = 2e10, 5e8
-    row = auto_memory.Row({}, budget - copy / 2, [auto_memory.Copy(0, 1, np.eye(2, dtype=bool), np.full(2, copy))])
+    copies = [auto_memory.Copy(0, np.arange(2) == t, copy, [auto_memory.Reader(1, np.arange(2) == t, 0, 0)])
+              for t in range(2)]  # option t of node 1 needs the value as option t of node 0 makes it
+    row = auto_memory.Row({}, budget - copy / 2, copies, point=0)
     picks = [0, 0]
     unary = [np.array([0.0, 1e-3]), np.array([1e-3, 0.0])]  # apart (a copy) is the cheaper pair
     auto_solve._integer_program(unary, {}, [0, 1], [row], budget, None, picks)
