@@ -2,7 +2,7 @@
 devices: arguments, outputs and the temporaries' peak (partitioner/liveness.py) against argument + output -
 alias + temp.
 
-    python benchmarks/memory_prediction.py [--cases mlp,moe,block,tiny_dense_lm,tiny_moe_lm]
+    python benchmarks/memory_prediction.py [--cases MLP,MoE,Block,scanned,tiny_dense_lm,tiny_moe_lm]
 """
 from __future__ import annotations
 
@@ -51,6 +51,8 @@ def cases():
     yield "GShard MoE layer, hand", lambda: measure(moe_annotated, mesh8, moe_args())
     yield "GShard MoE layer, auto", lambda: measure(moe_plain, mesh8, moe_args(), auto=True)
     yield "Block AdamW step, auto", block
+    yield "Flax scanned stack AdamW step, auto", lambda: scanned(False)
+    yield "Flax scanned stack AdamW step, auto, half that", lambda: scanned(True)
     yield "tiny_dense_lm step {data 8}", lambda: lm("tiny_dense_lm", dict(data=8))
     yield "tiny_moe_lm step {data 2, expert 4}", lambda: lm("tiny_moe_lm", dict(data=2, expert=4))
 
@@ -72,6 +74,19 @@ def block():
     params = nn.unbox(model.init(jax.random.key(1), x))
     return measure(train_step, gs.make_mesh({"data": 2, "model": 4}), (params, opt.init(params), x),
                    in_shardings=(None, None, P("data")), auto=True)
+
+
+def scanned(budgeted: bool):
+    """tests/test_auto.py's Flax nn.scan over nn.remat blocks with AdamW, its state uncommitted; budgeted: within
+    half the memory the unbudgeted choice predicts."""
+    from test_auto import flax_stack
+
+    step, _, params, opt_state, x, mesh = flax_stack()
+    args = jax.tree.map(np.asarray, jax.device_get((params, opt_state))) + (x,)
+    kw = dict(auto=True)
+    if budgeted:
+        kw["memory_budget"] = sum(measure(step, mesh, args, auto=True)[0]) / 2
+    return measure(step, mesh, args, **kw)
 
 
 def lm(name: str, mesh: dict):

@@ -9,12 +9,11 @@ and memory_analysis().temp_size_in_bytes. Prints figures and ratios; asserts not
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
 
-import jax  # noqa: E402
+jax.config.update("jax_num_cpu_devices", 8)  # (an XLA_FLAGS the caller set is not overridden by this)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
