@@ -130,8 +130,9 @@ def _pipelined(lo, eqn, env, log, ins, carry_sh, xs, x_sh, y_sh, ahead: dict, de
 
     cw, ys = lo.scan(step, tuple(a for a, _ in ins[nc:]) + tuple(w0), tuple(cur) + tuple(nxt), n - 1, reverse,
                      eqn.params["unroll"])
+    unread = [k for k in range(nk) if not lo.reads(eqn.outvars[k])]  # final carries no one reads
     outs = lo._body(body, env, given(cw[:nk], [at(x, last) for x in xs], cw[nk:]), carry_sh + y_sh, log,
-                    "scan.last", 1, keep)
+                    "scan.last", 1, keep, dead=unread)
     carry, y_last = outs[:nk], outs[nk:]
     if not dry:
         ys = [jnp.concatenate([y[None], y_all] if reverse else [y_all, y[None]]) for y, y_all in zip(y_last, ys)]

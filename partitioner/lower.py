@@ -95,7 +95,7 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
         self._cache: dict = {}
         self._resharded: dict = {}  # value -> shardings it is already available in (mirrors _cache)
         self._made_by: Optional[dict] = None  # producers()
-        self._reads: Optional[dict] = None  # value -> its readers (PartialSums._next_loop)
+        self._reads: Optional[dict] = None  # value -> its readers (reads())
         self._prefix, self._trips = "", 1
         self.copies, self._reader = {}, None
         values = list(self.program.invars) + [v for v, _ in self.program.consts]
@@ -183,6 +183,22 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
         if self._made_by is None:
             self._made_by = {v: e for e in self.program.all_eqns() for v in e.outvars}
         return self._made_by
+
+    def reads(self, v: Value) -> list:
+        """v's readers over the whole program, bodies included: (op, operand index), or (None, -1) where a
+        program or a body returns it; built once."""
+        if self._reads is None:
+            self._reads = {}
+            progs = [self.program] + [sub for e in self.program.all_eqns() for sub in e.subs.values()]
+            for e in self.program.all_eqns():
+                for i, x in enumerate(e.invars):
+                    if isinstance(x, Value):
+                        self._reads.setdefault(x, []).append((e, i))
+            for prog in progs:
+                for x in prog.outvars:
+                    if isinstance(x, Value):
+                        self._reads.setdefault(x, []).append((None, -1))
+        return self._reads.get(v, [])
 
     def _eqn(self, eqn: Eqn, env) -> None:
         inside = self._lazy.get(eqn.outvars[0]) if len(eqn.outvars) == 1 else None

@@ -10,9 +10,10 @@ import collections
 from typing import Any, Callable, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.extend.core.primitives import remat_p
 
-from . import manual_regions as M, registry as REG
+from . import manual_regions as M, program as P, registry as REG
 from .cost import Collective
 from .jax_compat import convert_constvars_jaxpr
 from .local_shards import Token
@@ -61,10 +62,15 @@ class Regions:
     # ------------------------------------------------------------------ bodies
     def _body(self, program: Program, env, inputs: Sequence[tuple[Any, Sharding]], targets: Sequence[Sharding],
               log: list, name: str, trips: int, keep: Sequence[int] = (),
-              prologue: Optional[Callable[[], list]] = None, outer: Optional[tuple[Sequence, Sequence]] = None) -> list:
+              prologue: Optional[Callable[[], list]] = None, outer: Optional[tuple[Sequence, Sequence]] = None,
+              dead: Sequence[int] = ()) -> list:
         """Run a body on local inputs (each in the given sharding, resharded to the plan; those at `keep` stay as
         given); results in targets, then whatever `prologue` (run first, inside the body) returns. outer: the
-        operands and results the body's inputs and outputs stand for, one to one (a scan's), for the report."""
+        operands and results the body's inputs and outputs stand for, one to one (a scan's), for the report.
+        dead: results nobody reads (a peeled trip's final carries): the ops making only them are not run, and
+        zeros stand for them, as XLA's dead-code elimination leaves the unrolled trip."""
+        if dead:
+            program = P.live_only(program, [k not in dead for k in range(len(program.outvars))])
         if outer is not None and self.report is not None:
             ins, outs = self.report.links
             ins.update((id(b), id(o)) for b, o in zip(program.invars, outer[0]) if isinstance(o, Value))
@@ -87,13 +93,18 @@ class Regions:
             self.sum_trees(program)
             self._run_eqns(program.eqns, benv)
             edge = []
-            outs = [self._read_sum(benv, v, t, edge) for v, t in zip(program.outvars, targets)]  # partial: carried
+            outs = [self._nothing(v, t) if k in dead else self._read_sum(benv, v, t, edge)  # partial: carried
+                    for k, (v, t) in enumerate(zip(program.outvars, targets))]
             self._edge_row(name, "results resharded to the loop's", edge, program.outvars, ())
             if outer is not None and trips == 1 and self.report is not None:  # XLA inlines it (overlap.py)
                 self.report.one_trip.append((first, len(self.report.rows), self._prefix.count("/")))
             return outs + list(extra)
         finally:
             self._cache, self._resharded, self._prefix, self._trips, self._reader = saved
+
+    def _nothing(self, v, s: Sharding):
+        """A local value no one reads, of v's local shape in s."""
+        return Token() if self.dry else jnp.zeros(s.local_shape(v.shape, self.mesh_shape), v.aval.dtype)
 
     def _checkpoint(self, eqn: Eqn, env) -> None:
         """A checkpointed region: its body (which reads the caller's values) re-emitted as a checkpoint."""
@@ -110,6 +121,9 @@ class Regions:
             try:
                 benv = collections.ChainMap({v: (x, env[v][1]) for v, x in zip(ins, xs)}, env)
                 self._run_eqns(body.eqns, benv)
+                for v in eqn.outvars:  # a result no one reads whose ops were pruned (live_only)
+                    if v not in benv:
+                        benv[v] = (self._nothing(v, self.plan.sharding(v)), self.plan.sharding(v))
                 made[:] = [benv[v][1] for v in eqn.outvars]
                 return [benv[v][0] for v in eqn.outvars]
             finally:
@@ -134,7 +148,10 @@ class Regions:
             results, strategy = REG.op_for(eqn.name).form.lower(self, eqn, env, log)
         issue = len(log)  # the results' reshards (a deferred reduction among them) wait for the loop
         for v, (x, have) in zip(eqn.outvars, results):
-            self._store(env, v, x, have, log)
+            if self.reads(v):
+                self._store(env, v, x, have, log)
+            else:  # no one reads it: not resharded (XLA removes what no one reads)
+                env[v] = (x, have)
         self._record(eqn, [(x, env[x][1], env[x][1]) for x in eqn.invars if isinstance(x, Value)],
                      [self.plan.sharding(v) for v in eqn.outvars], strategy, log, issue=issue)
 

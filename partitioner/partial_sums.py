@@ -58,18 +58,7 @@ class PartialSums:
     def _next_loop(self, v: Value) -> Optional[tuple[Eqn, int]]:
         """(loop, carry index) where v's one use is the initial value of a loop's carry (1F1B's or an
         interleaved schedule's phases, one after another, accumulating the same gradients)."""
-        if self._reads is None:
-            self._reads = {}
-            progs = [self.program] + [sub for e in self.program.all_eqns() for sub in e.subs.values()]
-            for e in self.program.all_eqns():
-                for i, x in enumerate(e.invars):
-                    if isinstance(x, Value):
-                        self._reads.setdefault(x, []).append((e, i))
-            for prog in progs:
-                for x in prog.outvars:
-                    if isinstance(x, Value):
-                        self._reads.setdefault(x, []).append((None, -1))
-        reads = self._reads.get(v, [])
+        reads = self.reads(v)
         if len(reads) != 1 or reads[0][0] is None or reads[0][0].name not in CF.FORMS:
             return None
         e, i = reads[0]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from jax.extend import core, source_info_util
 
@@ -221,6 +221,29 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
 
     top = sub_program(to_lojax(closed))
     return Program(top.invars, top.outvars, top.eqns, consts)
+
+
+def live_only(program: Program, needed: Sequence[bool]) -> Program:
+    """The program with only the ops that make its needed results (an op without results is kept): what XLA's
+    dead-code elimination leaves of a body run once, unrolled (a pipelined scan's peeled last trip)."""
+    live = {x for x, n in zip(program.outvars, needed) if n and isinstance(x, Value)}
+    return Program(program.invars, program.outvars, _live_eqns(program.eqns, live), program.consts)
+
+
+def _live_eqns(eqns: Sequence[Eqn], live: set) -> list[Eqn]:
+    """The ops making values in live (which grows by what they read), a checkpointed region's body pruned too
+    (its values are the caller's, so XLA prunes it as inlined code)."""
+    kept = []
+    for e in reversed(eqns):
+        if e.outvars and not any(v in live for v in e.outvars):
+            continue
+        if e.name == "remat2" and not all(v in live for v in e.outvars):
+            body = e.subs["body"]
+            e = dataclasses.replace(e, subs={**e.subs, "body": Program(body.invars, body.outvars,
+                                                                        _live_eqns(body.eqns, live), body.consts)})
+        kept.append(e)
+        live.update(x for x in e.invars if isinstance(x, Value))
+    return kept[::-1]
 
 
 def uses(program: Program) -> dict:
