@@ -190,7 +190,8 @@ def test_a_flax_scanned_stack_with_fsdp_rules_and_optax_prefetches_as_the_hlo_sa
     """Library code as its authors write it: a Flax linen nn.scan stack, weights split by logical axis rules
     (MaxText's FSDP), an optax adamw step, on a jax.make_mesh mesh with Auto axes. The weights are gathered
     ahead; the step equals jax.jit's, explain() equals the compiled program per step, it moves no more
-    bytes than XLA's partitioner, and the per-step compute is the unpipelined loop's."""
+    bytes than XLA's partitioner, and the per-step compute is the unpipelined loop's, less the peeled trip's
+    unread carry."""
     import flax.linen as nn
     import optax
     from jax.sharding import AxisType, NamedSharding
@@ -245,4 +246,6 @@ def test_a_flax_scanned_stack_with_fsdp_rules_and_optax_prefetches_as_the_hlo_sa
     assert moved(compiled) <= moved(xla)
     with PF.disabled():
         before = gs.explain(step, mesh, params, opt, x, in_shardings=ins)
-    assert report.compute_time == pytest.approx(before.compute_time, rel=1e-9)
+    # The unpipelined loop's compute, less what the peeled last trip of the backward loop leaves out: the
+    # gradient of the stack's input, which nothing reads (XLA removes it from the unrolled trip as well).
+    assert 0 < before.compute_time - report.compute_time < before.compute_time / layers
