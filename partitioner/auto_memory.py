@@ -66,15 +66,14 @@ class Copy:
     def span(self) -> tuple[int, int]:
         return min(r.first for r in self.readers), max(r.last for r in self.readers)
 
-    def alive(self, point: int, picks) -> bool:
-        if self.made[picks[self.maker]]:
-            return False
-        need = [r for r in self.readers if r.needs[picks[r.node]]]
-        return any(r.first <= point for r in need) and any(r.last >= point for r in need)
+    def held(self, picks) -> Optional[tuple[int, int]]:
+        """The points it is alive at under a choice (first, last), or None where no copy is made."""
+        need = [r for r in self.readers if r.needs[picks[r.node]]] if not self.made[picks[self.maker]] else []
+        return (min(r.first for r in need), max(r.last for r in need)) if need else None
 
-    def sides(self, point: int) -> tuple[list, list]:
-        """The readers that run at or before a point, and those at or after it."""
-        return [r for r in self.readers if r.first <= point], [r for r in self.readers if r.last >= point]
+    def alive(self, point: int, picks) -> bool:
+        held = self.held(picks)
+        return held is not None and held[0] <= point <= held[1]
 
 
 def row(terms: dict, const: float = 0.0, slack: float = 0.0) -> Row:
@@ -109,10 +108,9 @@ class Temporaries:
         at = self.lt.bytes_at(np.array([s[picks[i]] if i >= 0 else s[0] for i, s in zip(self.node, self.sizes)],
                                        float))
         for c in self.copies:
-            if not c.made[picks[c.maker]]:
-                need = [r for r in c.readers if r.needs[picks[r.node]]]
-                if need:
-                    at[min(r.first for r in need): max(r.last for r in need) + 1] += c.bytes
+            held = c.held(picks)
+            if held is not None:
+                at[held[0]: held[1] + 1] += c.bytes
         return at
 
     def bound(self, largest: bool) -> np.ndarray:
