@@ -23,6 +23,7 @@ from typing import Optional
 import numpy as np
 
 from .auto_graph import Graph, _local_bytes, viewed
+from .jax_compat import scan_counts
 from .liveness import Lifetimes, lifetimes
 from .program import Eqn, Program, Value
 from .sharding import Sharding
@@ -183,7 +184,7 @@ def _copies(g: Graph, program: Program, lt: Lifetimes, mesh_shape: dict) -> list
     entry: dict = {}  # a scan body's const -> (the scan, the caller's value it stands for)
     for e in program.all_eqns():
         if e.name == "scan":
-            nc = e.params["num_consts"]
+            nc, _ = scan_counts(e.params)
             entry.update((b, (e, x)) for b, x in zip(e.subs["body"].invars[:nc], e.invars[:nc]) if isinstance(x, Value))
     groups: dict = {}
     for edge in g.edges:
