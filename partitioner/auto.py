@@ -12,6 +12,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from . import auto_search
 from .auto_graph import Builder, Graph, viewed
 from .auto_memory import Temporaries, temporaries
 from .auto_solve import Infeasible, Solution, Unsolved, memory_of, solve
@@ -51,7 +52,7 @@ def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_s
     temps = temporaries(g, program, mesh_shape)
     limit = BUDGETED_SECONDS if auto.memory_budget is not None else None
     try:
-        sol = solve(g, mesh_shape, auto.memory_budget, temps=temps, time_limit=limit)
+        sol = auto_search.choose(g, mesh_shape, auto.memory_budget, temps, time_limit=limit)
     except Unsolved as e:
         raise ValueError(f"memory_budget={auto.memory_budget:.0f} bytes per device: no sharding within it was "
                          f"found in {limit:.0f} s ({e}); raise the budget, or annotate the largest values") from None
@@ -143,8 +144,8 @@ def _why(g: Graph, temps: Temporaries, sol: Solution, mesh_shape: dict, auto: Au
         node, pick = g.nodes[i], sol.picks[i]
         what = node.what if node.value is not None else f"the result of {node.what}"
         try:
-            other = solve(g, mesh_shape, auto.memory_budget, exclude=[(i, pick)], time_limit=time_limit,
-                          temps=temps, points=sol.points)
+            other = auto_search.choose(g, mesh_shape, auto.memory_budget, temps, time_limit, exclude=[(i, pick)],
+                                       points=sol.points, near=sol)
         except Infeasible:
             lines.append(f"{what}: {node.options[pick].label}; every other choice is over the budget")
             continue

@@ -188,12 +188,14 @@ def _integer_program(unary: list, edges: dict, alive: list, mem_rows: list, budg
     """Solve the nodes left after elimination (setting their picks), each memory row (auto_memory.Row, its
     nodes alive) within the budget, or with minimax the largest row least; returns whether the optimum is
     proven."""
+    allowed = {i: np.flatnonzero(np.isfinite(unary[i])) for i in alive}  # an excluded option has no variable
     offsets, n = {}, 0
     for i in alive:
         offsets[i] = n
-        n += len(unary[i])
+        n += len(allowed[i])
     edge_at, m, classes = [], n, []
     for (a, b), seconds in edges.items():  # an edge's options that cost alike are one class: its joint is over
+        seconds = seconds[np.ix_(allowed[a], allowed[b])]
         alike, row_of = np.unique(seconds, axis=0, return_inverse=True)  # classes
         cols, col_of = np.unique(alike, axis=1, return_inverse=True)
         classes.append((a, b, row_of.ravel(), col_of.ravel(), cols))
@@ -202,9 +204,7 @@ def _integer_program(unary: list, edges: dict, alive: list, mem_rows: list, budg
     c = np.zeros(m)  # then, with minimax, the largest row in MiB; then the copies' bytes
     upper = np.ones(m)
     for i in alive:
-        u = unary[i]
-        c[offsets[i]: offsets[i] + len(u)] = np.where(np.isfinite(u), u * 1e6, 0.0)  # in microseconds
-        upper[offsets[i]: offsets[i] + len(u)] = np.isfinite(u)  # an excluded option: forbidden
+        c[offsets[i]: offsets[i] + len(allowed[i])] = unary[i][allowed[i]] * 1e6  # in microseconds
     for (_, _, _, _, cost), at in zip(classes, edge_at):
         c[at: at + cost.size] = np.where(np.isfinite(cost), cost, 1e12).ravel() * 1e6
     c[np.abs(c) < 1e-6] = 0.0  # below a picosecond: noise to the solver
@@ -219,7 +219,7 @@ def _integer_program(unary: list, edges: dict, alive: list, mem_rows: list, budg
         hi.append(high)
 
     for i in alive:  # one option per node
-        row(list(range(offsets[i], offsets[i] + len(unary[i]))), [1.0] * len(unary[i]), 1.0, 1.0)
+        row(list(range(offsets[i], offsets[i] + len(allowed[i]))), [1.0] * len(allowed[i]), 1.0, 1.0)
     for (a, b, row_of, col_of, cost), at in zip(classes, edge_at):  # each edge's joint has the two nodes'
         ns, nt = cost.shape  # choices (summed over a class) as its marginals
         for p in range(ns):
@@ -238,8 +238,8 @@ def _integer_program(unary: list, edges: dict, alive: list, mem_rows: list, budg
         return m + minimax + len(extra) - 1
 
     def needed(z: int, rd, cp) -> None:  # z >= c_j
-        on = [offsets[rd.node] + o for o in np.flatnonzero(rd.needs)]
-        off = [offsets[cp.maker] + s for s in np.flatnonzero(cp.made)]
+        on = [offsets[rd.node] + o for o in np.flatnonzero(rd.needs[allowed[rd.node]])]
+        off = [offsets[cp.maker] + s for s in np.flatnonzero(cp.made[allowed[cp.maker]])]
         row([z] + on + off, [1.0] + [-1.0] * len(on) + [1.0] * len(off), 0.0, np.inf)
 
     copy_at = {}
@@ -265,9 +265,10 @@ def _integer_program(unary: list, edges: dict, alive: list, mem_rows: list, budg
         [upper, np.full(int(minimax), np.inf), np.ones(len(extra))])
 
     def terms(r, scale: float) -> tuple[list, list]:
-        at = [offsets[i] + k for i, b in r.per_node.items() for k in range(len(b))]
+        at = [offsets[i] + k for i in r.per_node for k in range(len(allowed[i]))]
         return (at + [copy_at[id(cp), r.point] for cp in r.copies],
-                [x / scale for b in r.per_node.values() for x in b] + [cp.bytes / scale for cp in r.copies])
+                [x / scale for i, b in r.per_node.items() for x in b[allowed[i]]]
+                + [cp.bytes / scale for cp in r.copies])
 
     if minimax:
         c[m] = 1.0
@@ -292,5 +293,5 @@ def _integer_program(unary: list, edges: dict, alive: list, mem_rows: list, budg
     if not res.success and res.status != 1:  # 1: the time limit, with a choice found
         raise RuntimeError(f"the automatic sharding's integer program was not solved: {res.message}")
     for i in alive:
-        picks[i] = int(np.argmax(res.x[offsets[i]: offsets[i] + len(unary[i])]))
+        picks[i] = int(allowed[i][np.argmax(res.x[offsets[i]: offsets[i] + len(allowed[i])])])
     return res.status == 0

@@ -1,0 +1,120 @@
+"""The neighbourhood search a budgeted choice on a large graph takes (partitioner/auto_search.py): its windows
+and its start as data; forced through it (every graph counted large), GShard's MoE layer given no time limit
+ends at the exact solve's proven choice, and a Flax train step given 3 s gets a choice within the budget."""
+from __future__ import annotations
+
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from test_auto import MESH2, close, held, moe_annotated, moe_args, moe_plain, moved
+
+import gshard_jax as gs
+from gshard_jax.partitioner import auto, auto_search
+from gshard_jax.partitioner.auto_solve import MIP_GAP
+
+
+def graph(options: list[int], args: set[int], edges: list[tuple[int, int]]):
+    node = lambda i, k: types.SimpleNamespace(options=[None] * k, value=object() if i in args else None)
+    return types.SimpleNamespace(nodes=[node(i, k) for i, k in enumerate(options)],
+                                 edges=[types.SimpleNamespace(src=a, dst=b) for a, b in edges])
+
+
+def test_windows_cover_the_program_in_order_half_over_each_other_with_the_arguments_their_ops_read():
+    g = graph([4] * 2 + [10] * 8, args={0, 1}, edges=[(0, 2), (1, 9), (2, 3), (5, 6)])
+    windows = [w.tolist() for w in auto_search._windows(g, auto_search._neighbours(g), 40)]
+    # runs of at least 40 options, each from halfway through the last; node 9 reads argument 1
+    assert windows == [[0, 1, 2, 3, 4, 5], [3, 4, 5, 6], [5, 6, 7, 8], [1, 7, 8, 9]]
+    assert [w.tolist() for w in auto_search._windows(g, auto_search._neighbours(g), 88)] == [list(range(10))]
+
+
+def train_step_case():
+    """A Flax Transformer block's AdamW step, its state given nothing and the batch split over data, under half
+    its state's bytes (as test_auto's dense case)."""
+    import os
+    import sys
+
+    import flax.linen as nn
+    import optax
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from flax_model import Block
+
+    model, opt = Block(), optax.adamw(1e-3)
+
+    def train_step(params, opt_state, x):
+        value, grads = jax.value_and_grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    x = jax.random.normal(jax.random.key(0), (16, 8, 256))
+    params = nn.unbox(model.init(jax.random.key(1), x))
+    opt_state = opt.init(params)
+    state = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((params, opt_state)))
+    return train_step, (params, opt_state, x), state // 2
+
+
+def predicted(report) -> float:
+    return float(re.search(r"predicted ([\d.]+) ms", report.notes[0]).group(1))
+
+
+def test_gshards_moe_layer_searched_without_a_time_limit_ends_at_the_exact_choice(monkeypatch):
+    """test_auto's MoE case (dispatch and combine einsums on {expert 8}, nothing annotated, within the hand-
+    annotated program's memory) forced through the search, windows of a few nodes doubling to the whole:
+    the same choice as the exact solve (its two all-to-alls), within the budget, proven, and the same result."""
+    mesh, args = gs.make_mesh({"expert": 8}), moe_args()
+    budget = held(gs.explain(moe_annotated, mesh, *args), dict(mesh.shape))
+    exact = gs.explain(moe_plain, mesh, *args, auto=True, memory_budget=budget)
+    searched = []
+    search = auto_search.search
+
+    def recording(*a, **k):
+        searched.append(search(*a, **k))
+        return searched[-1]
+
+    monkeypatch.setattr(auto_search, "EXACT_OPTIONS", 0)  # every graph is large
+    monkeypatch.setattr(auto_search, "WINDOW_OPTIONS", 10)
+    monkeypatch.setattr(auto_search, "search", recording)
+    monkeypatch.setattr(auto, "BUDGETED_SECONDS", None)  # no time limit: the search ends at a whole window
+    report = gs.explain(moe_plain, mesh, *args, auto=True, memory_budget=budget)
+    assert len(searched) == 1 and searched[0].proven  # the runner-ups are windows, not searches
+    assert predicted(report) == pytest.approx(predicted(exact), rel=MIP_GAP, abs=1e-3)  # as printed
+    assert moved(report) == moved(exact)
+    assert held(report, dict(mesh.shape)) <= budget
+    assert "runner-up" in "\n".join(report.notes)
+    close(gs.partition(moe_plain, mesh, auto=True, memory_budget=budget)(*args), moe_plain(*args))
+
+
+def test_a_budget_the_leanest_options_miss_is_the_error_naming_the_smallest_found(monkeypatch):
+    monkeypatch.setattr(auto_search, "EXACT_OPTIONS", 0)
+    with pytest.raises(ValueError, match=r"memory_budget=1000 bytes per device: no sharding .* the smallest found "
+                                         r"holds 18\.0MiB per device"):
+        gs.explain(moe_plain, gs.make_mesh({"expert": 8}), *moe_args(), auto=True, memory_budget=1000)
+
+
+def test_a_time_limited_search_of_a_flax_step_returns_a_choice_within_the_budget_marked_unproven(monkeypatch):
+    step, args, budget = train_step_case()
+    mesh = gs.make_mesh(MESH2)
+    ins = (None, None, P("data"))
+    monkeypatch.setattr(auto_search, "EXACT_OPTIONS", 0)
+    monkeypatch.setattr(auto, "BUDGETED_SECONDS", 3.0)
+    report = gs.explain(step, mesh, *args, in_shardings=ins, auto=True, memory_budget=budget)
+    assert "not proven the cheapest" in report.notes[0]
+    assert held(report, dict(mesh.shape)) <= budget
+    got, want = gs.partition(step, mesh, in_shardings=ins, auto=True, memory_budget=budget)(*args), jax.jit(step)(*args)
+    close(got[2], want[2])  # the loss (test_auto's dense case checks the update)
+
+
+def test_the_start_keeps_each_nodes_leanest_options_and_with_whole_its_largest():
+    """A node's bytes per option are its arguments' and outputs' and the temporaries its option sizes: node 0
+    holds 8, 12, 2, 3 bytes."""
+    g = types.SimpleNamespace(nodes=[types.SimpleNamespace(options=[types.SimpleNamespace(memory=m) for m in ms])
+                                     for ms in ([8, 4, 2, 2], [3, 3])])
+    temps = types.SimpleNamespace(node=np.array([0, -1]), sizes=[np.array([0, 8, 0, 1]), np.array([5])])
+    assert [k.tolist() for k in auto_search._ends(g, temps, whole=False)] == [[False, False, True, False],
+                                                                              [True, True]]
+    assert [k.tolist() for k in auto_search._ends(g, temps, whole=True)] == [[False, True, True, False],
+                                                                             [True, True]]
