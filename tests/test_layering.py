@@ -182,7 +182,7 @@ PARTITIONER_LAYERS = [
                     "collective_matmul", "control_flow", "relayout", "roll", "windowed", "partial_sums", "reorder"]),
     ("registry", ["registry"]),
     ("passes", ["fold", "propagation", "strategy", "local_shards", "lower_regions", "lower"]),
-    ("choice", ["auto_graph", "auto_memory", "auto_solve", "auto"]),
+    ("choice", ["auto_graph", "auto_memory", "auto_solve", "auto_search", "auto"]),
 ]
 
 
