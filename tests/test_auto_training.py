@@ -84,10 +84,17 @@ def test_gshard_jax_explain_with_mesh_auto_reports_the_choice(tmp_path, capsys):
     assert predicted == pytest.approx(comm + compute, rel=0.02)  # the choice's estimate is the program's
 
 
-def test_mesh_auto_within_a_memory_budget_shards_the_state_and_fits():
+def test_mesh_auto_within_a_memory_budget_shards_the_state_and_fits(monkeypatch):
     """With mesh.memory_budget at the replicated state's bytes (which the replicated step exceeds by its
     temporaries), the choice splits the state, and the compiled step holds its state, batch, outputs and
-    temporaries within the budget (memory_analysis(), the donated state counted once)."""
+    temporaries within the budget (memory_analysis(), the donated state counted once). The scanned step's
+    graph is over auto_search.EXACT_OPTIONS, so it is searched until the time limit: 30 s here, as whatever
+    choice the search returns is within the budget."""
+    from gshard_jax.partitioner import auto, auto_search
+    monkeypatch.setattr(auto, "BUDGETED_SECONDS", 30.0)
+    searched = []
+    search = auto_search.search
+    monkeypatch.setattr(auto_search, "search", lambda *a, **k: searched.append(1) or search(*a, **k))
     rules = make("d2e4", model=dict(scan=True))  # the same state's shapes
     state = jax.eval_shape(rules.init_state, jax.random.key(0))
     whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
@@ -99,6 +106,7 @@ def test_mesh_auto_within_a_memory_budget_shards_the_state_and_fits():
     m = trainer.step_fn.lower(trainer.init_fn(jax.random.key(0)), batch).compile().memory_analysis()
     assert (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
             <= budget)
+    assert searched
 
 
 @pytest.mark.parametrize("option,message", [
