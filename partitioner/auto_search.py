@@ -1,15 +1,19 @@
 """A choice under a memory budget on a graph too large for one integer program within its time limit, found
 by neighbourhood search (large neighbourhood search: each step exact on a part of the graph, the rest held).
 
-The budget's rows couple every node they hold, so the integer program of a whole unrolled train step (tens of
-thousands of options) does not finish its root relaxation within minutes. Instead:
+The budget's rows couple every node they hold, so elimination leaves most of an unrolled train step's graph
+and the relaxation turns fractional: its integer program (tens of thousands of options) does not get past
+its root relaxation within minutes. Instead:
 - start: every node restricted to its leanest options (the fewest bytes of the arguments, outputs and
-  temporaries its option sets), solved exactly under the budget: a choice that fits, where a lean one does;
-- then windows: a connected part of the graph (nodes reached from a seed, breadth first, up to
-  WINDOW_OPTIONS options) gets all its options back, every other node keeps its pick, and the window is
-  solved exactly under the budget; a cheaper choice is kept. Seeds go through the nodes in order; after a
-  pass over all of them with no gain, windows double. A window holding the whole graph is the exact program.
-The result is the best choice found by the time limit; it is proven the cheapest only by a whole-graph window.
+  temporaries its option sets) and its whole ones (the most), solved exactly under the budget in
+  START_SHARE of the time; if that finds nothing, the leanest alone;
+- then windows: a run of consecutive nodes (the program's order) of WINDOW_OPTIONS options, with the
+  argument nodes its ops read, gets all its options back, every other node keeps its pick, and the window
+  is solved exactly under the budget; a cheaper choice is kept. Each window starts halfway through the
+  last; after a pass that gains less than MIP_GAP, windows double. A whole-graph window is the exact program.
+The result is the best choice found by the time limit; it is proven the cheapest only by a whole-graph
+window solved to its gap. A runner-up on such a graph is a window around its node (breadth first), the
+rest of the choice held.
 """
 from __future__ import annotations
 
