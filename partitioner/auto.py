@@ -139,7 +139,7 @@ def _why(g: Graph, temps: Temporaries, sol: Solution, mesh_shape: dict, auto: Au
     made = sorted((i for i, n in enumerate(g.nodes) if n.eqn is not None and len(n.options) > 1
                    and n.eqn.outvars and isinstance(n.eqn.outvars[0], Value)),
                   key=lambda i: -size(g.nodes[i].eqn.outvars[0]))[:EXPLAINED_ACTIVATIONS]
-    lines = []
+    lines, window = [], auto_search.searched(g, auto.memory_budget, temps)  # a runner-up is a window's
     for i in args + made:
         node, pick = g.nodes[i], sol.picks[i]
         what = node.what if node.value is not None else f"the result of {node.what}"
@@ -147,14 +147,16 @@ def _why(g: Graph, temps: Temporaries, sol: Solution, mesh_shape: dict, auto: Au
             other = auto_search.choose(g, mesh_shape, auto.memory_budget, temps, time_limit, exclude=[(i, pick)],
                                        points=sol.points, near=sol)
         except Infeasible:
-            lines.append(f"{what}: {node.options[pick].label}; every other choice is over the budget")
+            lines.append(f"{what}: {node.options[pick].label}; every other choice is over the budget" + (
+                " (of those in a window around it, the rest held)" if window else ""))
             continue
         except Unsolved:
             lines.append(f"{what}: {node.options[pick].label}; no other choice found in {time_limit:.1f} s")
             continue
         lines.append(f"{what}: {node.options[pick].label}; runner-up {node.options[other.picks[i]].label}, "
                      f"{(other.seconds - sol.seconds) * 1e3:+.3f} ms a step"
-                     + ("" if other.proven else f" (the best found in {time_limit:.1f} s)"))
+                     + (" (the best in a window around it, the rest held)" if window
+                        else "" if other.proven else f" (the best found in {time_limit:.1f} s)"))
     return lines
 
 

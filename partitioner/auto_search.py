@@ -38,13 +38,18 @@ def choose(g: Graph, mesh_shape: dict, budget: Optional[float], temps: Optional[
     """The cheapest choice within the budget: solve()'s exact program where the graph is small enough or has
     no budget, else the neighbourhood search. near: for a runner-up on a searched graph, the choice it is
     measured from (a window around the excluded nodes, the rest of near held)."""
-    if budget is None or temps is None or sum(len(n.options) for n in g.nodes) <= EXACT_OPTIONS:
+    if not searched(g, budget, temps):
         return solve(g, mesh_shape, budget, exclude=exclude, time_limit=time_limit, temps=temps, points=points)
     deadline = None if time_limit is None else time.perf_counter() + time_limit
     if near is not None:
         window = _window(g, _neighbours(g), [i for i, _ in exclude], WINDOW_OPTIONS)
         return _within(g, mesh_shape, budget, temps, near.picks, window, exclude, points, deadline)
     return search(g, mesh_shape, budget, temps, deadline, exclude, points)
+
+
+def searched(g: Graph, budget: Optional[float], temps: Optional[Temporaries]) -> bool:
+    """Whether choose() searches the graph rather than solving it whole."""
+    return budget is not None and temps is not None and sum(len(n.options) for n in g.nodes) > EXACT_OPTIONS
 
 
 def search(g: Graph, mesh_shape: dict, budget: float, temps: Temporaries, deadline: Optional[float],
