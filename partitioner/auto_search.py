@@ -55,7 +55,6 @@ def searched(g: Graph, budget: Optional[float], temps: Optional[Temporaries]) ->
 def search(g: Graph, mesh_shape: dict, budget: float, temps: Temporaries, deadline: Optional[float],
            exclude: Sequence[tuple[int, int]] = (), points: Sequence[int] = ()) -> Solution:
     """The neighbourhood search (the module docstring): the best choice found by the deadline."""
-    best = None
     for pool, share in ((_ends(g, temps, whole=True), START_SHARE), (_ends(g, temps, whole=False), 1.0)):
         try:
             best = solve(g, mesh_shape, budget, exclude=[*exclude, *((i, s) for i, keep in enumerate(pool)
@@ -65,7 +64,7 @@ def search(g: Graph, mesh_shape: dict, budget: float, temps: Temporaries, deadli
             break
         except Unsolved:  # none found in its share of the time: the leanest options alone, a smaller program
             continue
-    if best is None:
+    else:
         raise Unsolved("no choice within the budget was found among the leanest options")
     best.proven = False
     near = _neighbours(g)

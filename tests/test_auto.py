@@ -209,13 +209,9 @@ def test_bad_options_say_what_was_expected(kw, message):
 
 
 # ------------------------------------------------------------------ a dense LM train step over the budget
-@pytest.mark.slow  # about 90 s: the choice under a budget, its runner-ups, a compile and a run
-def test_a_dense_train_step_over_the_budget_shards_its_state_and_fits():
-    """A Flax Transformer block's AdamW step (params and optimizer state given nothing, the batch split over
-    data; d_model 256 over 128 tokens, so the state outweighs the activations) within a budget of half the
-    state's bytes for its arguments, outputs and temporaries: whole, the arguments and outputs alone would be
-    twice the state. The choice shards the state (ZeRO's layout or better) and fits, by the compiled program's
-    memory_analysis(); the step equals jax.jit's."""
+def block_step():
+    """A Flax Transformer block's (examples/flax_model.py) AdamW step on 16 x 8 tokens of d_model 256:
+    (train_step, its arguments (params, opt_state, x), the state's bytes)."""
     import flax.linen as nn
     import optax
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
@@ -228,11 +224,22 @@ def test_a_dense_train_step_over_the_budget_shards_its_state_and_fits():
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
-    mesh = gs.make_mesh(MESH2)
     x = jax.random.normal(jax.random.key(0), (16, 8, 256))
     params = nn.unbox(model.init(jax.random.key(1), x))
     opt_state = opt.init(params)
-    state = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((params, opt_state)))
+    return train_step, (params, opt_state, x), sum(a.size * a.dtype.itemsize
+                                                   for a in jax.tree.leaves((params, opt_state)))
+
+
+@pytest.mark.slow  # minutes (518 s beside the suite): the choice under a budget, its runner-ups, a compile, a run
+def test_a_dense_train_step_over_the_budget_shards_its_state_and_fits():
+    """A Flax Transformer block's AdamW step (params and optimizer state given nothing, the batch split over
+    data; d_model 256 over 128 tokens, so the state outweighs the activations) within a budget of half the
+    state's bytes for its arguments, outputs and temporaries: whole, the arguments and outputs alone would be
+    twice the state. The choice shards the state (ZeRO's layout or better) and fits, by the compiled program's
+    memory_analysis(); the step equals jax.jit's."""
+    train_step, (params, opt_state, x), state = block_step()
+    mesh = gs.make_mesh(MESH2)
     budget = state // 2
     ins = (None, None, P("data"))
     report = gs.explain(train_step, mesh, params, opt_state, x, in_shardings=ins, auto=True, memory_budget=budget)

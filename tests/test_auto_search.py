@@ -7,15 +7,14 @@ import re
 import types
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from test_auto import MESH2, close, held, moe_annotated, moe_args, moe_plain, moved
+from test_auto import MESH2, block_step, close, held, moe_annotated, moe_args, moe_plain, moved
 
 import gshard_jax as gs
 from gshard_jax.partitioner import auto, auto_search
-from gshard_jax.partitioner.auto_solve import MIP_GAP
+from gshard_jax.partitioner.auto_solve import MIP_GAP, Unsolved
 
 
 def graph(options: list[int], args: set[int], edges: list[tuple[int, int]]):
@@ -33,28 +32,9 @@ def test_windows_cover_the_program_in_order_half_over_each_other_with_the_argume
 
 
 def train_step_case():
-    """A Flax Transformer block's AdamW step, its state given nothing and the batch split over data, under half
-    its state's bytes (as test_auto's dense case)."""
-    import os
-    import sys
-
-    import flax.linen as nn
-    import optax
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    from flax_model import Block
-
-    model, opt = Block(), optax.adamw(1e-3)
-
-    def train_step(params, opt_state, x):
-        value, grads = jax.value_and_grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
-    x = jax.random.normal(jax.random.key(0), (16, 8, 256))
-    params = nn.unbox(model.init(jax.random.key(1), x))
-    opt_state = opt.init(params)
-    state = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((params, opt_state)))
-    return train_step, (params, opt_state, x), state // 2
+    """test_auto's Flax block AdamW step, under half its state's bytes."""
+    step, args, state = block_step()
+    return step, args, state // 2
 
 
 def predicted(report) -> float:
@@ -67,7 +47,6 @@ def test_gshards_moe_layer_searched_without_a_time_limit_ends_at_the_exact_choic
     the same choice as the exact solve (its two all-to-alls), within the budget, proven, and the same result."""
     mesh, args = gs.make_mesh({"expert": 8}), moe_args()
     budget = held(gs.explain(moe_annotated, mesh, *args), dict(mesh.shape))
-    exact = gs.explain(moe_plain, mesh, *args, auto=True, memory_budget=budget)
     searched = []
     search = auto_search.search
 
@@ -75,9 +54,11 @@ def test_gshards_moe_layer_searched_without_a_time_limit_ends_at_the_exact_choic
         searched.append(search(*a, **k))
         return searched[-1]
 
+    monkeypatch.setattr(auto_search, "search", recording)
+    exact = gs.explain(moe_plain, mesh, *args, auto=True, memory_budget=budget)
+    assert not searched  # 50 options: solved whole
     monkeypatch.setattr(auto_search, "EXACT_OPTIONS", 0)  # every graph is large
     monkeypatch.setattr(auto_search, "WINDOW_OPTIONS", 10)
-    monkeypatch.setattr(auto_search, "search", recording)
     monkeypatch.setattr(auto, "BUDGETED_SECONDS", None)  # no time limit: the search ends at a whole window
     report = gs.explain(moe_plain, mesh, *args, auto=True, memory_budget=budget)
     assert len(searched) == 1 and searched[0].proven  # the runner-ups are windows, not searches
@@ -86,6 +67,28 @@ def test_gshards_moe_layer_searched_without_a_time_limit_ends_at_the_exact_choic
     assert held(report, dict(mesh.shape)) <= budget
     assert "runner-up" in "\n".join(report.notes) and "window around it, the rest held" in "\n".join(report.notes)
     close(gs.partition(moe_plain, mesh, auto=True, memory_budget=budget)(*args), moe_plain(*args))
+
+
+def test_a_start_that_finds_nothing_in_its_share_of_the_time_falls_back_to_the_leanest_options(monkeypatch):
+    """The start on each node's leanest and whole options, cut short (Unsolved), is followed by one on the
+    leanest alone (more options excluded), and the search goes on from it to a choice within the budget."""
+    mesh, args = gs.make_mesh({"expert": 8}), moe_args()
+    budget = held(gs.explain(moe_annotated, mesh, *args), dict(mesh.shape))
+    excluded, solve = [], auto_search.solve
+
+    def first_cut_short(*a, **k):
+        excluded.append(len(k.get("exclude", ())))
+        if len(excluded) == 1:
+            raise Unsolved("cut short")
+        return solve(*a, **k)
+
+    monkeypatch.setattr(auto_search, "solve", first_cut_short)
+    monkeypatch.setattr(auto_search, "EXACT_OPTIONS", 0)
+    monkeypatch.setattr(auto_search, "WINDOW_OPTIONS", 10)
+    monkeypatch.setattr(auto, "BUDGETED_SECONDS", None)
+    report = gs.explain(moe_plain, mesh, *args, auto=True, memory_budget=budget)
+    assert len(excluded) > 2 and excluded[1] > excluded[0]  # the leanest alone, then windows
+    assert held(report, dict(mesh.shape)) <= budget
 
 
 def test_a_budget_the_leanest_options_miss_is_the_error_naming_the_smallest_found(monkeypatch):
