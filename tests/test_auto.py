@@ -231,7 +231,7 @@ def block_step():
                                                    for a in jax.tree.leaves((params, opt_state)))
 
 
-@pytest.mark.slow  # minutes (518 s beside the suite): the choice under a budget, its runner-ups, a compile, a run
+@pytest.mark.slow  # about 7 minutes (422 s alone): the choice under a budget, its runner-ups, a compile, a run
 def test_a_dense_train_step_over_the_budget_shards_its_state_and_fits():
     """A Flax Transformer block's AdamW step (params and optimizer state given nothing, the batch split over
     data; d_model 256 over 128 tokens, so the state outweighs the activations) within a budget of half the
