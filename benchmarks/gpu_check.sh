@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The GPU figures docs/training.md reports, in one call on one GPU (about 4 minutes on an H200): the plain-JAX
+# The GPU figures docs/training.md reports, in one call on one GPU (about 5 minutes on an H200): the plain-JAX
 # anchor (../shared/gpu/anchor_lm.py) and our Mula-1B step (benchmarks/gpu.py: ours against XLA's partitioner,
 # the config's scanned layers, and unrolled as the anchor is) with einsum and cuDNN attention, remat dots and
-# none, the optimizer offloaded (on 4 layers, with and without the delayed update), and the planner's compute
-# efficiency calibrated on one remat policy and checked on the other. On a machine whose JAX is in a virtual environment, put that environment's bin first
-# on PATH: the script runs `python`.
+# none, the optimizer offloaded (on 4 layers, with and without the delayed update, in 1 and 8 host groups),
+# and the planner's compute efficiency calibrated on one remat policy and checked on the other. On a machine
+# whose JAX is in a virtual environment, put that environment's bin first on PATH: the script runs `python`.
 #   benchmarks/gpu_check.sh [OUT_DIR] [ANCHOR]
 # Rows go to OUT_DIR (default .): anchor.jsonl, ours_*.json, calibrated.json and calibrate.json.
 set -uo pipefail
@@ -40,12 +40,14 @@ for variant in "cudnn dots false true" "einsum dots false true" "cudnn none fals
     --json "$out/ours_${attention}_${remat}_offload_${offload}_scan_${scan}.json"
 done
 # The offloaded update on 4 of Mula-1B's 16 layers (the whole model's host update takes most of a second a
-# step): on the device, offloaded, and offloaded with the delayed update (the host beside the device's step).
-for variant in "false false" "true false" "true true"; do
-  read -r offload delayed <<<"$variant"
+# step): on the device, offloaded, and offloaded with the delayed update (the host beside the device's step),
+# the host's update as one computation and as 8 (train.host_update_groups: XLA:GPU's host threads).
+for variant in "false false 1" "true false 1" "true true 1" "true false 8" "true true 8"; do
+  read -r offload delayed groups <<<"$variant"
   step python benchmarks/gpu.py --steps 4 --cases mula_1b --flags on \
     --set "model.attention=cudnn" "model.remat=dots" "model.num_layers=4" "train.offload_optimizer=$offload" \
-    "train.delayed_update=$delayed" --json "$out/ours_4_layers_offload_${offload}_delayed_${delayed}.json"
+    "train.delayed_update=$delayed" "train.host_update_groups=$groups" \
+    --json "$out/ours_4_layers_offload_${offload}_delayed_${delayed}_groups_${groups}.json"
 done
 work="$(mktemp -d)"
 step python -m gshard_jax.cli calibrate --config experiments/mula_1b.py --workdir "$work" \

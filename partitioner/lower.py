@@ -131,10 +131,11 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
     def _run_eqns(self, eqns: Sequence[Eqn], env) -> None:
         i = 0
         while i < len(eqns):
-            placed = eqns[i].compute_type
+            placed, region = eqns[i].compute_type, eqns[i].region
             if placed and _plain(eqns[i]) and not self.dry and not self._placed_region:
                 j = i + 1
-                while j < len(eqns) and eqns[j].compute_type == placed and _plain(eqns[j]):
+                while (j < len(eqns) and eqns[j].compute_type == placed and eqns[j].region == region
+                       and _plain(eqns[j])):
                     j += 1
                 self._placed_run(eqns[i:j], env, placed)
                 i = j
@@ -143,9 +144,9 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
             i += 1
 
     def _placed_run(self, eqns: Sequence[Eqn], env, compute_type: str) -> None:
-        """A run of consecutive ops placed elsewhere (compute_type "device_host": an offloaded update) lowered as
-        one region, as JAX's compute_on makes it: one host computation for the whole run, not one per op,
-        which XLA:GPU would call (and wait for) one by one."""
+        """A run of consecutive ops placed elsewhere (compute_type "device_host": an offloaded update) from one
+        compute_on call lowered as one region, as JAX's compute_on makes it: one host computation for the whole
+        run, not one per op, which XLA:GPU would call (and wait for) one by one."""
         made = {v for e in eqns for v in e.outvars}
         reads = list(dict.fromkeys(x for e in eqns for x in e.invars if isinstance(x, Value) and x not in made))
         outs = [v for e in eqns for v in e.outvars]

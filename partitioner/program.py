@@ -91,6 +91,9 @@ class Eqn:
     # Where the op computes when not on the device: "device_host" for an op traced under
     # jax.experimental.compute_on (an offloaded optimizer's update); its local op is bound there too.
     compute_type: Optional[str] = None
+    # Which compute_on call the op came from (JAX 0.11+; -1: none): each call lowers as one region of its own,
+    # so calls that need not wait for each other (an update in groups) stay apart.
+    region: int = -1
 
     @property
     def source(self) -> str:
@@ -149,6 +152,7 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
     closed-over constants are hoisted into the top-level program's consts.
     """
     counter = [0]
+    regions = [0]  # compute_on calls seen
     consts: list[tuple[Value, Any]] = []
 
     def new_value(aval) -> Value:
@@ -163,8 +167,9 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
         return v
 
     def walk(jaxpr: core.Jaxpr, const_vals, in_operands, eqns: list, scope: str = "",
-             placed: Optional[str] = None) -> list:
-        """placed: where the ops of a compute_on body compute (JAX 0.11+); JAX 0.10's ops carry it in ctx."""
+             placed: Optional[tuple[str, int]] = None) -> list:
+        """placed: where the ops of a compute_on body compute and which call it is (JAX 0.11+); JAX 0.10's ops
+        carry the first in ctx."""
         env: dict = {}
 
         def read(a):
@@ -193,7 +198,10 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
             if key is not None and key in eqn.params:
                 sub = eqn.params[key]
                 inner = _scope(eqn.source_info, scope)
-                where = eqn.params.get("compute_type", placed) if eqn.primitive.name == "compute_on" else placed
+                where = placed
+                if eqn.primitive.name == "compute_on":
+                    regions[0] += 1
+                    where = (eqn.params["compute_type"], regions[0])
                 if isinstance(sub, core.ClosedJaxpr):
                     outs = walk(sub.jaxpr, sub.consts, ins, eqns, inner, where)
                 else:
@@ -209,7 +217,7 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
             inner = _scope(eqn.source_info, scope) if bodies else ""
             subs = {name: sub_program(j, inner) for name, j in bodies.items()}
             eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), (eqn.source_info, scope), len(eqns), subs,
-                            placed or getattr(eqn.ctx, "compute_type", None)))
+                            *(placed or (getattr(eqn.ctx, "compute_type", None), -1))))
         return [read(a) for a in jaxpr.outvars]
 
     def sub_program(j, scope: str = "") -> Program:

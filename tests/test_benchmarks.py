@@ -100,15 +100,18 @@ def test_the_gpu_check_script_sets_fields_the_configs_have():
         assert (typed.model.transformer.attention, typed.model.transformer.remat) == (attention, remat)
         assert typed.model.transformer.scan == (scan == "true")
         assert typed.train.offload_optimizer == (offload == "true")
-    offload_sets = r'"model.num_layers=4" "train.offload_optimizer=\$offload" \\\n\s+"train.delayed_update=\$delayed"'
+    offload_sets = (r'"model.num_layers=4" "train.offload_optimizer=\$offload" \\\n\s+"train.delayed_update=\$delayed" '
+                    r'"train.host_update_groups=\$groups"')
     assert re.search(offload_sets, script), "the offload loop's --set arguments changed: update this test"
-    for offload, delayed in (v.split() for v in re.findall(r'"([^"]+)"', offloads)):
+    for offload, delayed, groups in (v.split() for v in re.findall(r'"([^"]+)"', offloads)):
         cfg = gpu.configure("mula_1b", 1, "auto", ["model.attention=cudnn", "model.remat=dots", "model.num_layers=4",
                                                    f"train.offload_optimizer={offload}",
-                                                   f"train.delayed_update={delayed}"])
+                                                   f"train.delayed_update={delayed}",
+                                                   f"train.host_update_groups={groups}"])
         typed = configs.typed(cfg)
         assert typed.train.offload_optimizer == (offload == "true") and cfg.model.num_layers == 4
         assert typed.train.delayed_update == (delayed == "true")
+        assert typed.train.host_update_groups == int(groups) and (groups == "1" or offload == "true")
     calibrate = script[script.index("gshard_jax.cli calibrate"):]
     for key in re.findall(r"--config\.([\w.]+)=", calibrate) + re.findall(r"--check ([\w.]+)=", calibrate):
         section, field = key.split(".")

@@ -29,11 +29,12 @@ def kinds(state) -> set:
     return {x.sharding.memory_kind for x in jax.tree.leaves(state)}
 
 
-@pytest.mark.parametrize("zero_stage", [0, pytest.param(1, marks=pytest.mark.slow)])
-def test_offloaded_state_lives_in_host_memory_and_trains_to_the_same_losses(zero_stage):
-    """The update on the host (float32 master weights kept there, clipping given the device's norm) trains
-    to the on-device optimizer's losses, params and moments."""
-    base, off = make("d2e4", zero_stage=zero_stage), make("d2e4", zero_stage=zero_stage, offload_optimizer=True)
+@pytest.mark.parametrize("zero_stage,groups", [(0, 1), (0, 3), pytest.param(1, 1, marks=pytest.mark.slow)])
+def test_offloaded_state_lives_in_host_memory_and_trains_to_the_same_losses(zero_stage, groups):
+    """The update on the host (float32 master weights kept there, clipping given the device's norm), whole or
+    in train.host_update_groups computations, trains to the on-device optimizer's losses, params and moments."""
+    base = make("d2e4", zero_stage=zero_stage)
+    off = make("d2e4", zero_stage=zero_stage, offload_optimizer=True, host_update_groups=groups)
     data = batches(base, 3)
     got = {}
     for name, t in (("base", base), ("off", off)):
@@ -252,18 +253,40 @@ def test_ops_under_compute_on_host_stay_on_the_host_and_moves_are_counted():
 
 
 @pytest.mark.newest_jax  # from JAX 0.11 a compute_on region lowers to a call of its own
-def test_the_offloaded_update_is_one_host_region_as_under_xlas_partitioner():
-    """The host's ops run as one region per run of them (compute_on's form), as XLA's partitioner gets them,
-    not one region per op: XLA:GPU calls and waits for each host computation in turn, which made our
-    offloaded step 2.16x XLA's on an H200 (docs/training.md). No more moves to the host than XLA's either."""
-    t = make("d8", offload_optimizer=True)
+@pytest.mark.parametrize("groups", [1, 3])
+def test_the_offloaded_update_is_one_host_region_per_group_as_under_xlas_partitioner(groups):
+    """The host's ops run as one region per compute_on call, as XLA's partitioner gets them, not one region
+    per op: XLA:GPU calls and waits for each host computation in turn, which made our offloaded step 2.16x
+    XLA's on an H200 (docs/training.md). train.host_update_groups=3 makes three regions, which XLA:GPU's host
+    threads may run at once, moving the same bytes as one. No more moves to the host than XLA's either."""
+    t = make("d8", offload_optimizer=True, host_update_groups=groups)
     state = t.init_fn(jax.random.key(0))
     b = jax.device_put(batches(t, 1)[0], t.batch_sharding)
     text = {backend: t.partitioned("train", backend).lower(state, b).as_text() for backend in ("gshard", "xla")}
     regions = {k: len(re.findall(r"call @compute_on\w*\(", v)) for k, v in text.items()}
     moves = {k: len(re.findall(r"custom_call @annotate_device_placement\(", v)) for k, v in text.items()}
-    assert regions["gshard"] == regions["xla"] == (1 if jax_compat._COMPUTE_ON_TAKES_SPACES else 0), regions
+    assert regions["gshard"] == regions["xla"] == (groups if jax_compat._COMPUTE_ON_TAKES_SPACES else 0), regions
     assert moves["gshard"] <= moves["xla"], moves
+    one = make("d8", offload_optimizer=True)
+    assert t.explain(state, b).host_transfers() == one.explain(one.init_fn(jax.random.key(0)), b).host_transfers()
+
+
+def test_host_groups_split_the_leaves_by_size():
+    """The update's groups, as data: every leaf in one group, in leaf order, the largest spread first."""
+    assert steps.host_groups([10, 1, 1, 8, 2], 2) == [[0, 1], [2, 3, 4]]  # 11 and 11
+    assert steps.host_groups([5, 5, 5], 8) == [[0], [1], [2]]  # no empty group
+    assert steps.host_groups([3, 1], 1) == [[0, 1]]
+    sizes = [int(x) for x in np.random.default_rng(0).integers(1, 1000, 200)]
+    groups = steps.host_groups(sizes, 8)
+    assert sorted(i for g in groups for i in g) == list(range(200)) and all(g == sorted(g) for g in groups)
+    loads = [sum(sizes[i] for i in g) for g in groups]
+    assert max(loads) - min(loads) <= max(sizes)
+
+
+@pytest.mark.parametrize("kw", [dict(host_update_groups=2), dict(offload_optimizer=True, host_update_groups=0)])
+def test_host_update_groups_without_offload_or_below_one_says_how_to_set_it(kw):
+    with pytest.raises(ValueError, match=f"host_update_groups={kw['host_update_groups']} .*offload_optimizer=true"):
+        make("d8", **kw)
 
 
 @pytest.mark.newest_jax  # compute_on's documented form changed in JAX 0.11

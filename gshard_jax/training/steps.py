@@ -155,28 +155,78 @@ def _low(grads: Any, state: dict, c: StepConfig) -> Any:
 
 def _apply_on_host(state: dict, g_low: Any, norm: jax.Array, ok: Optional[jax.Array], *, c: StepConfig) -> dict:
     """The host's update with gradients already in host memory, in the params' dtype (flat or in their shapes):
-    the master weights and moments updated there, the new params brought up to the device."""
+    the master weights and moments updated there, the new params brought up to the device. The update runs as
+    train.host_update_groups host computations over groups of leaves of about equal size (host_groups), none
+    reading another's results."""
     lo = c.layout
-    dtypes = jax.tree.map(lambda p: p.dtype, state["params"])
-    shapes = jax.tree.map(lambda p: p.shape, state["params"])
+    leaves, struct = jax.tree.flatten(state["params"])
+    specs = jax.tree.leaves(lo.optimizer, is_leaf=lambda s: isinstance(s, P))
     held = {k: state["opt_state"][k] for k in ("master", "adam")}
+    g_leaves = jax.tree.leaves(g_low)
 
-    def update(opt_state, g, norm, ok):
-        master, inner = opt_state["master"], opt_state["adam"]
-        g = jax.tree.map(lambda x, shape: x.reshape(shape).astype(jnp.float32), g, shapes)
-        updates, inner = c.opt.update(g, inner, master, global_norm=norm)
-        new = {"master": optax.apply_updates(master, updates), "adam": inner}
-        if ok is not None:
-            new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, opt_state)
-        return new, _flat(jax.tree.map(lambda m, d: m.astype(d), new["master"], dtypes), lo.optimizer)
+    def update_of(idx: list[int]):
+        def update(opt_state, g, norm, ok):
+            master, inner = opt_state["master"], opt_state["adam"]
+            g = [x.reshape(leaves[i].shape).astype(jnp.float32) for x, i in zip(g, idx)]
+            updates, inner = c.opt.update(g, inner, master, global_norm=norm)
+            new = {"master": optax.apply_updates(master, updates), "adam": inner}
+            if ok is not None:
+                new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, opt_state)
+            return new, _flat([m.astype(leaves[i].dtype) for m, i in zip(new["master"], idx)], [specs[i] for i in idx])
+        return update
 
-    opt_state, params = jax_compat.on_host(update, held, g_low, norm, ok)
+    groups = host_groups([x.size for x in leaves], c.train.host_update_groups)
+    parts = [jax_compat.on_host(update_of(idx), _take(held, struct, idx), [g_leaves[i] for i in idx], norm, ok)
+             for idx in groups]
+    opt_state = _merge(held, struct, groups, [new for new, _ in parts])
+    params: list = [None] * len(leaves)
+    for idx, (_, up) in zip(groups, parts):
+        for i, x in zip(idx, up):
+            params[i] = x
     opt_state = jax.device_put(opt_state, jax.memory.Space.Host)  # step counts: scalars XLA may keep on the device
-    params = jax.tree.map(lambda x, shape: x.reshape(shape), jax.device_put(params, jax.memory.Space.Device), shapes)
-    params = state_layout.constrain(params, lo.stored)
+    params = [x.reshape(p.shape) for x, p in zip(jax.device_put(params, jax.memory.Space.Device), leaves)]
+    params = state_layout.constrain(jax.tree.unflatten(struct, params), lo.stored)
     if ok is not None:
         params = jax.tree.map(lambda a, b: jnp.where(ok, a, b), params, state["params"])
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
+
+
+def host_groups(sizes: list[int], k: int) -> list[list[int]]:
+    """Leaf indices in min(k, leaves) groups of about equal total size, each in leaf order: the largest leaf
+    first, each onto the group that holds least so far."""
+    groups: list[list[int]] = [[] for _ in range(max(1, min(k, len(sizes))))]
+    held = [0] * len(groups)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        j = held.index(min(held))
+        groups[j].append(i)
+        held[j] += sizes[i]
+    return [sorted(g) for g in groups]
+
+
+def _take(tree: Any, struct: Any, idx: list[int]) -> Any:
+    """`tree` (the master weights and optimizer state) with each subtree shaped as the params (`struct`) cut to
+    the list of its leaves at idx; the rest (step counts) as they are."""
+    whole = lambda t: jax.tree.structure(t) == struct
+    return jax.tree.map(lambda t: [jax.tree.leaves(t)[i] for i in idx] if whole(t) else t, tree, is_leaf=whole)
+
+
+def _merge(tree: Any, struct: Any, groups: list[list[int]], parts: list) -> Any:
+    """The groups' updated states (_take's form, one per group) put back in `tree`'s form: each params-shaped
+    subtree from its groups' lists, the rest (step counts, the same in every group) from the first group's."""
+    whole = lambda t: jax.tree.structure(t) == struct
+    units, outer = jax.tree.flatten(tree, is_leaf=whole)
+    per = [outer.flatten_up_to(p) for p in parts]
+    out = []
+    for u, unit in enumerate(units):
+        if not whole(unit):
+            out.append(per[0][u])
+            continue
+        leaves: list = [None] * struct.num_leaves
+        for idx, p in zip(groups, per):
+            for i, x in zip(idx, p[u]):
+                leaves[i] = x
+        out.append(jax.tree.unflatten(struct, leaves))
+    return jax.tree.unflatten(outer, out)
 
 
 def delayed_step(state: dict, grads: Any, grad_norm: jax.Array, ok: jax.Array, *, c: StepConfig) -> dict:

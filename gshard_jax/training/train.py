@@ -183,6 +183,10 @@ class Trainer:
             raise ValueError("train.delayed_update=True delays the host's update of an offloaded optimizer state, "
                              "but train.offload_optimizer is False: set --config.train.offload_optimizer=true "
                              "too, or leave train.delayed_update false")
+        if t.host_update_groups < 1 or (t.host_update_groups > 1 and not self.offload):
+            raise ValueError(f"train.host_update_groups={t.host_update_groups} splits the host's update of an "
+                             "offloaded optimizer state into that many computations: it must be 1 or more, and "
+                             "more than 1 only with --config.train.offload_optimizer=true")
         if self.delayed:  # the previous step's gradients, waiting in host memory as the optimizer's slice
             opt_specs["pending"] = {"grads": self.layout.optimizer, "norm": P(), "ok": P()}
         if self.offload:
