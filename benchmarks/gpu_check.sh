@@ -6,7 +6,7 @@
 # and the planner's compute efficiency calibrated on one remat policy and checked on the other. On a machine
 # whose JAX is in a virtual environment, put that environment's bin first on PATH: the script runs `python`.
 #   benchmarks/gpu_check.sh [OUT_DIR] [ANCHOR]
-# Rows go to OUT_DIR (default .): anchor.jsonl, ours_*.json, calibrated.json and calibrate.json.
+# Rows go to OUT_DIR (default .): anchor.jsonl, ours_*.json, host_update.txt, calibrated.json and calibrate.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-.}"
@@ -39,6 +39,8 @@ for variant in "cudnn dots false true" "einsum dots false true" "cudnn none fals
     --set "model.attention=$attention" "model.remat=$remat" "train.offload_optimizer=$offload" "model.scan=$scan" \
     --json "$out/ours_${attention}_${remat}_offload_${offload}_scan_${scan}.json"
 done
+# What the host's cores give an AdamW update (XLA:CPU one leaf and 8, numpy on one thread and on every core).
+step python benchmarks/host_update.py | tee "$out/host_update.txt"
 # The offloaded update on 4 of Mula-1B's 16 layers (the whole model's host update takes most of a second a
 # step): on the device, offloaded, and offloaded with the delayed update (the host beside the device's step),
 # the host's update as one computation and as 8 (train.host_update_groups: XLA:GPU's host threads).

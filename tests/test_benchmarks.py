@@ -24,6 +24,7 @@ RUNS = {
                "permutes"),
     "gpu_profile.py": (["--small", "--variants", "xla:dots", "--out", os.path.join("build", "gpu_traces")],
                        "ms of device kernels a step"),
+    "host_update.py": (["--params", "65536", "--groups", "2", "--repeats", "1"], "numpy, 1 thread"),
     "lm1b_style.py": ([], "xla"),
     "memory_prediction.py": (["--cases", "Megatron"], "MLP step, Megatron"),
     "moe_dropless.py": (["--steps", "1", "--tokens", "256"], "dropless"),
