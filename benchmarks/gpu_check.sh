@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# The GPU figures docs/training.md reports, in one call on one GPU (about 5 minutes on an H200): the plain-JAX
+# The GPU figures docs/training.md reports, in one call on one GPU (4 minutes on an H200 before the host update, group and
+# trace rows; about 7 with them, estimated): the plain-JAX
 # anchor (../shared/gpu/anchor_lm.py) and our Mula-1B step (benchmarks/gpu.py: ours against XLA's partitioner,
 # the config's scanned layers, and unrolled as the anchor is) with einsum and cuDNN attention, remat dots and
 # none, the optimizer offloaded (on 4 layers, with and without the delayed update, in 1 and 8 host groups),
-# and the planner's compute efficiency calibrated on one remat policy and checked on the other. On a machine
-# whose JAX is in a virtual environment, put that environment's bin first on PATH: the script runs `python`.
+# the unrolled step traced beside the anchor's (benchmarks/gpu_profile.py), and the planner's compute
+# efficiency calibrated on one remat policy and checked on the other. On a machine whose JAX is in a virtual
+# environment, put that environment's bin first on PATH: the script runs `python`.
 #   benchmarks/gpu_check.sh [OUT_DIR] [ANCHOR]
-# Rows go to OUT_DIR (default .): anchor.jsonl, ours_*.json, host_update.txt, calibrated.json and calibrate.json.
+# Rows go to OUT_DIR (default .): anchor.jsonl, ours_*.json, host_update.txt, profile.txt, calibrated.json and
+# calibrate.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-.}"
@@ -51,6 +54,12 @@ for variant in "false false 1" "true false 1" "true true 1" "true false 8" "true
     "train.delayed_update=$delayed" "train.host_update_groups=$groups" \
     --json "$out/ours_4_layers_offload_${offload}_delayed_${delayed}_groups_${groups}.json"
 done
+# Where the unrolled step's time beyond its kernels goes, ours and the anchor's: kernels a step, launch gaps
+# and waits on the stream (the traces stay out of OUT_DIR: tens of MB each).
+if [ -f "$anchor" ]; then
+  step python benchmarks/gpu_profile.py --anchor "$anchor" --variants cudnn:dots --set model.scan=false \
+    --out "$(mktemp -d)" | tee "$out/profile.txt"
+fi
 work="$(mktemp -d)"
 step python -m gshard_jax.cli calibrate --config experiments/mula_1b.py --workdir "$work" \
   --out "$out/calibrated.json" --config.train.batch_size=4 --config.train.seq_len=2048 \

@@ -1,6 +1,7 @@
 """Where a GPU step's time goes: a few steps of our Mula-1B step (benchmarks/gpu.py's mula_1b case) and of the
 plain-JAX anchor traced with jax.profiler, and the device time per step printed by kind of kernel (matmul,
-attention, copies, other) with the heaviest kernels of each program.
+attention, copies, other) with the heaviest kernels of each program; then the kernels a step and the stream's
+idle time between them, in launch gaps and in longer waits: where a step spends what its kernels do not.
 
     python benchmarks/gpu_profile.py --anchor ../shared/gpu/anchor_lm.py --variants cudnn:dots,cudnn:none \
         [--set model.scan=false] [--out DIR]
@@ -37,8 +38,9 @@ def kind(kernel: str) -> str:
     return next((k for k, marks in KINDS if any(m in name for m in marks)), "other")
 
 
-def device_kernels(trace_path: str) -> list[tuple[str, float]]:
-    """(kernel name, microseconds) of every kernel on the busiest device stream of a perfetto trace."""
+def device_kernels(trace_path: str) -> list[tuple[str, float, float]]:
+    """(kernel name, start, duration), in microseconds, of every kernel on the busiest device stream of a
+    perfetto trace, in the order they ran."""
     with gzip.open(trace_path) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -51,25 +53,38 @@ def device_kernels(trace_path: str) -> list[tuple[str, float]]:
         if e.get("ph") == "X" and "dur" in e and "/device:" in process.get(e["pid"], ""):
             stream = (e["pid"], thread.get((e["pid"], e.get("tid")), ""))
             busy[stream] += e["dur"]
-            kernels.append((stream, e["name"], e["dur"]))
+            kernels.append((stream, e["name"], float(e["ts"]), e["dur"]))
     if not busy:
         return []
     stream = busy.most_common(1)[0][0]
-    return [(name, dur) for s, name, dur in kernels if s == stream]
+    return sorted(((name, ts, dur) for s, name, ts, dur in kernels if s == stream), key=lambda k: k[1])
 
 
-def summary(kernels: list[tuple[str, float]], steps: int = STEPS, top: int = 12) -> dict:
-    """ms per step by kind, and the heaviest kernels (numbered fusions merged: fusion.12 -> fusion)."""
+GAP_US = 50.0  # an idle gap on the stream at least this long is a wait (on the host, a copy, the next call);
+# shorter ones are the launch of the next kernel
+
+
+def summary(kernels: list[tuple[str, float, float]], steps: int = STEPS, top: int = 12) -> dict:
+    """ms per step by kind, and the heaviest kernels (numbered fusions merged: fusion.12 -> fusion); kernels a
+    step, and the stream's idle time between its first kernel and its last, split into launch gaps (below
+    GAP_US) and waits, with the longest waits: what a step takes beyond its kernels."""
     by_kind: collections.Counter = collections.Counter()
     by_name: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
-    for name, dur in kernels:
+    for name, _, dur in kernels:
         by_kind[kind(name)] += dur / 1e3 / steps
         base = re.sub(r"[._]\d+$", "", name)
         by_name[base] += dur / 1e3 / steps
         calls[base] += 1
+    gaps = [b[1] - (a[1] + a[2]) for a, b in zip(kernels, kernels[1:])]
+    gaps = [g for g in gaps if g > 0]
+    launch, waits = [g for g in gaps if g < GAP_US], sorted((g for g in gaps if g >= GAP_US), reverse=True)
     return {"total_ms": sum(by_kind.values()), "by_kind_ms": dict(by_kind.most_common()),
-            "top": [(n, ms, calls[n] // steps) for n, ms in by_name.most_common(top)]}
+            "top": [(n, ms, calls[n] // steps) for n, ms in by_name.most_common(top)],
+            "kernels_per_step": len(kernels) / steps,
+            "span_ms": (kernels[-1][1] + kernels[-1][2] - kernels[0][1]) / 1e3 / steps if kernels else 0.0,
+            "launch_gaps_ms": sum(launch) / 1e3 / steps, "waits_ms": sum(waits) / 1e3 / steps,
+            "longest_waits_ms": [w / 1e3 for w in waits[:5]]}
 
 
 def _trace(step, args, out_dir: str, tag: str) -> str:
@@ -122,7 +137,7 @@ def child(args) -> dict:
         cfg = gpu.configure("mula_1b", jax.device_count(), "auto", sets)
         with tempfile.TemporaryDirectory() as workdir:
             trainer, state, batch = train.step_inputs(cfg, workdir)
-        compiled = trainer.partitioned("train", "gshard").lower(state, batch).compile()
+        compiled = trainer.partitioned("train", "gshard", donate_argnums=0).lower(state, batch).compile()
         path = _trace(lambda s: (compiled(s, batch)[0],), (state,), args.out, tag)
     return dict(program=tag, trace=path, **summary(device_kernels(path)))
 
@@ -165,6 +180,10 @@ def main(argv=None) -> None:
             kinds = ", ".join(f"{k} {ms:.2f}" for k, ms in row["by_kind_ms"].items())
             print(f"{row['program']}: {row['total_ms']:.2f} ms of device kernels a step ({kinds}); "
                   f"trace {row['trace']}")
+            print(f"  {row['kernels_per_step']:.0f} kernels a step; from the first kernel to the last "
+                  f"{row['span_ms']:.2f} ms a step, idle {row['launch_gaps_ms']:.2f} ms in gaps under "
+                  f"{GAP_US:.0f} us and {row['waits_ms']:.2f} ms in longer waits (longest "
+                  f"{', '.join(f'{w:.2f}' for w in row['longest_waits_ms']) or '-'} ms)")
             for name, ms, n in row["top"]:
                 print(f"  {ms:8.2f} ms {n:5d} x  {name[:110]}")
     if failed:

@@ -118,3 +118,21 @@ def test_the_gpu_check_script_sets_fields_the_configs_have():
         section, field = key.split(".")
         assert field in configs.load(os.path.join(ROOT, "experiments", "mula_1b.py"))[section], key
     assert os.access(os.path.join(ROOT, "benchmarks", "gpu_check.sh"), os.X_OK)
+
+
+def test_gpu_profile_splits_a_streams_idle_time_into_launch_gaps_and_waits():
+    """gpu_profile.summary on kernels as data: (name, start us, duration us) on one stream over 2 steps."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_profile", os.path.join(ROOT, "benchmarks", "gpu_profile.py"))
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    kernels = [("fusion.1", 0.0, 10.0), ("nvjet_gemm", 12.0, 100.0), ("fusion.2", 115.0, 5.0),  # step 1
+               ("fusion.1", 420.0, 10.0), ("nvjet_gemm", 431.0, 100.0), ("fusion.2", 535.0, 5.0)]  # step 2
+    got = profile.summary(kernels, steps=2)
+    assert got["kernels_per_step"] == 3
+    assert got["span_ms"] == pytest.approx(540.0 / 1e3 / 2)
+    assert got["launch_gaps_ms"] == pytest.approx((2 + 3 + 1 + 4) / 1e3 / 2)  # the gaps under GAP_US
+    assert got["waits_ms"] == pytest.approx(300.0 / 1e3 / 2) and got["longest_waits_ms"] == [pytest.approx(0.3)]
+    assert got["by_kind_ms"] == {"matmul": pytest.approx(0.1), "other": pytest.approx(0.015)}
+    assert got["top"][0][0] == "nvjet_gemm" and ("fusion", pytest.approx(0.015), 2) in got["top"]
+    assert profile.summary([], steps=2)["span_ms"] == 0.0
