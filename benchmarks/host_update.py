@@ -1,8 +1,9 @@
 """What the host's cores give an offloaded AdamW update (train.offload_optimizer): XLA:CPU's update of N float32
 parameters as one leaf and as --groups independent leaves in one program, and the same arithmetic in numpy on
 1 and on every core (threads over chunks), in ns a parameter. XLA:GPU runs a host computation with XLA:CPU's
-runtime, so the first two say whether independent computations run at once there; numpy on every core is
-what the host's memory bandwidth allows (docs/training.md, "The host's cores").
+runtime, so the first two say whether independent computations run at once there (the first is what
+`gshard-jax calibrate` times for the planner's host-update bandwidth); numpy on every core is what the host's
+memory bandwidth allows (docs/training.md, "The host's cores").
 
     python benchmarks/host_update.py [--params 67108864] [--groups 8] [--repeats 5]
 """
@@ -24,26 +25,6 @@ def _median_s(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return float(np.median(times))
-
-
-def xla_update_s(n: int, leaves: int, repeats: int) -> float:
-    """optax.adamw over `leaves` float32 leaves of n / leaves params, bf16 gradients in and bf16 params out, on
-    the CPU backend (the host's, beside any accelerator)."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    tx = optax.adamw(1e-4, weight_decay=0.1)
-
-    @jax.jit
-    def update(p, s, g):
-        u, s = tx.update([x.astype(jnp.float32) for x in g], s, p)
-        p = optax.apply_updates(p, u)
-        return p, s, [x.astype(jnp.bfloat16) for x in p]
-    with jax.default_device(jax.devices("cpu")[0]):
-        p = [jnp.full((n // leaves,), 0.1, jnp.float32) for _ in range(leaves)]
-        g = [jnp.full((n // leaves,), 0.01, jnp.bfloat16) for _ in range(leaves)]
-        s = tx.init(p)
-        return _median_s(lambda: jax.block_until_ready(update(p, s, g)), repeats)
 
 
 def numpy_update_s(n: int, threads: int, repeats: int) -> float:
@@ -71,8 +52,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed updates per row (after one untimed)")
     a = ap.parse_args(argv)
     cores = os.cpu_count() or 1
-    rows = [("xla, 1 leaf", xla_update_s(a.params, 1, a.repeats)),
-            (f"xla, {a.groups} leaves", xla_update_s(a.params, a.groups, a.repeats)),
+    from gshard_jax.planner.calibrate import host_update_seconds  # what gshard-jax calibrate times
+    rows = [("xla, 1 leaf", host_update_seconds(a.params, 1, a.repeats)),
+            (f"xla, {a.groups} leaves", host_update_seconds(a.params, a.groups, a.repeats)),
             ("numpy, 1 thread", numpy_update_s(a.params, 1, a.repeats)),
             (f"numpy, {cores} threads", numpy_update_s(a.params, cores, a.repeats))]
     print(f"AdamW on the host over {a.params:,} float32 params ({cores} cores), median of {a.repeats}")

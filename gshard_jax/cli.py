@@ -128,12 +128,14 @@ def _calibrate(args: argparse.Namespace) -> int:
     check = None
     if args.check:
         check = overrides.apply(_load(args), overrides.split_args([f"--config.{kv}" for kv in args.check])[1])
-    result = calibrate.run(cfg, args.workdir, args.out, args.config, base=args.base, steps=args.steps, check=check)
+    result = calibrate.run(cfg, args.workdir, args.out, args.config, base=args.base, steps=args.steps, check=check,
+                           host_params=calibrate.HOST_UPDATE_PARAMS if args.host_params is None else args.host_params)
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"{result['device_kind']}: step {result['step_s'] * 1e3:.1f} ms, {result['flops'] / 1e12:.3g} TFLOP "
-          f"-> efficiency {result['efficiency']:.1%} of {result['peak_flops'] / 1e12:.3g} TFLOP/s; wrote {args.out}")
+          f"-> efficiency {result['efficiency']:.1%} of {result['peak_flops'] / 1e12:.3g} TFLOP/s; host update "
+          f"{result['host_update_bandwidth'] / 1e9:.3g} GB/s; wrote {args.out}")
     if check is not None:
         c = result["check"]
         print(f"check ({', '.join(args.check)}): measured {c['measured_step_s'] * 1e3:.1f} ms, planned "
@@ -300,6 +302,9 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--steps", type=int, default=10, help="timed steps (after 2 untimed)")
     q.add_argument("--check", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="also time the "
                    "config with this override (repeatable) and compare the planner's prediction for it")
+    q.add_argument("--host-params", type=int, default=None, metavar="N", help="parameters of the offloaded "
+                   "update timed on the host for the profile's host_update_bandwidth (default 2**25; 0: keep the "
+                   "base profile's)")
     q.add_argument("--json", action="store_true", help="print JSON")
     q.set_defaults(run=_calibrate)
 

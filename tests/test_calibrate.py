@@ -75,6 +75,31 @@ def test_calibrate_writes_the_measured_efficiency_and_the_planner_predicts_anoth
     plan = search.plan(_cfg(), 1, hw, top=20)
     row = next(r for r in plan.ranked if r.candidate.remat == "none" and r.candidate.microbatches == 1)
     assert row.estimate.step == pytest.approx(result["step_s"], rel=1e-6)
+    # the host's update was timed too (the real one, 2**25 parameters): its bandwidth prices it as measured
+    per_param = result["host_update_s_per_param"]
+    assert result["host_update_params"] == calibrate.HOST_UPDATE_PARAMS and 0 < per_param < 1e-6
+    assert hw.host_update_bandwidth == pytest.approx((2 * 12 + 4) / per_param)  # float32 params: 4-byte gradients
+    assert "host_update_bandwidth" in hw.source and "measured" in hw.source.rsplit("host_update_bandwidth", 1)[1]
+
+
+def test_the_measured_host_update_bandwidth_prices_an_update_at_the_time_measured():
+    """estimate.host_transfer_s's host part, on a profile calibrate wrote, is the timed update's seconds for
+    the same parameters; with --host-params 0 the base profile's assumed bandwidth stays."""
+    from gshard_jax.planner import estimate
+    from gshard_jax.planner.space import Candidate
+    seconds = calibrate.host_update_seconds(2**20, repeats=3)
+    assert 0 < seconds < 10
+    measured = {"flops": 1e9, "step_s": 1.0, "device_kind": "cpu", "jax": "x", "batch_size": 1, "seq_len": 1,
+                "remat": "none", "attention": "einsum", "steps": 1, "dtype": "bfloat16",
+                "host_update_params": 2**20, "host_update_s_per_param": seconds / 2**20}
+    base = hardware.PROFILES["cpu-simulation"]
+    hw = calibrate.calibrated(base, measured, "x.py")
+    mem = {"host_optimizer": 12.0 * 2**20, "host_exchange": 2.0 * 2**20}  # bf16 params: 2-byte exchange
+    on_host = estimate.host_transfer_s(hw, Candidate(mesh=(), offload=True), mem) \
+        - 2 * mem["host_exchange"] / hw.host_bandwidth
+    assert on_host == pytest.approx(seconds)
+    assert calibrate.calibrated(base, {**measured, "host_update_s_per_param": None}, "x.py").host_update_bandwidth \
+        == base.host_update_bandwidth
 
 
 def test_an_unknown_device_needs_a_base_profile():

@@ -9,16 +9,25 @@ then ranks candidates on it.
 
 One calibration predicts its own config exactly (the same formula, inverted); check it against a step it did
 not measure (another batch, remat policy or model: docs/planner.md, "Calibrating").
+
+It also times the host's part of an offloaded optimizer update (XLA:CPU's AdamW, which XLA:GPU runs for a
+compute_on("device_host") region) and writes the host-update bandwidth that time implies, so the planner's
+price for offloading (estimate.host_transfer_s) is measured too.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import json
+import statistics
+import time
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
+import optax
 
 from .. import configs
 from ..partitioner import hardware
@@ -69,16 +78,57 @@ def measure(cfg, workdir: str, steps: int = 10, warmup: int = 2) -> dict[str, An
             "attention": cfg.model.attention, "dtype": cfg.model.dtype, "steps": steps, "jax": jax.__version__}
 
 
+HOST_UPDATE_PARAMS = 2**25  # parameters the host's update is timed on: 32M, 0.4 GiB of float32 state
+
+
+def host_update_seconds(params: int, leaves: int = 1, repeats: int = 5) -> float:
+    """Median seconds of XLA:CPU's AdamW update of `params` parameters in `leaves` leaves (float32 master
+    weights and moments; bf16 gradients in, bf16 params out) on the host's CPU backend: the computation an
+    offloaded update runs on the host, which XLA:GPU runs with XLA:CPU's runtime."""
+    tx = optax.adamw(1e-4, weight_decay=0.1)
+
+    @jax.jit
+    def update(p, s, g):
+        u, s = tx.update([x.astype(jnp.float32) for x in g], s, p)
+        p = optax.apply_updates(p, u)
+        return p, s, [x.astype(jnp.bfloat16) for x in p]
+    with jax.default_device(jax.devices("cpu")[0]):
+        p = [jnp.full((params // leaves,), 0.1, jnp.float32) for _ in range(leaves)]
+        g = [jnp.full((params // leaves,), 0.01, jnp.bfloat16) for _ in range(leaves)]
+        s = tx.init(p)
+        jax.block_until_ready(update(p, s, g))
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(update(p, s, g))
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def host_update_bandwidth(seconds_per_param: float, dtype: str) -> float:
+    """The host_update_bandwidth that prices an update at the measured seconds per parameter: the bytes
+    estimate.host_transfer_s charges a parameter on the host (the state read and written, 2 x
+    HOST_STATE_BYTES, and the gradient read, in the params' dtype) over those seconds."""
+    return (2 * E.HOST_STATE_BYTES + np.dtype(dtype).itemsize) / seconds_per_param
+
+
 def calibrated(base: Hardware, measured: dict[str, Any], config_name: str) -> Hardware:
-    """`base` with the efficiency the measurement implies, named and sourced as measured."""
+    """`base` with the efficiency the measurement implies (and the host-update bandwidth, where the host's
+    update was timed), named and sourced as measured."""
     efficiency = measured["flops"] / (measured["step_s"] * base.peak_flops)
     when = datetime.date.today().isoformat()
     note = (f"efficiency {efficiency:.3f} measured by gshard-jax calibrate on {measured['device_kind']} ({when}, "
             f"JAX {measured['jax']}): {config_name}, batch {measured['batch_size']} x {measured['seq_len']} "
             f"tokens, remat {measured['remat']}, attention {measured['attention']}, {measured['dtype']}, "
             f"median of {measured['steps']} steps {measured['step_s'] * 1e3:.1f} ms")
+    host = {}
+    if measured.get("host_update_s_per_param"):
+        host["host_update_bandwidth"] = host_update_bandwidth(measured["host_update_s_per_param"], measured["dtype"])
+        note += (f"; host_update_bandwidth {host['host_update_bandwidth'] / 1e9:.2f} GB/s measured (XLA:CPU's "
+                 f"AdamW on the host, {measured['host_update_s_per_param'] * 1e9:.2f} ns a parameter over "
+                 f"{measured['host_update_params']:,})")
     return dataclasses.replace(base, name=f"{base.name}-calibrated", efficiency=efficiency,
-                               source=f"{base.source}; {note}")
+                               source=f"{base.source}; {note}", **host)
 
 
 def write(hw: Hardware, path: str) -> None:
@@ -89,13 +139,18 @@ def write(hw: Hardware, path: str) -> None:
 
 
 def run(cfg, workdir: str, out: str, config_name: str, base: str = "", steps: int = 10,
-        check: Optional[Any] = None) -> dict[str, Any]:
+        check: Optional[Any] = None, host_params: int = HOST_UPDATE_PARAMS) -> dict[str, Any]:
     """Measure, write the profile to `out`; with `check` (another config), time it too and compare the
-    planner's prediction for it on the new profile. -> what was measured and predicted."""
+    planner's prediction for it on the new profile; with host_params, time the host's update of that many
+    parameters too (0: keep the base profile's host-update bandwidth). -> what was measured and predicted."""
     measured = measure(cfg, workdir, steps)
+    if host_params:
+        measured["host_update_params"] = host_params
+        measured["host_update_s_per_param"] = host_update_seconds(host_params) / host_params
     hw = calibrated(base_profile(measured["device_kind"], base), measured, config_name)
     write(hw, out)
-    result = {"profile": out, "efficiency": hw.efficiency, "peak_flops": hw.peak_flops, **measured,
+    result = {"profile": out, "efficiency": hw.efficiency, "peak_flops": hw.peak_flops,
+              "host_update_bandwidth": hw.host_update_bandwidth, **measured,
               "predicted_step_s": predicted_step(cfg, hw)}
     if check is not None:
         other = measure(check, workdir, steps)

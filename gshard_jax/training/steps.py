@@ -120,19 +120,20 @@ def gradients(params: Any, batch: dict, step: jax.Array, *, c: StepConfig
     return value, m, state_layout.constrain(g, lo.gradients), bad_S
 
 
-def apply_update(state: dict, grads: Any, *, c: StepConfig) -> dict:
+def apply_update(state: dict, grads: Any, *, c: StepConfig, norm: Optional[jax.Array] = None) -> dict:
     """The optimizer step: float32 gradients (in the layout's gradient spec) -> the next state. The moments
-    (and master weights) are updated where they are sharded; the new params are gathered to their spec."""
+    (and master weights) are updated where they are sharded; the new params are gathered to their spec.
+    `norm`: the gradients' global norm where the caller has it (clipping then does not sum them again)."""
     lo = c.layout
     if c.master:
         master, inner = state["opt_state"]["master"], state["opt_state"]["adam"]
-        updates, inner = c.opt.update(grads, inner, master)
+        updates, inner = c.opt.update(grads, inner, master, global_norm=norm)
         master = optax.apply_updates(master, updates)
         params = jax.tree.map(lambda p: p.astype(c.compute_dtype), master)
         opt_state = {"master": master, "adam": inner}
     else:
         held = state_layout.constrain(state["params"], lo.optimizer)  # this device's slice: no communication
-        updates, opt_state = c.opt.update(grads, state["opt_state"], held)
+        updates, opt_state = c.opt.update(grads, state["opt_state"], held, global_norm=norm)
         params = optax.apply_updates(held, updates)
     return {"params": state_layout.constrain(params, lo.stored), "opt_state": opt_state, "step": state["step"] + 1}
 
@@ -281,7 +282,7 @@ def train_step(state: dict, batch: dict, *, c: StepConfig) -> tuple[dict, dict]:
     elif c.offload:
         new = host_update(state, grads, grad_norm, ok if skip else None, c=c)
     else:
-        new = apply_update(state, grads, c=c)
+        new = apply_update(state, grads, c=c, norm=grad_norm)
         if skip:
             new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, dict(state, step=step))
     # the learning rate of the update this step applies (under delayed_update the previous step's gradients)
