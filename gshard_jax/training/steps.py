@@ -208,7 +208,11 @@ def _take(tree: Any, struct: Any, idx: list[int]) -> Any:
     """`tree` (the master weights and optimizer state) with each subtree shaped as the params (`struct`) cut to
     the list of its leaves at idx; the rest (step counts) as they are."""
     whole = lambda t: jax.tree.structure(t) == struct
-    return jax.tree.map(lambda t: [jax.tree.leaves(t)[i] for i in idx] if whole(t) else t, tree, is_leaf=whole)
+
+    def cut(t):
+        leaves = jax.tree.leaves(t)
+        return [leaves[i] for i in idx]
+    return jax.tree.map(lambda t: cut(t) if whole(t) else t, tree, is_leaf=whole)
 
 
 def _merge(tree: Any, struct: Any, groups: list[list[int]], parts: list) -> Any:
