@@ -36,7 +36,10 @@ else
   echo "no anchor at $anchor: pass its path as the second argument" >&2
   status=1
 fi
-for variant in "cudnn dots false true" "einsum dots false true" "cudnn none false true" "cudnn dots false false"; do
+# einsum attention under dots_saveable: the anchor's "dots" is checkpoint_dots, which keeps the batched score
+# matmuls our "dots" recomputes (docs/training.md); with cuDNN's kernel (not a matmul) the two keep the same.
+for variant in "cudnn dots false true" "einsum dots_saveable false true" "cudnn none false true" \
+    "cudnn dots false false"; do
   read -r attention remat offload scan <<<"$variant"
   step python benchmarks/gpu.py --steps 10 --cases mula_1b --flags on \
     --set "model.attention=$attention" "model.remat=$remat" "train.offload_optimizer=$offload" "model.scan=$scan" \

@@ -3,6 +3,7 @@ partitioned by our partitioner on meshes {1}, {8}, {2,4}, {2,2,2}, equal the unp
 fallback and explain() equal to the compiled HLO."""
 import dataclasses
 import os
+import re
 
 import flax.linen as nn
 import jax
@@ -188,3 +189,20 @@ def test_remat_modules_checkpoint_each_module_and_compute_the_same():
         assert_close(got[1], want[1])
     with pytest.raises(ValueError, match="remat_modules"):
         bad, _, _ = model_and_batch("tiny_moe_lm", remat_modules=("mlp",))
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_remat_dots_recomputes_the_attention_score_matmuls_and_dots_saveable_keeps_them(scan):
+    """docs/training.md: remat "dots" keeps only matmuls without batch dims (dots_with_no_batch_dims_saveable,
+    MaxText's), so with einsum attention each layer's scores and context matmuls (batched over heads) run
+    again in the backward; "dots_saveable" keeps every matmul, as plain JAX's checkpoint_dots does (the GPU
+    anchor's "dots"). Counted in the compiled gradient: two more matmuls a layer, nothing else."""
+    count = {}
+    for remat in ("dots", "dots_saveable"):
+        model, params, batch = model_and_batch("tiny_dense_lm", num_layers=2, attention="einsum", scan=scan,
+                                               remat=remat)
+        grad = jax.jit(jax.value_and_grad(lambda p: loss_fn(model, p, batch)[0]))
+        text = grad.lower(params).compile().as_text()
+        count[remat] = len(re.findall(r"\sdot\(", text))
+    per_layer = 1 if scan else 2  # a scan's body holds one layer's
+    assert count["dots"] - count["dots_saveable"] == 2 * per_layer, count
