@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The GPU figures docs/training.md reports, in one call on one GPU (4 minutes on an H200 before the host update, group and
-# trace rows; about 7 with them, estimated): the plain-JAX
-# anchor (../shared/gpu/anchor_lm.py) and our Mula-1B step (benchmarks/gpu.py: ours against XLA's partitioner,
-# the config's scanned layers, and unrolled as the anchor is) with einsum and cuDNN attention, remat dots and
-# none, the optimizer offloaded (on 4 layers, with and without the delayed update, in 1 and 8 host groups),
-# the unrolled step traced beside the anchor's (benchmarks/gpu_profile.py), and the planner's compute
-# efficiency calibrated on one remat policy and checked on the other. On a machine whose JAX is in a virtual
-# environment, put that environment's bin first on PATH: the script runs `python`.
+# The GPU figures docs/training.md reports, in one call on one GPU (4 minutes on an H200 before the host
+# update, group and trace rows; about 7 with them, estimated): the plain-JAX anchor (../shared/gpu/anchor_lm.py)
+# and our Mula-1B step (benchmarks/gpu.py: ours against XLA's partitioner, the config's scanned layers, and
+# unrolled as the anchor is) with einsum and cuDNN attention, remat dots and none, the optimizer offloaded (on
+# 4 layers, with and without the delayed update, in 1 and 8 host groups), the unrolled step traced beside the
+# anchor's (benchmarks/gpu_profile.py), and the planner's compute efficiency and host-update bandwidth
+# calibrated on one remat policy and checked on the other. On a machine whose JAX is in a virtual
+# environment, put that environment's bin first on PATH: the script runs `python`. Each step's files are
+# written as it ends, so a call cut short keeps what finished.
 #   benchmarks/gpu_check.sh [OUT_DIR] [ANCHOR]
 # Rows go to OUT_DIR (default .): anchor.jsonl, ours_*.json, host_update.txt, profile.txt, calibrated.json and
 # calibrate.json.

@@ -1,9 +1,9 @@
 """What the host's cores give an offloaded AdamW update (train.offload_optimizer): XLA:CPU's update of N float32
-parameters as one leaf and as --groups independent leaves in one program, and the same arithmetic in numpy on
-1 and on every core (threads over chunks), in ns a parameter. XLA:GPU runs a host computation with XLA:CPU's
-runtime, so the first two say whether independent computations run at once there (the first is what
-`gshard-jax calibrate` times for the planner's host-update bandwidth); numpy on every core is what the host's
-memory bandwidth allows (docs/training.md, "The host's cores").
+parameters (state donated, updated in place) as one leaf and as --groups independent leaves in one program,
+and the same arithmetic in numpy in place on 1 and on every core (threads over chunks; numpy makes temporaries,
+so its rows bound the host's memory bandwidth from below rather than match XLA's work), in ns a parameter.
+XLA:GPU runs a host computation with XLA:CPU's runtime; the first row is what `gshard-jax calibrate` times for
+the planner's host-update bandwidth (docs/training.md, "The host's cores").
 
     python benchmarks/host_update.py [--params 67108864] [--groups 8] [--repeats 5]
 """
@@ -52,9 +52,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed updates per row (after one untimed)")
     a = ap.parse_args(argv)
     cores = os.cpu_count() or 1
-    from gshard_jax.planner.calibrate import host_update_seconds  # what gshard-jax calibrate times
-    rows = [("xla, 1 leaf", host_update_seconds(a.params, 1, a.repeats)),
-            (f"xla, {a.groups} leaves", host_update_seconds(a.params, a.groups, a.repeats)),
+    from gshard_jax.planner.calibrate import host_update_s_per_param  # what gshard-jax calibrate times
+    rows = [("xla, 1 leaf", a.params * host_update_s_per_param(a.params, 1, a.repeats)),
+            (f"xla, {a.groups} leaves", a.params * host_update_s_per_param(a.params, a.groups, a.repeats)),
             ("numpy, 1 thread", numpy_update_s(a.params, 1, a.repeats)),
             (f"numpy, {cores} threads", numpy_update_s(a.params, cores, a.repeats))]
     print(f"AdamW on the host over {a.params:,} float32 params ({cores} cores), median of {a.repeats}")

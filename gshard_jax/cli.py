@@ -135,7 +135,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         return 0
     print(f"{result['device_kind']}: step {result['step_s'] * 1e3:.1f} ms, {result['flops'] / 1e12:.3g} TFLOP "
           f"-> efficiency {result['efficiency']:.1%} of {result['peak_flops'] / 1e12:.3g} TFLOP/s; host update "
-          f"{result['host_update_bandwidth'] / 1e9:.3g} GB/s; wrote {args.out}")
+          f"{result['host_update_bandwidth'] / 1e9:.3g} GB/s "
+          f"({'measured' if result.get('host_update_s_per_param') else 'assumed'}); wrote {args.out}")
     if check is not None:
         c = result["check"]
         print(f"check ({', '.join(args.check)}): measured {c['measured_step_s'] * 1e3:.1f} ms, planned "

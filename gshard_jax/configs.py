@@ -83,8 +83,8 @@ class TrainConfig:
     # with offload_optimizer: a step's update applies the previous step's gradients, so the host's update runs
     # beside the device's forward and backward (ZeRO-Offload's delayed parameter update; one step stale)
     delayed_update: bool = False
-    # with offload_optimizer: the host's update as this many host computations of about equal bytes, none
-    # depending on another, so XLA:GPU may run them at once on its host threads (it keeps up to 8); 1: one
+    # with offload_optimizer: the host's update as this many host computations over leaves of about equal
+    # size, none depending on another, so XLA:GPU may run them at once on its host threads (up to 8); 1: one
     host_update_groups: int = 1
 
 

@@ -87,8 +87,10 @@ def test_the_measured_host_update_bandwidth_prices_an_update_at_the_time_measure
     the same parameters; with --host-params 0 the base profile's assumed bandwidth stays."""
     from gshard_jax.planner import estimate
     from gshard_jax.planner.space import Candidate
-    seconds = calibrate.host_update_seconds(2**20, repeats=3)
+    seconds = 2**20 * calibrate.host_update_s_per_param(2**20, repeats=3)
     assert 0 < seconds < 10
+    with pytest.raises(ValueError, match="params=2, leaves=3"):
+        calibrate.host_update_s_per_param(2, leaves=3)
     measured = {"flops": 1e9, "step_s": 1.0, "device_kind": "cpu", "jax": "x", "batch_size": 1, "seq_len": 1,
                 "remat": "none", "attention": "einsum", "steps": 1, "dtype": "bfloat16",
                 "host_update_params": 2**20, "host_update_s_per_param": seconds / 2**20}

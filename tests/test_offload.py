@@ -90,11 +90,13 @@ def test_the_device_argument_bytes_drop_by_the_optimizers_share(dtype):
     assert "host transfers: to host" in str(r1) and '"host_transfers_per_step"' in r1.to_json()
 
 
-def test_the_delayed_update_applies_each_steps_gradients_a_step_later():
+@pytest.mark.parametrize("groups", [1, 3])
+def test_the_delayed_update_applies_each_steps_gradients_a_step_later(groups):
     """train.delayed_update: step t's device computes its gradients at params P_t while the host applies
     step t - 1's, P_(t+1) = U(P_t, g_(t-1)), ZeRO-Offload's delayed parameter update. Checked against the
-    on-device optimizer applied to gradients computed by hand one step apart."""
-    base, late = make("d8"), make("d8", offload_optimizer=True, delayed_update=True)
+    on-device optimizer applied to gradients computed by hand one step apart, the host's update whole and in
+    3 groups."""
+    base, late = make("d8"), make("d8", offload_optimizer=True, delayed_update=True, host_update_groups=groups)
     data = [jax.device_put(b, base.batch_sharding) for b in batches(base, 4)]
     grads_of = gs.partition(lambda p, b, s: steps.gradients(p, b, s, c=base.step_config)[::2], base.mesh,
                             in_shardings=(base.layout.stored, base.batch_spec, P()))
@@ -191,10 +193,12 @@ def test_a_delayed_update_without_offload_says_how_to_set_it():
         make("d8", delayed_update=True)
 
 
-def test_a_skipped_step_leaves_the_offloaded_state_as_it_was():
+@pytest.mark.parametrize("groups", [1, 3])
+def test_a_skipped_step_leaves_the_offloaded_state_as_it_was(groups):
     """nan_policy="skip" drops a non-finite step's update on both sides: the params on the device and the
-    master weights and moments on the host stay as they were; only the step count moves."""
-    t = make("d8", offload_optimizer=True, nan_policy="skip", debug=dict(nan_at_step=2))
+    master weights and moments on the host stay as they were, whole or in 3 groups; only the step count
+    moves."""
+    t = make("d8", offload_optimizer=True, nan_policy="skip", debug=dict(nan_at_step=2), host_update_groups=groups)
     state, step = t.init_fn(jax.random.key(0)), t.step_fn
     data = [jax.device_put(b, t.batch_sharding) for b in batches(t, 2)]
     before, m1 = step(state, data[0])
@@ -274,7 +278,8 @@ def test_the_offloaded_update_is_one_host_region_per_group_as_under_xlas_partiti
 def test_host_groups_split_the_leaves_by_size():
     """The update's groups, as data: every leaf in one group, in leaf order, the largest spread first."""
     assert steps.host_groups([10, 1, 1, 8, 2], 2) == [[0, 1], [2, 3, 4]]  # 11 and 11
-    assert steps.host_groups([5, 5, 5], 8) == [[0], [1], [2]]  # no empty group
+    assert steps.host_groups([5, 5, 5], 8) == [[0], [1], [2]]  # no more groups than leaves
+    assert steps.host_groups([5, 0, 0], 3) == [[0], [1, 2]]  # nor an empty one
     assert steps.host_groups([3, 1], 1) == [[0, 1]]
     sizes = [int(x) for x in np.random.default_rng(0).integers(1, 1000, 200)]
     groups = steps.host_groups(sizes, 8)

@@ -647,3 +647,19 @@ def test_stage_owned_ends_hold_as_many_bytes_a_device_as_replicated_ends():
         cfg.pipeline.owned_ends = owned
         held[owned] = PR.explain(cfg, c, CPU).argument_bytes()
     assert held[True]["total"] == held[False]["total"] > 0, held
+
+
+def test_a_candidate_without_offload_drops_the_offloaded_updates_options():
+    """A config that offloads with the delayed update in host groups, planned on the device: the candidate's
+    config and its train overrides turn the delay and the groups off with the offload (the trainer refuses
+    either without it); an offloaded candidate keeps them."""
+    cfg = configs.load(os.path.join(os.path.dirname(__file__), "..", "experiments", "tiny_dense_lm.py"))
+    cfg.train.offload_optimizer, cfg.train.delayed_update, cfg.train.host_update_groups = True, True, 4
+    on_device, offloaded = SP.Candidate(mesh=(("data", 8),)), SP.Candidate(mesh=(("data", 8),), offload=True)
+    t = PR.apply(cfg, on_device).train
+    assert (t.offload_optimizer, t.delayed_update, t.host_update_groups) == (False, False, 1)
+    assert {"--config.train.delayed_update=False", "--config.train.host_update_groups=1"} <= set(
+        on_device.overrides())
+    t = PR.apply(cfg, offloaded).train
+    assert (t.offload_optimizer, t.delayed_update, t.host_update_groups) == (True, True, 4)
+    assert not any("host_update_groups" in o for o in offloaded.overrides())

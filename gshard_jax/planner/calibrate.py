@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import statistics
 import time
@@ -26,7 +27,6 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
 
 from .. import configs
@@ -81,35 +81,39 @@ def measure(cfg, workdir: str, steps: int = 10, warmup: int = 2) -> dict[str, An
 HOST_UPDATE_PARAMS = 2**25  # parameters the host's update is timed on: 32M, 0.4 GiB of float32 state
 
 
-def host_update_seconds(params: int, leaves: int = 1, repeats: int = 5) -> float:
-    """Median seconds of XLA:CPU's AdamW update of `params` parameters in `leaves` leaves (float32 master
-    weights and moments; bf16 gradients in, bf16 params out) on the host's CPU backend: the computation an
-    offloaded update runs on the host, which XLA:GPU runs with XLA:CPU's runtime."""
-    tx = optax.adamw(1e-4, weight_decay=0.1)
+def host_update_s_per_param(params: int, leaves: int = 1, repeats: int = 5, dtype: str = "bfloat16") -> float:
+    """Median seconds a parameter of XLA:CPU's AdamW update of about `params` parameters in `leaves` equal
+    leaves on the host's CPU backend: float32 master weights and moments updated in place (donated, as the
+    offloaded step's state is), gradients in and params out in `dtype`. This is the computation an offloaded
+    update runs on the host, which XLA:GPU runs with XLA:CPU's runtime."""
+    if params < leaves or leaves < 1:
+        raise ValueError(f"host_update_s_per_param(params={params}, leaves={leaves}): time at least one "
+                         f"parameter a leaf and one leaf")
+    tx, low = optax.adamw(1e-4, weight_decay=0.1), jnp.dtype(dtype)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
     def update(p, s, g):
         u, s = tx.update([x.astype(jnp.float32) for x in g], s, p)
         p = optax.apply_updates(p, u)
-        return p, s, [x.astype(jnp.bfloat16) for x in p]
+        return p, s, [x.astype(low) for x in p]
     with jax.default_device(jax.devices("cpu")[0]):
         p = [jnp.full((params // leaves,), 0.1, jnp.float32) for _ in range(leaves)]
-        g = [jnp.full((params // leaves,), 0.01, jnp.bfloat16) for _ in range(leaves)]
+        g = [jnp.full((params // leaves,), 0.01, low) for _ in range(leaves)]
         s = tx.init(p)
-        jax.block_until_ready(update(p, s, g))
+        p, s, _ = jax.block_until_ready(update(p, s, g))
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
-            jax.block_until_ready(update(p, s, g))
+            p, s, _ = jax.block_until_ready(update(p, s, g))
             times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(times) / (leaves * (params // leaves))
 
 
 def host_update_bandwidth(seconds_per_param: float, dtype: str) -> float:
     """The host_update_bandwidth that prices an update at the measured seconds per parameter: the bytes
     estimate.host_transfer_s charges a parameter on the host (the state read and written, 2 x
     HOST_STATE_BYTES, and the gradient read, in the params' dtype) over those seconds."""
-    return (2 * E.HOST_STATE_BYTES + np.dtype(dtype).itemsize) / seconds_per_param
+    return (2 * E.HOST_STATE_BYTES + jnp.dtype(dtype).itemsize) / seconds_per_param
 
 
 def calibrated(base: Hardware, measured: dict[str, Any], config_name: str) -> Hardware:
@@ -143,10 +147,13 @@ def run(cfg, workdir: str, out: str, config_name: str, base: str = "", steps: in
     """Measure, write the profile to `out`; with `check` (another config), time it too and compare the
     planner's prediction for it on the new profile; with host_params, time the host's update of that many
     parameters too (0: keep the base profile's host-update bandwidth). -> what was measured and predicted."""
+    if host_params < 0:
+        raise ValueError(f"host_params={host_params}: the parameters to time the host's update on, 0 to keep the "
+                         f"base profile's host_update_bandwidth")
     measured = measure(cfg, workdir, steps)
     if host_params:
         measured["host_update_params"] = host_params
-        measured["host_update_s_per_param"] = host_update_seconds(host_params) / host_params
+        measured["host_update_s_per_param"] = host_update_s_per_param(host_params, dtype=measured["dtype"])
     hw = calibrated(base_profile(measured["device_kind"], base), measured, config_name)
     write(hw, out)
     result = {"profile": out, "efficiency": hw.efficiency, "peak_flops": hw.peak_flops,

@@ -37,6 +37,8 @@ def apply(cfg: ml_collections.ConfigDict, c: Candidate) -> ml_collections.Config
     out.model.remat = c.remat
     out.model.sequence_parallel = c.sequence_parallel
     out.train.offload_optimizer = c.offload
+    if not c.offload:  # the options of an offloaded update go with it
+        out.train.delayed_update, out.train.host_update_groups = False, 1
     if c.schedule != "none":
         out.pipeline.schedule, out.pipeline.repeats = c.schedule, c.repeats
     return out

@@ -202,6 +202,8 @@ class Candidate:
                 f"--config.train.microbatches={self.microbatches}", f"--config.model.remat={self.remat}",
                 f"--config.model.sequence_parallel={self.sequence_parallel}",
                 f"--config.train.offload_optimizer={self.offload}"]
+        if not self.offload:  # the options of an offloaded update go with it
+            out += ["--config.train.delayed_update=False", "--config.train.host_update_groups=1"]
         if self.schedule != "none":
             out += [f"--config.pipeline.schedule={self.schedule}", f"--config.pipeline.repeats={self.repeats}"]
         return out

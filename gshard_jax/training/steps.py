@@ -193,21 +193,26 @@ def _apply_on_host(state: dict, g_low: Any, norm: jax.Array, ok: Optional[jax.Ar
 
 
 def host_groups(sizes: list[int], k: int) -> list[list[int]]:
-    """Leaf indices in min(k, leaves) groups of about equal total size, each in leaf order: the largest leaf
-    first, each onto the group that holds least so far."""
+    """Leaf indices in at most k groups of about equal total size (elements of the whole leaf), each in leaf
+    order and none empty: the largest leaf first, each onto the group that holds least so far."""
     groups: list[list[int]] = [[] for _ in range(max(1, min(k, len(sizes))))]
     held = [0] * len(groups)
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         j = held.index(min(held))
         groups[j].append(i)
         held[j] += sizes[i]
-    return [sorted(g) for g in groups]
+    return [sorted(g) for g in groups if g]
+
+
+def _params_shaped(struct: Any):
+    """Whether a subtree of the optimizer state is shaped as the params (master weights, a moment)."""
+    return lambda t: jax.tree.structure(t) == struct
 
 
 def _take(tree: Any, struct: Any, idx: list[int]) -> Any:
     """`tree` (the master weights and optimizer state) with each subtree shaped as the params (`struct`) cut to
     the list of its leaves at idx; the rest (step counts) as they are."""
-    whole = lambda t: jax.tree.structure(t) == struct
+    whole = _params_shaped(struct)
 
     def cut(t):
         leaves = jax.tree.leaves(t)
@@ -218,7 +223,7 @@ def _take(tree: Any, struct: Any, idx: list[int]) -> Any:
 def _merge(tree: Any, struct: Any, groups: list[list[int]], parts: list) -> Any:
     """The groups' updated states (_take's form, one per group) put back in `tree`'s form: each params-shaped
     subtree from its groups' lists, the rest (step counts, the same in every group) from the first group's."""
-    whole = lambda t: jax.tree.structure(t) == struct
+    whole = _params_shaped(struct)
     units, outer = jax.tree.flatten(tree, is_leaf=whole)
     per = [outer.flatten_up_to(p) for p in parts]
     out = []
