@@ -136,3 +136,11 @@ def test_the_h200_profile_on_record_is_the_calibration_docs_planner_quotes():
     assert 1e3 * calibrate.predicted_step(cfg, hw) == pytest.approx(measured_ms, abs=0.05)
     cfg.model.remat = "dots"
     assert 1e3 * calibrate.predicted_step(cfg, hw) / 132.3 == pytest.approx(1.084, abs=0.001)
+
+
+def test_the_h200_profile_keeps_the_assumed_host_bandwidth_docs_planner_says_and_its_measured_figure():
+    """docs/planner.md: h200_calibrated.json predates the host timing and keeps 20 GB/s; the H200's 3.1 ns a
+    parameter (docs/training.md) would read about 8.4 GB/s for bf16 params."""
+    hw = hardware.from_json(os.path.join(ROOT, "benchmarks", "profiles", "h200_calibrated.json"))
+    assert hw.host_update_bandwidth == 20e9
+    assert calibrate.host_update_bandwidth(3.1e-9, "bfloat16") / 1e9 == pytest.approx(8.4, abs=0.05)

@@ -136,3 +136,37 @@ def test_a_split_sequence_is_gathered_where_the_mask_needs_positions(cudnn_trace
     fwd = next(r for r in report.rows if r.primitive == "dot_product_attention_fwd_wrapper")
     gathered = [n for n, o in enumerate(fwd.operands[:3]) if o.have != o.need]
     assert gathered == ([0, 1, 2] if causal else [1, 2]), [str(o) for o in fwd.operands[:3]]
+
+
+@pytest.mark.newest_jax  # cuDNN's primitives are private: traced on each end of the range
+def test_under_cudnn_no_matmul_has_batch_dims_so_both_dots_policies_keep_the_same(cudnn_traces):
+    """docs/training.md: remat "dots" and "dots_saveable" differ only on matmuls with batch dims. Einsum
+    attention has two a layer (scores and context, batched over heads); with cuDNN's kernel the layer has
+    none, so the two policies keep the same results and the cuDNN rows compare like for like."""
+    from test_models import experiment
+
+    from gshard_jax import configs
+    _, params, batch = model_and_batch("tiny_dense_lm", num_layers=2, dtype="bfloat16")  # einsum: init runs
+
+    def batched_dots(attention: str) -> int:
+        cfg = experiment("tiny_dense_lm")
+        cfg.model.update(dict(num_layers=2, attention=attention, dtype="bfloat16"))
+        model = configs.build_model(cfg.model)
+        eqns = _all_eqns(jax.make_jaxpr(lambda p: loss_fn(model, p, batch)[0])(params).jaxpr)
+        kernels = sum(e.primitive.name.startswith("dot_product_attention") for e in eqns)
+        assert kernels == (2 if attention == "cudnn" else 0), kernels  # the fused kernel, once a layer
+        return sum(1 for e in eqns if e.primitive.name == "dot_general" and e.params["dimension_numbers"][1][0])
+    assert batched_dots("einsum") == 2 * 2
+    assert batched_dots("cudnn") == 0
+
+
+def _all_eqns(jaxpr) -> list:
+    """Every equation of a jaxpr, nested calls and checkpoints included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        found.append(eqn)
+        for p in eqn.params.values():
+            inner = getattr(p, "jaxpr", None)
+            if inner is not None:
+                found += _all_eqns(getattr(inner, "jaxpr", inner))
+    return found

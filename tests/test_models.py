@@ -206,3 +206,13 @@ def test_remat_dots_recomputes_the_attention_score_matmuls_and_dots_saveable_kee
         count[remat] = len(re.findall(r"\sdot\(", text))
     per_layer = 1 if scan else 2  # a scan's body holds one layer's
     assert count["dots"] - count["dots_saveable"] == 2 * per_layer, count
+
+
+def test_mula_1bs_score_matmul_flops_docs_training_quotes():
+    """docs/training.md: at Mula-1B's shapes (4 x 2,048 tokens, 16 heads of 128, 16 layers) one score matmul is
+    68.7 GFLOP, and remat "dots" recomputing two a layer costs 2.2 TFLOP a step."""
+    cfg = experiment("mula_1b")
+    m = cfg.model
+    one = 2 * 4 * m.num_heads * 2048 * 2048 * m.head_dim
+    assert one / 1e9 == pytest.approx(68.7, abs=0.05)
+    assert 2 * one * m.num_layers / 1e12 == pytest.approx(2.2, abs=0.05)

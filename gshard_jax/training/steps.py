@@ -180,10 +180,7 @@ def _apply_on_host(state: dict, g_low: Any, norm: jax.Array, ok: Optional[jax.Ar
     parts = [jax_compat.on_host(update_of(idx), _take(held, struct, idx), [g_leaves[i] for i in idx], norm, ok)
              for idx in groups]
     opt_state = _merge(held, struct, groups, [new for new, _ in parts])
-    params: list = [None] * len(leaves)
-    for idx, (_, up) in zip(groups, parts):
-        for i, x in zip(idx, up):
-            params[i] = x
+    params = _assemble(groups, [up for _, up in parts], len(leaves))
     opt_state = jax.device_put(opt_state, jax.memory.Space.Host)  # step counts: scalars XLA may keep on the device
     params = [x.reshape(p.shape) for x, p in zip(jax.device_put(params, jax.memory.Space.Device), leaves)]
     params = state_layout.constrain(jax.tree.unflatten(struct, params), lo.stored)
@@ -202,6 +199,15 @@ def host_groups(sizes: list[int], k: int) -> list[list[int]]:
         groups[j].append(i)
         held[j] += sizes[i]
     return [sorted(g) for g in groups if g]
+
+
+def _assemble(groups: list[list[int]], lists: list, n: int) -> list:
+    """The n leaves, each from the list of the group holding it (group g's list in its leaf order)."""
+    leaves: list = [None] * n
+    for idx, got in zip(groups, lists):
+        for i, x in zip(idx, got):
+            leaves[i] = x
+    return leaves
 
 
 def _params_shaped(struct: Any):
@@ -226,17 +232,9 @@ def _merge(tree: Any, struct: Any, groups: list[list[int]], parts: list) -> Any:
     whole = _params_shaped(struct)
     units, outer = jax.tree.flatten(tree, is_leaf=whole)
     per = [outer.flatten_up_to(p) for p in parts]
-    out = []
-    for u, unit in enumerate(units):
-        if not whole(unit):
-            out.append(per[0][u])
-            continue
-        leaves: list = [None] * struct.num_leaves
-        for idx, p in zip(groups, per):
-            for i, x in zip(idx, p[u]):
-                leaves[i] = x
-        out.append(jax.tree.unflatten(struct, leaves))
-    return jax.tree.unflatten(outer, out)
+    return jax.tree.unflatten(outer, [
+        jax.tree.unflatten(struct, _assemble(groups, [p[u] for p in per], struct.num_leaves)) if whole(unit)
+        else per[0][u] for u, unit in enumerate(units)])
 
 
 def delayed_step(state: dict, grads: Any, grad_norm: jax.Array, ok: jax.Array, *, c: StepConfig) -> dict:
