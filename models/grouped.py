@@ -14,8 +14,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 IMPLS = ("auto", "ragged_dot", "blocked")
+# The name of every expert matmul's output (here and in moe.py's einsums): remat "dots" keeps these, as it keeps
+# matmuls without batch dims (the expert dim is a batch dim, and ragged_dot is no dot_general), so the backward
+# does not run the experts' FFN again (models/transformer.py's REMAT_POLICIES).
+EXPERT_MATMUL = "expert_matmul"
 NATIVE_RAGGED_DOT = ("gpu", "tpu")
 
 
@@ -26,8 +31,8 @@ def grouped_matmul(x_RM: jax.Array, w_EMF: jax.Array, sizes_E: jax.Array, impl: 
     if impl == "auto":
         impl = "ragged_dot" if jax.default_backend() in NATIVE_RAGGED_DOT else "blocked"
     if impl == "ragged_dot":
-        return jax.lax.ragged_dot(x_RM, w_EMF, sizes_E)
-    return _blocked(x_RM, w_EMF, sizes_E)
+        return checkpoint_name(jax.lax.ragged_dot(x_RM, w_EMF, sizes_E), EXPERT_MATMUL)
+    return checkpoint_name(_blocked(x_RM, w_EMF, sizes_E), EXPERT_MATMUL)
 
 
 def block_rows(rows: int, groups: int) -> int:

@@ -21,11 +21,12 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 import gshard_jax as gs
 
 from . import dropless as D, gating
-from .grouped import IMPLS
+from .grouped import EXPERT_MATMUL, IMPLS
 from .logical import Rules, axes_of, constrain, mesh_spec
 
 
@@ -165,21 +166,25 @@ class MoeFFN(nn.Module):
     def _ffn(self, x, w):
         """Expert FFN on dispatched tokens [E, G, C, M]."""
         rules = self.rules
+        def mm(spec, a, b):  # every expert matmul is batched over E: named for remat "dots" (grouped.py)
+            return checkpoint_name(jnp.einsum(spec, a, b), EXPERT_MATMUL)
         if "wi_gate" in w:
-            h = jax.nn.silu(jnp.einsum("EGCM,EMF->EGCF", x, w["wi_gate"])) * jnp.einsum("EGCM,EMF->EGCF", x, w["wi_up"])
+            h = jax.nn.silu(mm("EGCM,EMF->EGCF", x, w["wi_gate"])) * mm("EGCM,EMF->EGCF", x, w["wi_up"])
         else:
-            h = jax.nn.relu(jnp.einsum("EGCM,EMF->EGCF", x, w["wi"]))
+            h = jax.nn.relu(mm("EGCM,EMF->EGCF", x, w["wi"]))
         h = constrain(h, ("expert", "group", None, "mlp"), rules)
-        return jnp.einsum("EGCF,EFM->GECM", h, w["wo"])
+        return mm("EGCF,EFM->GECM", h, w["wo"])
 
     def _einsums(self, x_GSM, combine_GSEC, dispatch_GSEC, w):
         """GShard's Algorithm 2: all-to-all in (G split -> E split) and out (E split -> G split)."""
         rules = self.rules
         combine = constrain(combine_GSEC.astype(self.dtype), ("group", None, None, None), rules)
         dispatch = constrain(dispatch_GSEC.astype(self.dtype), ("group", None, None, None), rules)
-        x_EGCM = constrain(jnp.einsum("GSEC,GSM->EGCM", dispatch, x_GSM), ("expert", "group", None, "embed"), rules)
+        x_EGCM = checkpoint_name(jnp.einsum("GSEC,GSM->EGCM", dispatch, x_GSM), EXPERT_MATMUL)  # batched over G
+        x_EGCM = constrain(x_EGCM, ("expert", "group", None, "embed"), rules)
         y_GECM = constrain(self._ffn(x_EGCM, w), ("group", None, None, "embed"), rules)
-        return constrain(jnp.einsum("GSEC,GECM->GSM", combine, y_GECM), ("group", None, "embed"), rules)
+        y_GSM = checkpoint_name(jnp.einsum("GSEC,GECM->GSM", combine, y_GECM), EXPERT_MATMUL)
+        return constrain(y_GSM, ("group", None, "embed"), rules)
 
     def _dropless(self, x_GSM, logits_GSE, g, rng, mask_GS, w, as_laid: bool = False):
         """as_laid: x_GSM is [batch, length, M] split as the activations are (length over context)."""

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from . import layers
+from .grouped import EXPERT_MATMUL
 from .layers import cross_entropy
 from .logical import DEFAULT_RULES, LAST_STAGE, Rules, constrain, sequence_parallel
 from .moe import MoeConfig, MoeFFN
@@ -28,7 +29,11 @@ from .pipelined import PipelineConfig, pipelined, pipelined_loss
 REMAT_POLICIES = {
     "none": None,  # no checkpointing
     "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole period in the backward pass
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs, recompute the rest
+    # keep matmul outputs but attention's [heads, S, S] ones (batched over heads): the matmuls without batch dims
+    # and the experts' (named: their expert or group dim is a batch dim), recompute the rest
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(EXPERT_MATMUL)),
     "dots_saveable": jax.checkpoint_policies.dots_saveable,  # keep every matmul output
 }
 

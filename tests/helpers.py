@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,25 @@ def all_specs(shape, mesh, uneven=False):
                 if spec not in out:
                     out.append(spec)
     return out
+
+
+_DOT_GENERAL = re.compile(r"stablehlo\.dot_general.*?contracting_dims = \[([\d, ]*)\] x .*?"
+                          r": \(tensor<([^>]*)>, tensor<[^>]*>\) -> tensor<([^>]*)>")
+
+
+def matmul_flops(lowered_text: str) -> int:
+    """Flops of every dot_general in a lowered (StableHLO) module: 2 x output elements x contracted size.
+    The lowered module is what the step asks for, remat's recomputation included (and kept apart by
+    optimization barriers where the layers are not scanned)."""
+    def dims(t):
+        return [int(d) for d in t.split("x")[:-1]]
+    found = _DOT_GENERAL.findall(lowered_text)
+    assert len(found) == lowered_text.count("stablehlo.dot_general"), "a dot_general the pattern did not read"
+    total = 0
+    for contracting, lhs, out in found:
+        lhs_dims = dims(lhs)
+        total += 2 * math.prod(dims(out)) * math.prod(lhs_dims[int(i)] for i in contracting.split(",") if i.strip())
+    return total
 
 
 def hlo_counts(jitted, *args) -> dict:

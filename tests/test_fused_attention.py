@@ -6,6 +6,8 @@ once JAX's cuDNN probes are answered, so its rule is checked on the plan and the
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -160,13 +162,41 @@ def test_under_cudnn_no_matmul_has_batch_dims_so_both_dots_policies_keep_the_sam
     assert batched_dots("cudnn") == 0
 
 
+@pytest.mark.newest_jax
+@pytest.mark.parametrize("remat", ["none", "dots", "dots_saveable", "full"])
+def test_every_remat_policy_runs_the_fused_kernels_forward_again_and_the_planner_counts_it(cudnn_traces, remat):
+    """The kernel is no matmul, so no policy keeps its results: under any remat its forward runs again in the
+    backward (twice a layer), and the planner's recomputed flops hold attention's forward (4 L d S a token)
+    for each policy, where einsum attention under dots_saveable would hold none."""
+    from test_models import experiment
+
+    from gshard_jax import configs
+    from gshard_jax.planner import estimate as E, space as SP
+    _, params, batch = model_and_batch("tiny_dense_lm", num_layers=2, dtype="bfloat16")  # einsum: init runs
+    cfg = experiment("tiny_dense_lm")
+    cfg.model.update(dict(num_layers=2, attention="cudnn", dtype="bfloat16", remat=remat))
+    model = configs.build_model(cfg.model)
+    eqns = _all_eqns(jax.make_jaxpr(jax.grad(lambda p: loss_fn(model, p, batch)[0]))(params).jaxpr)
+    kernels = [e.primitive.name for e in eqns if e.primitive.name.startswith("dot_product_attention")]
+    assert kernels.count("dot_product_attention_fwd_wrapper") == (2 if remat == "none" else 4), kernels
+    assert kernels.count("dot_product_attention_bwd_wrapper") == 2, kernels
+    shape = SP.model_shape(cfg, "gpu")
+    assert shape.fused_attention
+    attention = 4 * shape.layers * shape.d_model * shape.seq
+    assert E.recomputed_flops_per_token(shape, remat) >= (0 if remat == "none" else attention)
+    if remat.startswith("dots"):
+        assert E.recomputed_flops_per_token(shape, remat) == attention
+        einsum = dataclasses.replace(shape, fused_attention=False)
+        assert E.recomputed_flops_per_token(einsum, remat) == (attention if remat == "dots" else 0)
+
+
 def _all_eqns(jaxpr) -> list:
     """Every equation of a jaxpr, nested calls and checkpoints included."""
     found = []
     for eqn in jaxpr.eqns:
         found.append(eqn)
         for p in eqn.params.values():
-            inner = getattr(p, "jaxpr", None)
+            inner = p if hasattr(p, "eqns") else getattr(p, "jaxpr", None)  # a Jaxpr (remat's) or ClosedJaxpr
             if inner is not None:
                 found += _all_eqns(getattr(inner, "jaxpr", inner))
     return found

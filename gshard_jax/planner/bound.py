@@ -116,7 +116,8 @@ def _floor(shape: ModelShape, s: dict, hw: Hardware, remats, zero_stages, m: int
             head = shape.vocab * shape.d_model / (y * x) * 4
             total += min(t("all-reduce", ("stage",), head / (d if zero else 1), 1) for zero in zero_stages) if own \
                 else t("all-reduce", ("stage",), act_sp * m, 1)
-    lightest = SP.Candidate(tuple((a, n) for a, n in s.items() if n > 1), remat=min(remats, key=E.recompute))
+    lightest = SP.Candidate(tuple((a, n) for a, n in s.items() if n > 1),
+                            remat=min(remats, key=lambda r: E.recomputed_flops_per_token(shape, r)))
     compute = E.compute_time(shape, lightest, hw, devices)
     return (compute / (1 - frac) if frac < 1 else math.inf) + total
 

@@ -32,18 +32,19 @@ import optax
 from .. import configs
 from ..partitioner import hardware
 from ..partitioner.hardware import Hardware
-from . import estimate as E
+from . import estimate as E, space as SP
 
 
-def model_flops_per_step(cfg: ml_collections.ConfigDict) -> float:
-    """The planner's flops of the config's step: model flops per token x tokens x full remat's recompute."""
-    t = cfg.train
-    return configs.model_flops_per_token(cfg) * t.batch_size * t.seq_len * E.recompute(cfg.model.remat)
+def model_flops_per_step(cfg: ml_collections.ConfigDict, platform: str = "") -> float:
+    """The planner's flops of the config's step on `platform` (which decides what attention="auto" runs):
+    the model's and what its remat policy computes again (estimate.flops)."""
+    shape = SP.model_shape(cfg, platform)
+    return (E.model_flops_per_token(shape) + E.recomputed_flops_per_token(shape, cfg.model.remat)) * shape.tokens
 
 
 def predicted_step(cfg, hw: Hardware) -> float:
     """Seconds the planner gives the config's step on one device of `hw` (compute alone: nothing to send)."""
-    return model_flops_per_step(cfg) / (hw.peak_flops * hw.efficiency)
+    return model_flops_per_step(cfg, hw.platform) / (hw.peak_flops * hw.efficiency)
 
 
 def base_profile(device_kind: str, base: str = "") -> Hardware:
@@ -66,7 +67,7 @@ def measure(cfg, workdir: str, steps: int = 10, warmup: int = 2) -> dict[str, An
     trainer = Trainer(configs.typed(cfg), workdir, mesh=one)
     state, batch = trainer.fresh_state(), trainer.batch(prepare_data(trainer.cfg, workdir), "train", 1)
     step = trainer.step_fn.lower(state, batch).compile()  # the trainer's step: its state donated
-    flops = model_flops_per_step(cfg)
+    flops = model_flops_per_step(cfg, jax.default_backend())
     held = [state]
 
     def one():

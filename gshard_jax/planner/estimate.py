@@ -3,7 +3,7 @@ candidate. The top ones are then planned by the partitioner itself (predict.py),
 replaces the formula's.
 
 Time = compute / (1 - bubble) + communication - overlap. Compute is the
-model's flops (6 x active parameters per token, plus attention; one more forward under full remat) over
+model's flops (6 x active parameters per token, plus attention; what the remat policy recomputes) over
 the devices' peak x efficiency. Communication is a list of collectives (kind, axes, bytes moved per device,
 count), each costed alpha-beta at the bandwidth of its axes (hardware.axes_bandwidth). Memory is params,
 gradients and optimizer state as the layout shards them, activations under the remat policy and the
@@ -210,15 +210,26 @@ def model_flops_per_token(shape: ModelShape) -> float:
     return configs.flops_per_token(shape.active_params, layers, shape.d_model, shape.seq)
 
 
-def recompute(remat: str) -> float:
-    """The step's flops over its model flops: full remat runs the forward twice (4/3); the other policies
-    recompute no matmul."""
-    return 4 / 3 if remat == "full" else 1.0
+def recomputed_flops_per_token(shape: ModelShape, remat: str) -> float:
+    """Flops per token the backward runs again under a remat policy (models/transformer.py's REMAT_POLICIES):
+    "full" the layers' forward (2 per active layer parameter, and attention's 4 L d S: a third of
+    flops_per_token's 12 L d S) but each period's last matmul where a dense FFN ends it, whose output the
+    backward never reads; "dots" attention's forward alone, as it keeps every other matmul (the experts' by
+    name) but neither einsum's score and context matmuls (batched over heads) nor a fused kernel (no matmul);
+    "dots_saveable" keeps einsum's, so only a fused kernel's forward runs again."""
+    layers = shape.layers * (2 if shape.kind == "encoder_decoder" else 1)
+    attention = 4 * layers * shape.d_model * shape.seq
+    if remat == "full":
+        last = 0 if shape.experts else 2 * shape.d_ff * shape.d_model * layers  # a dense model's period: 1 layer
+        return 2 * (shape.active_params - shape.vocab_params) + attention - last
+    if remat == "dots" or (remat == "dots_saveable" and shape.fused_attention):
+        return attention
+    return 0.0
 
 
 def flops(shape: ModelShape, c: Candidate) -> float:
-    """Model flops of a step, with the recomputed forward of full remat."""
-    return model_flops_per_token(shape) * shape.tokens * recompute(c.remat)
+    """Flops of a step: the model's, and what its remat policy computes again."""
+    return (model_flops_per_token(shape) + recomputed_flops_per_token(shape, c.remat)) * shape.tokens
 
 
 def bubble(c: Candidate) -> float:
