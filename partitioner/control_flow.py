@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
+import jax
 import jax.numpy as jnp
 
 from . import deferral as DF, prefetch as PF
@@ -101,18 +102,14 @@ def _pipelined(lo, eqn, env, log, ins, carry_sh, xs, x_sh, y_sh, ahead: dict, de
     xvars = body.invars[nc + nk:]
     keep = [nc + nk + j for j in js]
     first, last = (n - 1, 0) if reverse else (0, n - 1)
+    ahead_by = -1 if reverse else 1  # the next trip's index, from this trip's
     dry = lo.dry
 
-    def cut(x, a, b):
-        return x if dry else x[a:b]
+    def at(x, i, by=0):  # trip i + by's slice, read from the whole stack (a slice of the stack is a copy)
+        return x if dry else jax.lax.dynamic_index_in_dim(x, i + by, keepdims=False)
 
-    def at(x, i):
-        return x if dry else x[i]
-
-    cur = [cut(x, 1, n) if reverse else cut(x, 0, n - 1) for x in xs]
-    nxt = [cut(xs[j], 0, n - 1) if reverse else cut(xs[j], 1, n) for j in js]
     what = {j: f"{xvars[j]} (stacked input {j} of the scan)" for j in js}
-    w0 = [lo.gather_ahead(at(xs[j], first), xvars[j], x_sh[j], ahead[j], what[j]) for j in js]
+    w0 = [lo.gather_ahead(at(xs[j], first), xvars[j], x_sh[j], ahead[j], what[j], eqn, "first") for j in js]
 
     def given(carry, x_now, w_now):
         x = list(zip(x_now, x_sh))
@@ -120,16 +117,17 @@ def _pipelined(lo, eqn, env, log, ins, carry_sh, xs, x_sh, y_sh, ahead: dict, de
             x[j] = (w, ahead[j])
         return ins[:nc] + list(zip(carry, carry_sh)) + x
 
-    def step(c, x):
+    def step(c, i):
         carry, w = c[:nk], c[nk:]
-        x_now, x_next = x[:len(xs)], x[len(xs):]
-        outs = lo._body(body, env, given(carry, x_now, w), carry_sh + y_sh, log, "scan", n - 1, keep, lambda: [
-            lo.gather_ahead(xn, xvars[j], x_sh[j], ahead[j], what[j]) for j, xn in zip(js, x_next)])
+        i = i[0]
+        outs = lo._body(body, env, given(carry, [at(x, i) for x in xs], w), carry_sh + y_sh, log, "scan", n - 1,
+                        keep, lambda: [lo.gather_ahead(at(xs[j], i, ahead_by), xvars[j], x_sh[j], ahead[j], what[j],
+                                                       eqn, "next") for j in js])
         k = len(outs) - len(js)
         return tuple(outs[:nk]) + tuple(outs[k:]), tuple(outs[nk:k])
 
-    cw, ys = lo.scan(step, tuple(a for a, _ in ins[nc:]) + tuple(w0), tuple(cur) + tuple(nxt), n - 1, reverse,
-                     eqn.params["unroll"])
+    trips = None if dry else jnp.arange(1, n) if reverse else jnp.arange(n - 1)  # every trip's index but last's
+    cw, ys = lo.scan(step, tuple(a for a, _ in ins[nc:]) + tuple(w0), (trips,), n - 1, reverse, eqn.params["unroll"])
     unread = [k for k in range(nk) if not lo.reads(eqn.outvars[k])]  # final carries no one reads
     outs = lo._body(body, env, given(cw[:nk], [at(x, last) for x in xs], cw[nk:]), carry_sh + y_sh, log,
                     "scan.last", 1, keep, dead=unread)

@@ -8,8 +8,9 @@ all-gathers (OAG) and XLA's collective pipeliner moves them: the first layer's s
 loop, the carry holds the gathered weights of the current layer, and each trip gathers the next layer's
 slice while it computes with the current one. The last trip is peeled off (run once after the loop on the
 weights the loop gathered last), so no slice is gathered twice and the bytes moved stay those of the
-unpipelined loop. The cost is one layer's gathered weights held across the trip, and the body's program
-twice.
+unpipelined loop. Each trip reads its slices from the whole stack (a slice of the stack would copy it). The
+cost is one layer's gathered weights held across the trip, and the body's program twice; explain()'s
+liveness holds the first and the next layer's gathered weights through the loop (local_shards.gather_ahead).
 
 This module says which stacked inputs a scan body gathers that way (`targets`); control_flow.py's scan
 lowering runs the pipelined loop.
