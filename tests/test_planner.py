@@ -547,6 +547,21 @@ def test_fused_attention_keeps_no_scores_for_the_backward(attention, dtype, plat
                                                             dots)["activations"]
 
 
+@pytest.mark.parametrize("scan", [False, True])
+def test_a_scanned_stack_stored_split_holds_two_layers_gathered(scan):
+    """Under ZeRO-3 (or FSDP's z) a layer's weights are gathered while it runs; a scanned stack also gathers the
+    next layer's beside it (partitioner/prefetch.py; tests/test_prefetch.py measures it): the screen's
+    transient memory is two layers' gathered weights there, one otherwise, and none without a split store."""
+    cfg = _config("tiny_dense_lm")
+    cfg.model.scan = scan
+    shape = SP.model_shape(cfg, "cpu")
+    assert shape.scan is scan and shape.periods >= 2
+    layer = (shape.layer_params + shape.expert_params) / shape.layers * shape.param_bytes
+    zero3 = SP.Candidate((("data", 8),), zero_stage=3)
+    assert E.memory(shape, zero3)["transient"] == pytest.approx(layer * (2 if scan else 1))
+    assert E.memory(shape, SP.Candidate((("data", 8),), zero_stage=1))["transient"] == 0
+
+
 @pytest.mark.parametrize("name,hw,dropless", [("tiny_dense_lm", "aurora-pvc", False), ("tiny_moe_lm", "h100-8", True),
                                               ("tiny_moe_encdec", "perlmutter-a100", False)])
 def test_no_candidate_screens_below_its_meshs_floor(name, hw, dropless):

@@ -7,7 +7,8 @@ model's flops (6 x active parameters per token, plus attention; what the remat p
 the devices' peak x efficiency. Communication is a list of collectives (kind, axes, bytes moved per device,
 count), each costed alpha-beta at the bandwidth of its axes (hardware.axes_bandwidth). Memory is params,
 gradients and optimizer state as the layout shards them, activations under the remat policy and the
-pipeline's stash, the largest transient gather (a layer's weights under FSDP / ZeRO-3) and the logits.
+pipeline's stash, the largest transient gather (a layer's weights under FSDP / ZeRO-3; two in a scanned stack,
+which gathers the next layer's during the current one's) and the logits.
 The screen credits no overlap: what a step hides behind compute is the planned program's (predict.py).
 """
 from __future__ import annotations
@@ -270,9 +271,10 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
         in_flight = sched.stash or m * c.repeats
         layers /= c.repeats
     out["activations"] = tokens_mb * layers * per_token_layer * in_flight
-    if z > 1 or c.zero_stage == 3:  # one layer's weights gathered at a time
+    if z > 1 or c.zero_stage == 3:  # a layer's weights gathered at a time; a scan gathers the next one's beside
         per_layer = (shape.layer_params + shape.expert_params / e) / (shape.layers * y * x)
-        out["transient"] = per_layer * b
+        ahead = shape.scan and shape.periods / p >= 2  # prefetch.py: a loop of two trips or more
+        out["transient"] = per_layer * b * (2 if ahead else 1)
     out["logits"] = tokens_mb * shape.vocab / y * 4
     if c.offload:
         offloaded(out, out.pop("optimizer"), b)

@@ -53,6 +53,8 @@ class ModelShape:
     peer_bound: float = 0.0  # dropless all-to-all buffer per peer, in multiples of rows / peers (0: none)
     ffn_inputs: int = 1  # the FFN's input matrices: 2 under SwiGLU (gate and up), else 1
     fused_attention: bool = False  # attention by a fused kernel (cuDNN's): no [heads, S] scores kept per token
+    scan: bool = False  # the layer periods run as one scan: stored split, the next layer's weights are gathered
+    # during the current one's (partitioner/prefetch.py)
     # under a 1F1B schedule the end stages own the embedding and head (configs.end_stages_of): an untied decoder
     # LM with pipeline.owned_ends (a candidate with its optimizer state offloaded keeps them replicated)
     owned_ends: bool = False
@@ -106,7 +108,7 @@ def model_shape(cfg: ml_collections.ConfigDict, platform: str = "") -> ModelShap
                       exchange=dropless.exchange_for(moe.get("exchange", "auto"), platform or "cpu"),
                       peer_bound=float(moe.get("peer_bound") or 0.0),
                       ffn_inputs=2 if (moe.activation if moe.num_experts else m.ffn_activation) == "swiglu" else 1,
-                      fused_attention=fused_attention(m, platform),
+                      fused_attention=fused_attention(m, platform), scan=bool(m.get("scan", False)),
                       owned_ends=(m.kind == "decoder_lm" and not m.get("tie_embeddings", False)
                                   and cfg.get("pipeline", {}).get("owned_ends", True)))
 
