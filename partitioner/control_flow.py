@@ -109,7 +109,7 @@ def _pipelined(lo, eqn, env, log, ins, carry_sh, xs, x_sh, y_sh, ahead: dict, de
         return x if dry else jax.lax.dynamic_index_in_dim(x, i + by, keepdims=False)
 
     what = {j: f"{xvars[j]} (stacked input {j} of the scan)" for j in js}
-    w0 = [lo.gather_ahead(at(xs[j], first), xvars[j], x_sh[j], ahead[j], what[j], eqn, "first") for j in js]
+    w0 = [lo.gather_ahead(at(xs[j], first), xvars[j], x_sh[j], ahead[j], what[j]) for j in js]
 
     def given(carry, x_now, w_now):
         x = list(zip(x_now, x_sh))
@@ -121,8 +121,8 @@ def _pipelined(lo, eqn, env, log, ins, carry_sh, xs, x_sh, y_sh, ahead: dict, de
         carry, w = c[:nk], c[nk:]
         i = i[0]
         outs = lo._body(body, env, given(carry, [at(x, i) for x in xs], w), carry_sh + y_sh, log, "scan", n - 1,
-                        keep, lambda: [lo.gather_ahead(at(xs[j], i, ahead_by), xvars[j], x_sh[j], ahead[j], what[j],
-                                                       eqn, "next") for j in js])
+                        keep, lambda: [lo.gather_ahead(at(xs[j], i, ahead_by), xvars[j], x_sh[j], ahead[j], what[j])
+                                       for j in js])
         k = len(outs) - len(js)
         return tuple(outs[:nk]) + tuple(outs[k:]), tuple(outs[nk:k])
 

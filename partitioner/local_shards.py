@@ -90,18 +90,14 @@ class LocalShards:
         finally:
             self._reader = saved
 
-    def gather_ahead(self, x, v: Value, src: Sharding, dst: Sharding, what: str, loop: Eqn, which: str):
+    def gather_ahead(self, x, v: Value, src: Sharding, dst: Sharding, what: str):
         """x (a local slice of stacked input v's) resharded from src to dst where it is issued, as a row of its
-        own that reads nothing of the region it sits in (prefetch.py). which: "first" (before the loop) or
-        "next" (in a trip): each is a carry of the loop, alive through all of its points, so two layers'
-        gathered weights are held inside it (the liveness copies `loop` reads)."""
+        own that reads nothing of the region it sits in (prefetch.py)."""
         log: list[Collective] = []
         steps = self.reshard_steps(src, dst, v.shape)
         log.extend(RS.collectives(steps, v.shape, v.dtype, self.mesh_shape))
         out = Token() if self.dry else RS.apply(steps, x, self.mesh_shape)
         if self.report is not None:
-            held = nbytes(v, dst.local_shape(v.shape, self.mesh_shape))
-            self.copies.setdefault((id(loop), id(v), which), Copy(out, v, held, [loop]))
             shape, dtype = tuple(v.shape), str(v.aval.dtype)
             self._add_row(-1, what, f"{self._prefix}prefetch", [Operand(shape, dtype, src, dst)],
                           [Result(shape, dtype, dst, dst, "")], f"{what}: gathered a trip ahead (prefetch.py)",

@@ -84,9 +84,8 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
         # (id(scan eqn), index among its stacked results) -> a per-trip result kept a partial sum for an outer loop
         self.deferred_ys: dict[tuple[int, int], Sharding] = {}
         # the operands' copies in the shardings their readers need: id(local) -> Copy (one per copy, its readers
-        # every op that reuses it; a loop's weights gathered ahead: (loop, value, which) -> its Copy), and the op
-        # whose operands are being read (None: a reshard is no reader's copy)
-        self.copies: dict[object, LV.Copy] = {}
+        # every op that reuses it), and the op whose operands are being read (None: a reshard is no reader's copy)
+        self.copies: dict[int, LV.Copy] = {}
         self._reader: Optional[Eqn] = None
 
     # ------------------------------------------------------------------ execution

@@ -119,11 +119,9 @@ def test_the_trips_gather_neither_waits_for_nor_feeds_its_compute():
 
 
 @pytest.mark.parametrize("layers", [L, 32])
-def test_it_costs_one_layers_weights_of_memory_and_explain_predicts_it(layers):
+def test_it_costs_one_layers_weights_of_memory(layers):
     """memory_analysis(): the carried gathered weights add about one layer's (float32 D x D), however many layers
-    (the loop reads each trip's slice from the whole stack: a slice of the stack would be a copy of it); and
-    explain()'s temporaries, which hold the first and the next layer's gathered weights through the loop,
-    are the compiled step's."""
+    (the loop reads each trip's slice from the whole stack: a slice of the stack would be a copy of it)."""
     fn, args = jax.grad(stack), _args(layers)
     outs = P(None, "z", None)
     on = _partition(fn, outs=outs).lower(*args).compile().memory_analysis().temp_size_in_bytes
@@ -131,8 +129,6 @@ def test_it_costs_one_layers_weights_of_memory_and_explain_predicts_it(layers):
         off = _partition(fn, outs=outs).lower(*args).compile().memory_analysis().temp_size_in_bytes
     layer = D * D * 4
     assert 0 < on - off <= layer, (on - off, layer)
-    predicted = gs.explain(fn, MESH, *args, in_shardings=Z_SPLIT, out_shardings=outs).temporaries.bytes
-    assert on <= predicted <= 1.1 * on, (predicted, on)
 
 
 def test_the_gather_overlaps_the_trips_compute():

@@ -296,9 +296,7 @@ def test_zero3_gathers_each_scanned_layer_inside_the_loop():
     time; a layer's weights are gathered a trip ahead (prefetch.py: the first before the loop). Only the
     unstacked ones (embeddings, final norm) are gathered whole. A layer's gathered weights live only while it
     runs: four more layers add less temp memory than their gathered weights (a tiny model's temporaries are
-    mostly activations and layout copies, so their total is no measure), and explain()'s temporaries are the
-    compiled step's (the liveness holds two gathered layers through each loop). The run equals the unpartitioned
-    one."""
+    mostly activations and layout copies, so their total is no measure). The run equals the unpartitioned one."""
     def explained(layers):
         trainer = make("d8", dense=True, zero_stage=3, model=dict(scan=True, remat="full", num_layers=layers))
         state = trainer.fresh_state()
@@ -328,6 +326,4 @@ def test_zero3_gathers_each_scanned_layer_inside_the_loop():
     gathered = (deeper.memory["predicted"]["params"] - report.memory["predicted"]["params"]) * 8  # 4 layers, whole
     grown = deeper.memory["compiled"]["temp"] - report.memory["compiled"]["temp"]
     assert 0 < grown < gathered, (grown, gathered)
-    for r in (report, deeper):  # explain()'s temporaries hold the first and next layers' gathered weights too
-        assert r.memory["compiled"]["temp"] <= r.temporaries.bytes <= 1.1 * r.memory["compiled"]["temp"]
     assert_same_run(run(trainer), run(trainer, partitioned=False), 1e-5)
