@@ -38,8 +38,7 @@ from . import estimate as E, space as SP
 def model_flops_per_step(cfg: ml_collections.ConfigDict, platform: str = "") -> float:
     """The planner's flops of the config's step on `platform` (which decides what attention="auto" runs):
     the model's and what its remat policy computes again (estimate.flops)."""
-    shape = SP.model_shape(cfg, platform)
-    return (E.model_flops_per_token(shape) + E.recomputed_flops_per_token(shape, cfg.model.remat)) * shape.tokens
+    return E.flops(SP.model_shape(cfg, platform), SP.Candidate((), remat=cfg.model.remat))
 
 
 def predicted_step(cfg, hw: Hardware) -> float:
