@@ -9,7 +9,8 @@ loop, the carry holds the gathered weights of the current layer, and each trip g
 slice while it computes with the current one. The last trip is peeled off (run once after the loop on the
 weights the loop gathered last), so no slice is gathered twice and the bytes moved stay those of the
 unpipelined loop. Each trip reads its slices from the whole stack (a slice of the stack would copy it). The
-cost is one layer's gathered weights held across the trip, and the body's program twice. explain()'s
+cost is one layer's gathered weights held across the trip, the body's program twice, and a copy of the
+stacked results (the peeled trip's joined to the loop's; docs/partitioner.md). explain()'s
 liveness does not count that layer yet (docs/partitioner.md).
 
 This module says which stacked inputs a scan body gathers that way (`targets`); control_flow.py's scan
