@@ -112,7 +112,10 @@ def _placed(profile: Optional[Hardware], mesh) -> Hardware:
 
 
 def _fingerprint(x) -> Any:
-    """What S.placement reads of a leaf: a concrete array's sharding, rank and commitment (None otherwise)."""
+    """What S.placement reads of a leaf: a concrete array's sharding, rank and commitment, a ShapeDtypeStruct's
+    NamedSharding (None otherwise)."""
+    if isinstance(x, jax.ShapeDtypeStruct) and isinstance(x.sharding, NamedSharding):
+        return x.sharding, len(x.shape), True
     if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
         return None
     return x.sharding, x.ndim, getattr(x, "committed", False)

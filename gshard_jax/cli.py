@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from .training import data, overrides
 
-EXIT_USAGE, EXIT_HALTED = 2, 3
+EXIT_USAGE, EXIT_HALTED, EXIT_MEMORY = 2, 3, 4
 
 
 def _load(args: argparse.Namespace):
@@ -65,14 +65,32 @@ def _train(args: argparse.Namespace) -> int:
     if args.plan:  # the plan's choice first: explicit overrides on the command line still win
         args.overrides = _plan_overrides(args.plan) + list(args.overrides)
     cfg = _setup(args)
-    from .training import settle, train
+    from .training import fit, settle, train
     try:
         summary = train.train(cfg, args.workdir, progress=not args.no_progress)
     except settle.NonFiniteStep as e:
         print(f"gshard-jax train: halted: {e}", file=sys.stderr)
         return EXIT_HALTED
+    except fit.DoesNotFit as e:
+        print(f"gshard-jax train: will not fit: {e}\n{_fitting(_load(args), e)}\nnothing was written; rerun "
+              f"with the options above, or --config.train.memory_limit_gib=N where the limit is wrong",
+              file=sys.stderr)
+        return EXIT_MEMORY
     print(json.dumps(summary))
     return 0
+
+
+def _fitting(cfg, e) -> str:
+    """The planner's options that would fit a step that does not (planner/fit_options.py)."""
+    import jax
+
+    from .partitioner import hardware
+    from .planner import fit_options
+    t = cfg.train
+    kind = jax.devices()[0]
+    hw = hardware.get(t.hardware) if t.get("hardware", "auto") != "auto" else (
+        hardware.for_device(kind.device_kind) or hardware.default_for(kind.platform))
+    return fit_options.suggest(cfg, jax.device_count(), hw, e.limit, e.memory.total)
 
 
 def _launch(args: argparse.Namespace) -> int:

@@ -86,6 +86,11 @@ class TrainConfig:
     # with offload_optimizer: the host's update as this many host computations over leaves of about equal
     # size, none depending on another, so XLA:GPU may run them at once on its host threads (up to 8); 1: one
     host_update_groups: int = 1
+    # before the first step the compiled step's memory is checked against one device's: this many GiB (0: the
+    # device's own limit, the host's memory over its simulated CPU devices, or the hardware profile's
+    # memory_gib); a run that needs more exits with the breakdown and the options that would fit
+    memory_limit_gib: float = 0.0
+    memory_check: bool = True  # False: start without the check (a step over the limit fails when it runs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -149,10 +149,15 @@ def same_mesh(a, b) -> bool:
 
 
 def placement(x: Any, mesh: Mesh, name: str) -> Optional[tuple]:
-    """The spec an argument is committed to on `mesh`, None if it is not committed (XLA may place it).
+    """The spec an argument is committed to on `mesh`, None if it is not committed (XLA may place it). A
+    ShapeDtypeStruct with a NamedSharding stands for an array committed to it (lowering the program an array
+    of that placement gets, before one exists).
 
     An array committed to another mesh or device set is a ValueError naming it and both meshes.
     """
+    if isinstance(x, jax.ShapeDtypeStruct) and isinstance(x.sharding, NamedSharding) and same_mesh(x.sharding.mesh,
+                                                                                                  mesh):
+        return tuple(x.sharding.spec) + (None,) * (len(x.shape) - len(x.sharding.spec))
     if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
         return None
     sharding = x.sharding

@@ -300,3 +300,21 @@ def orders(sizes: dict[str, int]) -> list[tuple[tuple[str, int], ...]]:
     """Every order (outermost first) of the axes of size > 1."""
     live = [(a, sizes[a]) for a in AXES if sizes[a] > 1]
     return [tuple(o) for o in itertools.permutations(live)] or [()]
+
+
+def config_candidate(cfg: ml_collections.ConfigDict, devices: int) -> Optional[Candidate]:
+    """The candidate a config runs on `devices` devices (its mesh section and training options), or None where
+    its mesh does not resolve to that many."""
+    sizes = config_mesh(cfg, devices)
+    if sizes is None:
+        return None
+    t, m = cfg.train, cfg.model
+    staged = sizes["stage"] > 1
+    pipeline = cfg.get("pipeline", ml_collections.ConfigDict())
+    schedule = pipeline.get("schedule", "gpipe") if staged else "none"
+    repeats = pipeline.get("repeats", 1) if schedule in ("circular", "interleaved_1f1b") else 1
+    return Candidate(tuple((a, sizes[a]) for a in AXES if sizes[a] > 1), zero_stage=t.get("zero_stage", 0),
+                     epso=t.get("epso", True), microbatches=t.get("microbatches", 1), schedule=schedule,
+                     repeats=repeats, remat=m.get("remat", "none"),
+                     sequence_parallel=bool(m.get("sequence_parallel", False)),
+                     offload=bool(t.get("offload_optimizer", False)))

@@ -42,7 +42,9 @@ from .faults import EXIT_PREEMPTED, HEARTBEAT_ENV, NODE_ENV, SOFT_FAILURE, die_w
 
 EXIT_GAVE_UP = 4  # the run failed more times than allowed, or too few nodes are left
 EXIT_HALTED = 3  # cli.EXIT_HALTED: a non-finite step; a soft failure when it names processes, else no retry
-TERMINAL = {2: "a usage error", EXIT_HALTED: "halted on a non-finite step"}  # cli.EXIT_USAGE: no retry
+EXIT_MEMORY = 4  # cli.EXIT_MEMORY: the compiled step does not fit the devices' memory (training/fit.py): no retry
+TERMINAL = {2: "a usage error", EXIT_HALTED: "halted on a non-finite step",  # cli.EXIT_USAGE: no retry
+            EXIT_MEMORY: "the train step does not fit the devices' memory"}
 
 
 @dataclasses.dataclass

@@ -30,7 +30,7 @@ import gshard_jax as gs
 from .. import configs
 from ..models import pipelined
 from ..models.logical import DEFAULT_RULES, axes_of, mesh_spec
-from . import checkpoints, cluster, data, faults, layout as state_layout, metrics, optim, steps, timing
+from . import checkpoints, cluster, data, faults, fit, layout as state_layout, metrics, optim, steps, timing
 from .checkpoints import Checkpoints
 from .faults import Faults, Preempted
 from .settle import Settler
@@ -380,6 +380,8 @@ def train(cfg: configs.Config | ml_collections.ConfigDict, workdir: str, progres
     cfg = configs.typed(cfg)
     t = cfg.train
     trainer = Trainer(cfg, workdir)  # checks the config against the devices before anything is written
+    if t.memory_check:  # and the compiled step against their memory (fit.DoesNotFit), before the first step
+        fit.check(trainer)
     os.makedirs(workdir, exist_ok=True)
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "config.json"), "w") as f:
