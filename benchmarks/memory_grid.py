@@ -1,0 +1,109 @@
+"""The planner's memory per device (its formula, and explain()'s prediction of the planned program) against the
+compiled train step's memory_analysis() (argument + output - alias + temp), on 8 simulated CPU devices, over a
+grid of the seeds' options: dense and MoE (einsum and dropless), remat none / dots / dots_saveable / full, ZeRO
+0-3 and EPSO, microbatches, GPipe / 1F1B / interleaved, context parallelism, offload, scanned and unrolled.
+
+    python benchmarks/memory_grid.py [--cases 0,3,7] [--no-explain] [--json OUT]
+
+Every case is the experiment file with seq_len 64, batch 32, vocabulary 512, float32, and the overrides listed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+from gshard_jax import configs  # noqa: E402
+from gshard_jax.partitioner.hardware import default_for  # noqa: E402
+from gshard_jax.planner import memory_check as MC, space as SP  # noqa: E402
+from gshard_jax.training import overrides  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["train.seq_len=64", "train.batch_size=32", "model.vocab_size=512", "model.dtype=float32"]
+D, M = "tiny_dense_lm", "tiny_moe_lm"
+DROPLESS = ["model.moe.dispatch=dropless"]
+STAGED = ["model.scan=true"]
+# (config, mesh, overrides): the grid, as data
+GRID = [
+    (D, "data=8", ["model.remat=none"]),
+    (D, "data=8", ["model.remat=dots"]),
+    (D, "data=8", ["model.remat=dots_saveable"]),
+    (D, "data=8", ["model.remat=full"]),
+    (D, "data=8", ["model.scan=true", "model.remat=dots"]),
+    (D, "data=8", ["model.scan=true", "model.remat=full"]),
+    (D, "z=8", ["model.scan=true", "model.remat=dots", "train.zero_stage=3"]),
+    (D, "data=2,y=4", ["model.remat=none"]),
+    (D, "data=8", ["train.zero_stage=1", "train.microbatches=4", "model.remat=dots"]),
+    (D, "data=8", ["train.zero_stage=2", "train.microbatches=2"]),
+    (D, "data=8", ["train.offload_optimizer=true"]),
+    (D, "stage=2,data=4", STAGED + ["pipeline.schedule=1f1b", "train.microbatches=4"]),
+    (D, "stage=2,data=4", STAGED + ["pipeline.schedule=gpipe", "train.microbatches=4"]),
+    (D, "stage=2,data=4", STAGED + ["pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2",
+                                    "train.microbatches=4"]),
+    (D, "stage=2,z=2,x=2", STAGED + ["pipeline.schedule=1f1b", "train.microbatches=8", "train.zero_stage=1",
+                                     "model.remat=dots"]),
+    (D, "data=2,context=4", ["model.remat=none"]),
+    (M, "data=2,expert=4", ["model.remat=none"]),
+    (M, "data=2,expert=4", ["model.remat=dots"]),
+    (M, "data=2,expert=4", ["model.remat=full"]),
+    (M, "data=2,expert=4", ["train.zero_stage=1", "train.microbatches=2", "model.remat=dots"]),
+    (M, "data=2,expert=4", ["train.zero_stage=3"]),
+    (M, "data=2,expert=4", ["train.zero_stage=2", "train.epso=false"]),
+    (M, "data=2,expert=4", DROPLESS + ["model.remat=none"]),
+    (M, "data=2,expert=4", DROPLESS + ["model.scan=true", "model.remat=dots"]),
+    (M, "stage=2,data=2,expert=2", STAGED + ["pipeline.schedule=1f1b", "train.microbatches=4"]),
+]
+
+
+def case(i: int):
+    """(config, candidate) of grid case i."""
+    name, mesh, extra = GRID[i]
+    cfg = configs.load(os.path.join(ROOT, "experiments", f"{name}.py"))
+    cfg.mesh.update({a: 1 for a in configs.MeshConfig().sizes()})
+    for part in mesh.split(","):
+        a, n = part.split("=")
+        cfg.mesh[a] = int(n)
+    cfg = overrides.apply(cfg, [tuple(kv.split("=", 1)) for kv in BASE + extra])
+    return cfg, SP.config_candidate(cfg, 8)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default="", help="comma-separated grid indices (default: all)")
+    p.add_argument("--no-explain", action="store_true", help="leave explain()'s prediction out (faster)")
+    p.add_argument("--json", default="", help="write the rows here too")
+    a = p.parse_args()
+    want = [int(x) for x in a.cases.split(",") if x] or range(len(GRID))
+    hw = default_for("cpu")
+    mib = lambda b: "-" if b is None else f"{b / MC.MiB:.2f}"
+    ratio = lambda r: "-" if r is None else f"{r:.2f}"
+    print("| # | config | candidate | formula MiB | explain() MiB | compiled MiB | formula / compiled | "
+          "explain() / compiled |")
+    print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    rows = []
+    for i in want:
+        start = time.perf_counter()
+        cfg, c = case(i)
+        try:
+            r = MC.row(cfg, c, hw, explain=not a.no_explain)
+        except Exception as e:  # a case that cannot be predicted or compiled is a row that says why
+            print(f"| {i} | {GRID[i][0]} | {c.key} | {type(e).__name__}: {str(e).splitlines()[0][:200]} |||||",
+                  flush=True)
+            continue
+        rows.append(dict(r.to_dict(), case=i, config=GRID[i][0], seconds=time.perf_counter() - start))
+        print(f"| {i} | {GRID[i][0]} | {c.key} | {mib(r.formula)} | {mib(r.explained)} | {mib(r.compiled)} | "
+              f"{ratio(r.ratio())} | {ratio(r.ratio('explained'))} |", flush=True)
+    print(f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].platform}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
