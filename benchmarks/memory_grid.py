@@ -35,6 +35,7 @@ GRID = [
     (D, "data=8", ["model.remat=dots"]),
     (D, "data=8", ["model.remat=dots_saveable"]),
     (D, "data=8", ["model.remat=full"]),
+    (D, "data=8", ["model.scan=true", "model.remat=none"]),
     (D, "data=8", ["model.scan=true", "model.remat=dots"]),
     (D, "data=8", ["model.scan=true", "model.remat=full"]),
     (D, "z=8", ["model.scan=true", "model.remat=dots", "train.zero_stage=3"]),
@@ -60,16 +61,34 @@ GRID = [
     (M, "stage=2,data=2,expert=2", STAGED + ["pipeline.schedule=1f1b", "train.microbatches=4"]),
 ]
 
+# Other shapes, to check that the formula's coefficients (planner/memory_model.py, read off GRID) carry over:
+# twice the width, twice the sequence, half the batch, twice the vocabulary; 4 experts of 512 units
+WIDE = ["train.seq_len=128", "train.batch_size=16", "model.vocab_size=1024", "model.dtype=float32",
+        "model.d_model=256", "model.num_heads=8", "model.head_dim=32"]
+HELD_OUT = [
+    (D, "data=8", ["model.d_ff=1024", "model.remat=none"]),
+    (D, "data=8", ["model.d_ff=1024", "model.scan=true", "model.remat=dots"]),
+    (D, "data=4,y=2", ["model.d_ff=1024", "model.scan=true", "model.remat=full"]),
+    (D, "stage=2,data=4", ["model.d_ff=1024"] + STAGED + ["pipeline.schedule=1f1b", "train.microbatches=4",
+                                                          "model.remat=dots"]),
+    (D, "stage=2,data=4", ["model.d_ff=1024"] + STAGED + ["pipeline.schedule=gpipe", "train.microbatches=2",
+                                                          "model.remat=full"]),
+    (M, "data=2,expert=4", ["model.moe.num_experts=4", "model.moe.d_ff=512", "model.scan=true",
+                            "model.remat=none"]),
+    (M, "data=4,expert=2", ["model.moe.num_experts=4", "model.moe.d_ff=512", "train.zero_stage=1",
+                            "train.microbatches=2", "model.remat=dots"]),
+]
 
-def case(i: int):
-    """(config, candidate) of grid case i."""
-    name, mesh, extra = GRID[i]
+
+def case(i: int, held_out: bool = False):
+    """(config, candidate) of grid case i (held_out: of HELD_OUT, at its shapes)."""
+    name, mesh, extra = (HELD_OUT if held_out else GRID)[i]
     cfg = configs.load(os.path.join(ROOT, "experiments", f"{name}.py"))
     cfg.mesh.update({a: 1 for a in configs.MeshConfig().sizes()})
     for part in mesh.split(","):
         a, n = part.split("=")
         cfg.mesh[a] = int(n)
-    cfg = overrides.apply(cfg, [tuple(kv.split("=", 1)) for kv in BASE + extra])
+    cfg = overrides.apply(cfg, [tuple(kv.split("=", 1)) for kv in (WIDE if held_out else BASE) + extra])
     return cfg, SP.config_candidate(cfg, 8)
 
 
@@ -78,8 +97,10 @@ def main() -> None:
     p.add_argument("--cases", default="", help="comma-separated grid indices (default: all)")
     p.add_argument("--no-explain", action="store_true", help="leave explain()'s prediction out (faster)")
     p.add_argument("--json", default="", help="write the rows here too")
+    p.add_argument("--held-out", action="store_true", help="the HELD_OUT shapes instead of the grid")
     a = p.parse_args()
-    want = [int(x) for x in a.cases.split(",") if x] or range(len(GRID))
+    table = HELD_OUT if a.held_out else GRID
+    want = [int(x) for x in a.cases.split(",") if x] or range(len(table))
     hw = default_for("cpu")
     mib = lambda b: "-" if b is None else f"{b / MC.MiB:.2f}"
     ratio = lambda r: "-" if r is None else f"{r:.2f}"
@@ -89,15 +110,15 @@ def main() -> None:
     rows = []
     for i in want:
         start = time.perf_counter()
-        cfg, c = case(i)
+        cfg, c = case(i, a.held_out)
         try:
             r = MC.row(cfg, c, hw, explain=not a.no_explain)
         except Exception as e:  # a case that cannot be predicted or compiled is a row that says why
-            print(f"| {i} | {GRID[i][0]} | {c.key} | {type(e).__name__}: {str(e).splitlines()[0][:200]} |||||",
+            print(f"| {i} | {table[i][0]} | {c.key} | {type(e).__name__}: {str(e).splitlines()[0][:200]} |||||",
                   flush=True)
             continue
-        rows.append(dict(r.to_dict(), case=i, config=GRID[i][0], seconds=time.perf_counter() - start))
-        print(f"| {i} | {GRID[i][0]} | {c.key} | {mib(r.formula)} | {mib(r.explained)} | {mib(r.compiled)} | "
+        rows.append(dict(r.to_dict(), case=i, config=table[i][0], seconds=time.perf_counter() - start))
+        print(f"| {i} | {table[i][0]} | {c.key} | {mib(r.formula)} | {mib(r.explained)} | {mib(r.compiled)} | "
               f"{ratio(r.ratio())} | {ratio(r.ratio('explained'))} |", flush=True)
     print(f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].platform}")
     if a.json:

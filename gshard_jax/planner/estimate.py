@@ -5,10 +5,8 @@ replaces the formula's.
 Time = compute / (1 - bubble) + communication - overlap. Compute is the
 model's flops (6 x active parameters per token, plus attention; what the remat policy recomputes) over
 the devices' peak x efficiency. Communication is a list of collectives (kind, axes, bytes moved per device,
-count), each costed alpha-beta at the bandwidth of its axes (hardware.axes_bandwidth). Memory is params,
-gradients and optimizer state as the layout shards them, activations under the remat policy and the
-pipeline's stash, the largest transient gather (a layer's weights under FSDP / ZeRO-3; two in a scanned stack,
-which gathers the next layer's during the current one's) and the logits.
+count), each costed alpha-beta at the bandwidth of its axes (hardware.axes_bandwidth). Memory is
+memory_model.py's: what the compiled step holds, term by term.
 The screen credits no overlap: what a step hides behind compute is the planned program's (predict.py).
 """
 from __future__ import annotations
@@ -19,10 +17,10 @@ import math
 from typing import NamedTuple, Optional, Sequence
 
 from .. import configs
-from ..models.ring_attention import BLOCK_SIZE as RING_TILE
 from ..partitioner.cost import latency_steps, moved_bytes
 from ..partitioner.hardware import Hardware, axes_bandwidth
 from ..pipelines import schedules as SC
+from .memory_model import HOST_STATE_BYTES, device_total, memory, offloaded  # noqa: F401 (the screen's memory)
 from .space import Candidate, ModelShape
 
 GiB = 1024 ** 3
@@ -238,65 +236,6 @@ def bubble(c: Candidate) -> float:
     if c.schedule == "none":
         return 0.0
     return schedule(c.schedule, c.size("stage"), c.microbatches, c.repeats).bubble
-
-
-def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
-    """Bytes per device by kind: params, gradients, optimizer, activations, transient, logits; offloaded, the
-    optimizer's (with float32 master weights) are host_optimizer's (`offloaded`)."""
-    s = c.sizes
-    p, d, z, e, y, x = (s[a] for a in ("stage", "data", "z", "expert", "y", "x"))
-    b, m = shape.param_bytes, c.microbatches
-    split = {"expert": e * y * x * p * z, "layer": y * x * p * z, "vocab": y * x * z}
-    zero = {"expert": d, "layer": d * (e if c.epso else 1), "vocab": d * (e if c.epso else 1)}
-    n = {"expert": shape.expert_params, "layer": shape.layer_params, "vocab": shape.vocab_params}
-    mixed = b == 2
-    out = dict.fromkeys(("params", "gradients", "optimizer", "activations", "transient", "logits"), 0.0)
-    for cls in n:
-        held = n[cls] / split[cls]
-        out["params"] += held * b / (zero[cls] if c.zero_stage == 3 else 1)
-        out["gradients"] += held * 4 / (zero[cls] if c.zero_stage >= 2 else 1)
-        out["optimizer"] += held * (8 + 4 * (mixed or c.offload)) / (zero[cls] if c.zero_stage >= 1 else 1)
-    tokens_mb = shape.tokens / (c.token_shards * m)
-    ff = shape.d_ff * (shape.k * shape.capacity_factor if shape.experts else 1)
-    cx = c.size("context")  # ring attention holds a query chunk's logits over one key tile, not the sequence
-    scores = shape.heads * (shape.seq if cx == 1 else min(RING_TILE, shape.seq // (2 * cx)))
-    # kept for the backward: the einsum's scores and probabilities, or a fused kernel's float32 log-sum-exp
-    attention = 4 * shape.heads / b if shape.fused_attention else 2.5 * scores
-    per_token_layer = {"none": 10 * shape.d_model + 3 * ff + attention,
-                       "dots": 4 * shape.d_model + 3 * ff, "full": shape.d_model}[c.remat] * b / max(x * y, 1)
-    layers = shape.layers * (2 if shape.kind == "encoder_decoder" else 1) / p
-    in_flight = 1
-    if c.schedule != "none":
-        sched = schedule(c.schedule, p, m, c.repeats)
-        in_flight = sched.stash or m * c.repeats
-        layers /= c.repeats
-    out["activations"] = tokens_mb * layers * per_token_layer * in_flight
-    if z > 1 or c.zero_stage == 3:  # a layer's weights gathered at a time; a scan gathers the next one's beside
-        per_layer = (shape.layer_params + shape.expert_params / e) / (shape.layers * y * x)
-        ahead = shape.scan and shape.periods / p >= 2  # prefetch.py: a loop of two trips or more
-        out["transient"] = per_layer * b * (2 if ahead else 1)
-    out["logits"] = tokens_mb * shape.vocab / y * 4
-    if c.offload:
-        offloaded(out, out.pop("optimizer"), b)
-    out["total"] = device_total(out)
-    return out
-
-
-HOST_STATE_BYTES = 12  # per parameter of an offloaded optimizer state: float32 master weights and two moments
-
-
-def offloaded(mem: dict, host_bytes: float, param_bytes: int) -> None:
-    """mem (bytes per device by kind) with the optimizer state in host memory (`host_optimizer`), updated
-    there: the device holds none of it, and a step moves only its slice of the gradients down and of the
-    params up, in the params' dtype (`host_exchange` bytes each way)."""
-    mem["optimizer"] = 0.0
-    mem["host_optimizer"] = host_bytes
-    mem["host_exchange"] = host_bytes / HOST_STATE_BYTES * param_bytes
-
-
-def device_total(mem: dict) -> float:
-    """Device bytes of a memory dict: every kind but the total and those in host memory."""
-    return sum(v for k, v in mem.items() if k != "total" and not k.startswith("host_"))
 
 
 def host_transfer_s(hw: Hardware, c: Candidate, mem: dict) -> float:

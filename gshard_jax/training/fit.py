@@ -98,7 +98,8 @@ def step_memory(trainer: Any, compiled: Any = None) -> StepMemory:
     m = compiled.memory_analysis()
     kinds = {"params": 0, "optimizer": 0, "batch": 0}
     host = 0
-    for key, tree in (("params", state["params"]), ("optimizer", state["opt_state"]), ("batch", (batch, state["step"]))):
+    parts = (("params", state["params"]), ("optimizer", state["opt_state"]), ("batch", (batch, state["step"])))
+    for key, tree in parts:
         for x in jax.tree.leaves(tree):
             if _on_host(x):
                 host += _local_bytes(x)

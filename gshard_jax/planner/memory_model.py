@@ -1,0 +1,153 @@
+"""A candidate's bytes per device by formula: what the compiled train step holds, term by term, fast enough for
+every candidate the screen costs. Each term is what the per-device program keeps, as the grid of compiled steps
+(benchmarks/memory_grid.py, tests/test_memory_grid.py) measured it:
+
+- params and optimizer state as the layout stores them (ZeRO, EPSO, FSDP / z, tensor, expert and stage splits);
+- gradients: float32, at the layout's size before any ZeRO or FSDP split. A step reduces its gradients once,
+  after the microbatch loop or the scanned stack (partitioner/deferral.py), so each device holds the whole
+  local gradient (the accumulator of a microbatched step) until then, whatever the ZeRO stage;
+- activations: each layer's residuals for the backward under the remat policy (per token: d-model-wide
+  values, the FFN's widths, attention's scores and probabilities unless a fused kernel keeps only its
+  log-sum-exp), times the layers a device runs and the microbatches in flight (a pipeline's stash, or every
+  forward tick of a forward schedule, bubbles included). An unrolled stack's checkpointed layers are counted as
+  remat "none": XLA may run their recomputation as soon as its inputs exist, and on XLA:CPU it does, so the
+  saving is real only in a loop (a scanned stack or a pipeline), where each trip recomputes its own layer;
+- the backward's working set: one layer's residuals again (the gradients of its activations), and under full
+  remat the layer being recomputed too;
+- an MoE layer's dispatch: its experts' widths on k x capacity_factor slots per token, the dispatch and combine
+  tensors, and a dropless exchange's buffers (every local row for every peer without a peer bound);
+- the logits, their probabilities and their gradient (float32);
+- the largest transient gather: a layer's weights under FSDP / ZeRO-3 (two in a scanned stack, which gathers
+  the next layer's during the current one's).
+"""
+from __future__ import annotations
+
+import functools
+
+from ..models.ring_attention import BLOCK_SIZE as RING_TILE
+from ..pipelines import schedules as SC
+from .space import Candidate, ModelShape
+
+HOST_STATE_BYTES = 12  # per parameter of an offloaded optimizer state: float32 master weights and two moments
+# (d-model-wide, FFN-wide) values a layer keeps per token under remat none, by where they are kept: an unrolled
+# stack's (XLA fuses the elementwise ones away), a scan's stacked residuals (JAX's vjp residuals, each
+# materialised), a 1F1B stash's (the same, in each layout the backward reads them in)
+NONE_VALUES = {"unrolled": (12, 3), "loop": (10, 6), "stash": (16, 10)}
+# the same under "dots": the matmul outputs (q, k, v, attention out, FFN in and out) and the layer's inputs
+DOTS_VALUES = {"unrolled": (8, 3), "loop": (8, 3), "stash": (8, 3)}
+MOE_FFN = 1.5  # an MoE layer's FFN-wide values per slot over a dense layer's per token (dispatched copies)
+MOE_D_VALUES = 3  # d-wide values per slot: dispatched tokens, expert output, combined output
+SCORES = 2  # einsum attention's per head and key: scores and probabilities
+WORKING = {"none": 0.5, "dots": 0.6, "dots_saveable": 0.6, "full": 1.5}  # layers' residuals the backward holds
+LOGIT_COPIES = 3  # logits, probabilities, their gradient
+DROPLESS_FFN_VALUES = 9.5  # FFN-wide values per received row of a dropless layer (grouped matmuls, their sorts)
+DROPLESS_D_VALUES = 7  # d-wide values per received row (the exchange's buffers, both ways, and their copies)
+DROPLESS_DOTS = 0.4  # of those, what remat "dots" keeps in a loop: the experts' matmul outputs, saved by name
+PIPELINE_TICKS = 1.5  # microbatches' residuals a pipelined stage holds beyond its stash: the ticks running
+MICROBATCH_GRADIENTS = 0.5  # of the gradients, a microbatch's beside the accumulator at the peak
+PIPELINE_GRADIENTS = 3  # a pipelined stage's gradients: the accumulator, a tick's own and their partial sums
+
+
+@functools.lru_cache(maxsize=4096)
+def in_flight(name: str, stages: int, microbatches: int, repeats: int) -> int:
+    """Microbatches whose residuals a stage holds at once: the 1F1B family's stash slots, or every forward tick
+    of a forward schedule (its scan over ticks stacks them, bubbles included)."""
+    sc = SC.make(name, stages, microbatches, repeats)
+    if sc.stash:
+        return sc.stash
+    warmup, steady, _ = sc.phases
+    return len(warmup) + len(steady)
+
+
+def residuals(shape: ModelShape, c: Candidate, remat: str, where: str = "unrolled") -> float:
+    """Floats a layer keeps per token (and per slot of its MoE FFN) for the backward, per device, where it keeps
+    them (NONE_VALUES' keys)."""
+    s = c.sizes
+    y, x = s["y"], s["x"]
+    cx = s["context"]
+    seq = shape.seq if cx == 1 else min(RING_TILE, shape.seq // (2 * cx))  # a ring's query chunk x key tile
+    scores = 4 / shape.param_bytes if shape.fused_attention else SCORES * seq  # a fused kernel's log-sum-exp
+    d_values, ffn_values = (NONE_VALUES if remat == "none" else DOTS_VALUES)[where]
+    ffn = ffn_values * shape.d_ff
+    if shape.experts:  # on k x capacity_factor slots a token, with the dispatched tokens and expert outputs
+        slots = shape.k * shape.capacity_factor
+        ffn = 0.0 if shape.dropless else MOE_FFN * ffn * slots + MOE_D_VALUES * shape.d_model * slots
+    if remat == "full":
+        return shape.d_model / x  # the layer's input
+    kept = shape.heads * scores / y if remat in ("none", "dots_saveable") else 0.0
+    return d_values * shape.d_model / x + ffn / y + kept
+
+
+def dropless_buffers(shape: ModelShape, c: Candidate, tokens: float) -> float:
+    """Bytes one dropless MoE layer keeps for the backward: its exchange's send and receive buffers (rows x
+    d_model) and its experts' widths on the received rows."""
+    e = c.size("expert")
+    rows = tokens * shape.k  # assignments made here
+    if shape.exchange == "all_to_all":
+        per_peer = min(e, shape.peer_bound) if shape.peer_bound else e
+        received = rows * per_peer  # every peer's buffer holds up to every local row
+    else:
+        received = rows * e if shape.exchange == "all_gather" else rows
+    return received * (DROPLESS_FFN_VALUES * shape.d_ff / c.size("y") + DROPLESS_D_VALUES * shape.d_model) * \
+        shape.param_bytes
+
+
+def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
+    """Bytes per device by kind: params, gradients, optimizer, activations, working, transient, logits;
+    offloaded, the optimizer's (with float32 master weights) are host_optimizer's (`offloaded`)."""
+    s = c.sizes
+    p, d, z, e, y, x = (s[a] for a in ("stage", "data", "z", "expert", "y", "x"))
+    b, m = shape.param_bytes, c.microbatches
+    split = {"expert": e * y * x * p, "layer": y * x * p, "vocab": y * x}  # before the storage axes
+    zero = {"expert": d, "layer": d * (e if c.epso else 1), "vocab": d * (e if c.epso else 1)}
+    n = {"expert": shape.expert_params, "layer": shape.layer_params, "vocab": shape.vocab_params}
+    mixed = b == 2
+    out = dict.fromkeys(("params", "gradients", "optimizer", "activations", "working", "transient", "logits"),
+                        0.0)
+    for cls in n:
+        local = n[cls] / split[cls]
+        stored = local / z
+        out["params"] += stored * b / (zero[cls] if c.zero_stage == 3 else 1)
+        # whole until the step's one reduction (module docstring); with microbatches, the accumulator and part of
+        # the microbatch's own
+        copies = PIPELINE_GRADIENTS if c.schedule != "none" else 1 + MICROBATCH_GRADIENTS * (m > 1)
+        out["gradients"] += local * 4 * copies
+        out["optimizer"] += stored * (8 + 4 * (mixed or c.offload)) / (zero[cls] if c.zero_stage >= 1 else 1)
+    tokens = shape.tokens / (c.token_shards * m)  # per device and microbatch
+    stacks = 2 if shape.kind == "encoder_decoder" else 1
+    layers = shape.layers * stacks / p  # a stage's
+    looped = shape.scan or p > 1  # a scanned stack or a pipeline: each trip recomputes its own layer
+    remat = c.remat if looped else "none"
+    where = "stash" if c.schedule in SC.OWN_BACKWARD else "loop" if looped else "unrolled"
+    flight = 1
+    if c.schedule != "none":  # each microbatch in flight holds a chunk: a stage's layers over its repeats
+        flight = (in_flight(c.schedule, p, m, c.repeats) + PIPELINE_TICKS) / c.repeats
+    # a dropless layer's FFN residuals are its exchange's buffers
+    buffers = dropless_buffers(shape, c, tokens) if shape.dropless else 0.0
+    kept_buffers = {"none": 1.0, "dots": DROPLESS_DOTS, "dots_saveable": DROPLESS_DOTS, "full": 0.0}[remat] * buffers
+    kept = layers * (residuals(shape, c, remat, where) * b * tokens + kept_buffers)
+    out["activations"] = kept * flight
+    out["working"] = WORKING[remat] * (residuals(shape, c, "none") * b * tokens + buffers)
+    if z > 1 or c.zero_stage == 3:  # a layer's weights gathered at a time; a scan gathers the next one's beside
+        per = (shape.layer_params + shape.expert_params / e) / (shape.layers * y * x)
+        ahead = shape.scan and shape.periods / p >= 2  # prefetch.py: a loop of two trips or more
+        out["transient"] = per * b * (2 if ahead else 1)
+    out["logits"] = LOGIT_COPIES * tokens * shape.vocab / y * 4
+    if c.offload:
+        offloaded(out, out.pop("optimizer"), b)
+    out["total"] = device_total(out)
+    return out
+
+
+def offloaded(mem: dict, host_bytes: float, param_bytes: int) -> None:
+    """mem (bytes per device by kind) with the optimizer state in host memory (`host_optimizer`), updated
+    there: the device holds none of it, and a step moves only its slice of the gradients down and of the
+    params up, in the params' dtype (`host_exchange` bytes each way)."""
+    mem["optimizer"] = 0.0
+    mem["host_optimizer"] = host_bytes
+    mem["host_exchange"] = host_bytes / HOST_STATE_BYTES * param_bytes
+
+
+def device_total(mem: dict) -> float:
+    """Device bytes of a memory dict: every kind but the total and those in host memory."""
+    return sum(v for k, v in mem.items() if k != "total" and not k.startswith("host_"))
