@@ -194,7 +194,30 @@ def _plan(args: argparse.Namespace) -> int:
         with open(args.out, "w") as f:
             f.write(result.to_json() + "\n")
     print(result.to_json() if args.json else result)
+    if args.check_memory and result.ranked:
+        _check_memory(args, result)
     return 0 if result.ranked else EXIT_HALTED
+
+
+def _check_memory(args: argparse.Namespace, result) -> None:
+    """The top --check-memory candidates compiled on as many simulated CPU devices as the plan has."""
+    from .planner import memory_check
+    from .training.fit import size
+    top = result.ranked[:args.check_memory]
+    print(f"\nmemory check: the top {len(top)} compiled on {args.devices} simulated CPU devices (XLA:CPU's "
+          f"buffer assignment), against the plan's prediction per device:", flush=True)
+    rows = memory_check.check(os.path.abspath(args.config), list(args.overrides), args.devices,
+                              [r.candidate for r in top], [r.estimate.memory["total"] for r in top],
+                              result.hardware.platform)
+    for i, r in enumerate(rows, 1):
+        if "error" in r:
+            print(f"  #{i} {r['key']}: not compiled ({r['error']})")
+            continue
+        got = r["compiled"]["total"]
+        print(f"  #{i} {r['key']}: planned {size(r['predicted'])} on {result.hardware.name}; as XLA:CPU holds it "
+              f"(float32 activations) {size(r['cpu_formula'])}, compiled {size(got)} "
+              f"({r['cpu_formula'] / got:.2f}x; temporaries {size(r['compiled']['temporaries'])}), "
+              f"{r['seconds']:.0f} s")
 
 
 def _mesh_arg(text: str) -> dict[str, int]:
@@ -352,6 +375,9 @@ def parser() -> argparse.ArgumentParser:
                    "always, where it resolves on --devices")
     q.add_argument("--json", action="store_true", help="print the plan as JSON")
     q.add_argument("--out", default="", metavar="PLAN.json", help="write the plan as JSON (for train --plan)")
+    q.add_argument("--check-memory", type=int, default=0, metavar="K", help="compile the top K candidates' train "
+                   "steps on as many simulated CPU devices as --devices, in a child process, and print their "
+                   "compiled memory per device against the plan's")
     q.set_defaults(run=_plan)
 
     q = sub.add_parser("params", help="count a config's parameters (total and active per token)",

@@ -53,15 +53,20 @@ def explained(cfg: ml_collections.ConfigDict, c: SP.Candidate, hw: Hardware) -> 
     return int(report.argument_bytes()["total"] + outputs + temps)
 
 
-def compiled(cfg: ml_collections.ConfigDict, c: SP.Candidate) -> Any:
+def compiled(cfg: ml_collections.ConfigDict, c: SP.Candidate, platform: str = "") -> Any:
     """The compiled train step's memory (training/fit.StepMemory) of candidate c, on this process's devices
-    (as many as c's mesh has)."""
+    (as many as c's mesh has); platform: the one planned for, whose dropless exchange the step takes (as
+    predict.explain does), where it is not this one."""
+    from ..models import dropless
     from ..training import fit, train
     n = math.prod(c.sizes.values())
     if n != jax.device_count():
         raise ValueError(f"candidate {c.key} needs {n} devices to compile; this process has {jax.device_count()} "
                          f"(run it with --cpu-devices {n})")
-    return fit.step_memory(train.Trainer(predict.apply(cfg, c), ""))
+    run = predict.apply(cfg, c)
+    if platform and run.model.moe.num_experts:
+        run.model.moe.exchange = dropless.exchange_for(run.model.moe.get("exchange", "auto"), platform)
+    return fit.step_memory(train.Trainer(run, ""))
 
 
 def row(cfg: ml_collections.ConfigDict, c: SP.Candidate, hw: Hardware, explain: bool = True) -> Row:
@@ -70,3 +75,63 @@ def row(cfg: ml_collections.ConfigDict, c: SP.Candidate, hw: Hardware, explain: 
     got = compiled(cfg, c)
     return Row(c.key, f["total"], explained(cfg, c, hw) if explain else None, got.total,
                {k: v for k, v in f.items() if k != "total"})
+
+
+# ----------------------------------------------------------------- `gshard-jax plan --check-memory K`
+# The per-device program of a candidate on N devices is compiled in a process of N simulated CPU devices: the
+# program XLA compiles is the shard_map body at the candidate's own per-device shapes, with its collectives over
+# the candidate's own groups, so its memory_analysis() is the candidate's, as XLA:CPU assigns buffers (XLA:GPU's
+# buffer assignment and scheduler differ: docs/planner.md). Nothing is allocated: the state and batch are shapes.
+
+def check(config: str, overrides: list, devices: int, candidates: list[SP.Candidate], predicted: list[float],
+          platform: str = "", timeout: Optional[float] = None) -> list[dict]:
+    """Compile each candidate of a plan in a child process of `devices` simulated CPU devices (platform: the
+    plan's, see compiled()): per candidate {"key", "predicted", "cpu_formula" (the formula as XLA:CPU holds
+    the step: activations in float32), "compiled" (StepMemory's dict) or "error", "seconds"}."""
+    import json
+    import subprocess
+    import sys
+    job = {"config": config, "overrides": overrides, "devices": devices, "platform": platform,
+           "candidates": [c.to_dict() for c in candidates]}
+    done = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(job), capture_output=True, text=True,
+                          timeout=timeout)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+    if done.returncode != 0 and not lines:
+        raise RuntimeError(f"the memory check's process exited {done.returncode}: {done.stderr[-2000:]}")
+    rows = [json.loads(x) for x in lines]
+    for r, p in zip(rows, predicted):
+        r["predicted"] = p
+    return rows
+
+
+def _candidate(d: dict) -> SP.Candidate:
+    return SP.Candidate(tuple((a, d["mesh"][a]) for a in d["mesh_order"]), d["zero_stage"], d["epso"],
+                        d["microbatches"], d["schedule"], d["repeats"], d["remat"], d["sequence_parallel"],
+                        d["offload"])
+
+
+def _child() -> None:
+    """The child of check(): a JSON job on stdin, a JSON row per candidate on stdout."""
+    import json
+    import sys
+    import time
+    job = json.loads(sys.stdin.read())
+    jax.config.update("jax_platforms", "cpu")  # simulated devices, on a GPU host too
+    jax.config.update("jax_num_cpu_devices", job["devices"])
+    from .. import configs
+    from ..training import overrides
+    cfg = overrides.apply(configs.load(job["config"]), [tuple(kv) for kv in job["overrides"]])
+    for d in job["candidates"]:
+        c = _candidate(d)
+        start = time.perf_counter()
+        try:
+            row = {"key": c.key, "cpu_formula": formula(cfg, c, "cpu")["total"],
+                   "compiled": compiled(cfg, c, job.get("platform", "")).to_dict()}
+        except Exception as e:  # a candidate that does not compile is a row that says why
+            row = {"key": c.key, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        row["seconds"] = time.perf_counter() - start
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    _child()

@@ -32,9 +32,9 @@ HOST_STATE_BYTES = 12  # per parameter of an offloaded optimizer state: float32 
 # (d-model-wide, FFN-wide) values a layer keeps per token under remat none, by where they are kept: an unrolled
 # stack's (XLA fuses the elementwise ones away), a scan's stacked residuals (JAX's vjp residuals, each
 # materialised), a 1F1B stash's (the same, in each layout the backward reads them in)
-NONE_VALUES = {"unrolled": (12, 3), "loop": (10, 6), "stash": (16, 10)}
+NONE_VALUES = {"unrolled": (12, 3), "loop": (10, 6), "ticks": (10, 6), "stash": (16, 10)}
 # the same under "dots": the matmul outputs (q, k, v, attention out, FFN in and out) and the layer's inputs
-DOTS_VALUES = {"unrolled": (8, 3), "loop": (8, 3), "stash": (8, 3)}
+DOTS_VALUES = {"unrolled": (8, 3), "loop": (8, 3), "ticks": (8, 3), "stash": (8, 3)}
 MOE_FFN = 1.5  # an MoE layer's FFN-wide values per slot over a dense layer's per token (dispatched copies)
 MOE_D_VALUES = 3  # d-wide values per slot: dispatched tokens, expert output, combined output
 SCORES = 2  # einsum attention's per head and key: scores and probabilities
@@ -44,8 +44,15 @@ DROPLESS_FFN_VALUES = 9.5  # FFN-wide values per received row of a dropless laye
 DROPLESS_D_VALUES = 7  # d-wide values per received row (the exchange's buffers, both ways, and their copies)
 DROPLESS_DOTS = 0.4  # of those, what remat "dots" keeps in a loop: the experts' matmul outputs, saved by name
 PIPELINE_TICKS = 1.5  # microbatches' residuals a pipelined stage holds beyond its stash: the ticks running
-MICROBATCH_GRADIENTS = 0.5  # of the gradients, a microbatch's beside the accumulator at the peak
-PIPELINE_GRADIENTS = 3  # a pipelined stage's gradients: the accumulator, a tick's own and their partial sums
+# float32 gradient copies at the peak with microbatches, by where the layers run: beside the accumulator, part
+# of a microbatch's own (unrolled); its stacked gradients and their partial sums (a scanned stack); a tick's
+# own and the stage's partial sums (a pipeline)
+MICROBATCH_GRADIENTS = {"unrolled": 1.5, "loop": 2.5, "stash": 3.0, "ticks": 3.0}
+
+
+def gradient_copies(where: str, microbatches: int) -> float:
+    """Float32 copies of the local gradients a step holds at its peak (MICROBATCH_GRADIENTS)."""
+    return MICROBATCH_GRADIENTS[where] if microbatches > 1 else 1.0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -60,13 +67,13 @@ def in_flight(name: str, stages: int, microbatches: int, repeats: int) -> int:
 
 
 def residuals(shape: ModelShape, c: Candidate, remat: str, where: str = "unrolled") -> float:
-    """Floats a layer keeps per token (and per slot of its MoE FFN) for the backward, per device, where it keeps
-    them (NONE_VALUES' keys)."""
+    """Values a layer keeps per token (and per slot of its MoE FFN) for the backward, per device, where it keeps
+    them (NONE_VALUES' keys). Under sequence parallelism the d-model-wide ones are split over y too."""
     s = c.sizes
-    y, x = s["y"], s["x"]
+    y, x = s["y"], s["x"] * (s["y"] if c.sequence_parallel else 1)
     cx = s["context"]
     seq = shape.seq if cx == 1 else min(RING_TILE, shape.seq // (2 * cx))  # a ring's query chunk x key tile
-    scores = 4 / shape.param_bytes if shape.fused_attention else SCORES * seq  # a fused kernel's log-sum-exp
+    scores = 4 / shape.activation_bytes if shape.fused_attention else SCORES * seq  # a fused kernel's log-sum-exp
     d_values, ffn_values = (NONE_VALUES if remat == "none" else DOTS_VALUES)[where]
     ffn = ffn_values * shape.d_ff
     if shape.experts:  # on k x capacity_factor slots a token, with the dispatched tokens and expert outputs
@@ -89,7 +96,7 @@ def dropless_buffers(shape: ModelShape, c: Candidate, tokens: float) -> float:
     else:
         received = rows * e if shape.exchange == "all_gather" else rows
     return received * (DROPLESS_FFN_VALUES * shape.d_ff / c.size("y") + DROPLESS_D_VALUES * shape.d_model) * \
-        shape.param_bytes
+        shape.activation_bytes
 
 
 def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
@@ -97,37 +104,37 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
     offloaded, the optimizer's (with float32 master weights) are host_optimizer's (`offloaded`)."""
     s = c.sizes
     p, d, z, e, y, x = (s[a] for a in ("stage", "data", "z", "expert", "y", "x"))
-    b, m = shape.param_bytes, c.microbatches
+    b, m, a = shape.param_bytes, c.microbatches, shape.activation_bytes
     split = {"expert": e * y * x * p, "layer": y * x * p, "vocab": y * x}  # before the storage axes
     zero = {"expert": d, "layer": d * (e if c.epso else 1), "vocab": d * (e if c.epso else 1)}
     n = {"expert": shape.expert_params, "layer": shape.layer_params, "vocab": shape.vocab_params}
     mixed = b == 2
     out = dict.fromkeys(("params", "gradients", "optimizer", "activations", "working", "transient", "logits"),
                         0.0)
+    looped = shape.scan or p > 1  # a scanned stack or a pipeline: each trip recomputes its own layer
+    where = "stash" if c.schedule in SC.OWN_BACKWARD else "ticks" if p > 1 else "loop" if looped else "unrolled"
+    gradient_bytes = 4 * gradient_copies(where, m) + (2 if mixed else 0)  # and a bf16 model's own, before float32
     for cls in n:
         local = n[cls] / split[cls]
         stored = local / z
         out["params"] += stored * b / (zero[cls] if c.zero_stage == 3 else 1)
         # whole until the step's one reduction (module docstring); with microbatches, the accumulator and part of
         # the microbatch's own
-        copies = PIPELINE_GRADIENTS if c.schedule != "none" else 1 + MICROBATCH_GRADIENTS * (m > 1)
-        out["gradients"] += local * 4 * copies
+        out["gradients"] += local * gradient_bytes
         out["optimizer"] += stored * (8 + 4 * (mixed or c.offload)) / (zero[cls] if c.zero_stage >= 1 else 1)
     tokens = shape.tokens / (c.token_shards * m)  # per device and microbatch
     stacks = 2 if shape.kind == "encoder_decoder" else 1
     layers = shape.layers * stacks / p  # a stage's
-    looped = shape.scan or p > 1  # a scanned stack or a pipeline: each trip recomputes its own layer
     remat = c.remat if looped else "none"
-    where = "stash" if c.schedule in SC.OWN_BACKWARD else "loop" if looped else "unrolled"
     flight = 1
     if c.schedule != "none":  # each microbatch in flight holds a chunk: a stage's layers over its repeats
         flight = (in_flight(c.schedule, p, m, c.repeats) + PIPELINE_TICKS) / c.repeats
     # a dropless layer's FFN residuals are its exchange's buffers
     buffers = dropless_buffers(shape, c, tokens) if shape.dropless else 0.0
     kept_buffers = {"none": 1.0, "dots": DROPLESS_DOTS, "dots_saveable": DROPLESS_DOTS, "full": 0.0}[remat] * buffers
-    kept = layers * (residuals(shape, c, remat, where) * b * tokens + kept_buffers)
+    kept = layers * (residuals(shape, c, remat, where) * a * tokens + kept_buffers)
     out["activations"] = kept * flight
-    out["working"] = WORKING[remat] * (residuals(shape, c, "none") * b * tokens + buffers)
+    out["working"] = WORKING[remat] * (residuals(shape, c, "none") * a * tokens + buffers)
     if z > 1 or c.zero_stage == 3:  # a layer's weights gathered at a time; a scan gathers the next one's beside
         per = (shape.layer_params + shape.expert_params / e) / (shape.layers * y * x)
         ahead = shape.scan and shape.periods / p >= 2  # prefetch.py: a loop of two trips or more

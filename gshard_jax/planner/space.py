@@ -58,6 +58,8 @@ class ModelShape:
     # under a 1F1B schedule the end stages own the embedding and head (configs.end_stages_of): an untied decoder
     # LM with pipeline.owned_ends (a candidate with its optimizer state offloaded keeps them replicated)
     owned_ends: bool = False
+    # bytes of an activation the step keeps: the compute dtype's, but 4 where XLA runs bf16 in float32 (XLA:CPU)
+    activation_bytes: int = 4
 
     @property
     def total_params(self) -> int:
@@ -110,7 +112,8 @@ def model_shape(cfg: ml_collections.ConfigDict, platform: str = "") -> ModelShap
                       ffn_inputs=2 if (moe.activation if moe.num_experts else m.ffn_activation) == "swiglu" else 1,
                       fused_attention=fused_attention(m, platform), scan=bool(m.get("scan", False)),
                       owned_ends=(m.kind == "decoder_lm" and not m.get("tie_embeddings", False)
-                                  and cfg.get("pipeline", {}).get("owned_ends", True)))
+                                  and cfg.get("pipeline", {}).get("owned_ends", True)),
+                      activation_bytes=4 if platform in ("", "cpu") or m.dtype != "bfloat16" else 2)
 
 
 def config_mesh(cfg: ml_collections.ConfigDict, devices: int) -> Optional[dict]:
