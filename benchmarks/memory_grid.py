@@ -63,6 +63,8 @@ GRID = [
     (M, "data=2,expert=4", DROPLESS + ["model.remat=none"]),
     (M, "data=2,expert=4", DROPLESS + ["model.scan=true", "model.remat=dots"]),
     (M, "stage=2,data=2,expert=2", STAGED + ["pipeline.schedule=1f1b", "train.microbatches=4"]),
+    (M, "stage=2,data=2,expert=2", DROPLESS + STAGED + ["pipeline.schedule=1f1b", "train.microbatches=4",
+                                                         "train.batch_size=16"]),
 ]
 
 # Other shapes, to check that the formula's coefficients (planner/memory_model.py, read off GRID) carry over:

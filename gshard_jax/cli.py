@@ -208,12 +208,16 @@ def _check_memory(args: argparse.Namespace, result) -> None:
           f"buffer assignment), against the plan's prediction per device:", flush=True)
     rows = memory_check.check(os.path.abspath(args.config), list(args.overrides), args.devices,
                               [r.candidate for r in top], [r.estimate.memory["total"] for r in top],
-                              result.hardware.platform)
+                              [sum(r.estimate.memory.get(k, 0.0) for k in ("params", "optimizer", "batch"))
+                               for r in top], result.hardware.platform)
     for i, r in enumerate(rows, 1):
         if "error" in r:
             print(f"  #{i} {r['key']}: not compiled ({r['error']})")
             continue
-        got = r["compiled"]["total"]
+        got = r["total"]
+        if "twin" in r:
+            print(f"  #{i} compiled as its twin {r['twin']['key']} (data and batch / {r['twin']['data_over']}: the "
+                  f"same per-device program but ZeRO's data shard; its arguments from the plan)")
         print(f"  #{i} {r['key']}: planned {size(r['predicted'])} on {result.hardware.name}; as XLA:CPU holds it "
               f"(float32 activations) {size(r['cpu_formula'])}, compiled {size(got)} "
               f"({r['cpu_formula'] / got:.2f}x; temporaries {size(r['compiled']['temporaries'])}), "

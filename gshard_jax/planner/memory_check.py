@@ -84,10 +84,12 @@ def row(cfg: ml_collections.ConfigDict, c: SP.Candidate, hw: Hardware, explain: 
 # buffer assignment and scheduler differ: docs/planner.md). Nothing is allocated: the state and batch are shapes.
 
 def check(config: str, overrides: list, devices: int, candidates: list[SP.Candidate], predicted: list[float],
-          platform: str = "", timeout: Optional[float] = None) -> list[dict]:
+          arguments: list[float], platform: str = "", timeout: Optional[float] = None) -> list[dict]:
     """Compile each candidate of a plan in a child process of `devices` simulated CPU devices (platform: the
     plan's, see compiled()): per candidate {"key", "predicted", "cpu_formula" (the formula as XLA:CPU holds
-    the step: activations in float32), "compiled" (StepMemory's dict) or "error", "seconds"}."""
+    the step: activations in float32), "compiled" (StepMemory's dict) or "error", "seconds", "total" (the
+    compiled bytes per device)}. Beyond MAX_CPU_DEVICES a candidate compiles as its `twin`, whose outputs and
+    temporaries join the candidate's own argument bytes (`arguments`: the plan's, exact from its report)."""
     import json
     import subprocess
     import sys
@@ -99,8 +101,11 @@ def check(config: str, overrides: list, devices: int, candidates: list[SP.Candid
     if done.returncode != 0 and not lines:
         raise RuntimeError(f"the memory check's process exited {done.returncode}: {done.stderr[-2000:]}")
     rows = [json.loads(x) for x in lines]
-    for r, p in zip(rows, predicted):
+    for r, p, a in zip(rows, predicted, arguments):
         r["predicted"] = p
+        if "compiled" in r:
+            got = r["compiled"]
+            r["total"] = (a + got["outputs"] + got["temporaries"]) if "twin" in r else got["total"]
     return rows
 
 
@@ -110,6 +115,31 @@ def _candidate(d: dict) -> SP.Candidate:
                         d["offload"])
 
 
+MAX_CPU_DEVICES = 2048  # XLA:CPU compiles for at most this many devices (beyond, it takes them for processes)
+
+
+def twin(cfg: ml_collections.ConfigDict, c: SP.Candidate, limit: int = MAX_CPU_DEVICES) -> tuple:
+    """(cfg, c, f): c with its data axis and cfg's batch divided by f, the least power of two that brings its
+    devices to `limit` or fewer (f = 1: c itself). Each device then runs the same program on the same local
+    shapes, but for what ZeRO splits over data (the optimizer state, and gradients and params at stages 2-3),
+    which is an argument: the caller takes the arguments from the plan. A ValueError where data cannot
+    shrink that far."""
+    import copy
+    devices, f = math.prod(c.sizes.values()), 1
+    while devices // f > limit:
+        f *= 2
+    if f == 1:
+        return cfg, c, 1
+    data, batch = c.size("data"), cfg.train.batch_size
+    if data % f or batch % f:
+        raise ValueError(f"{c.key} needs {devices} devices and XLA:CPU compiles for at most {limit}; its twin "
+                         f"would need data={data} and batch {batch} divisible by {f}")
+    small = copy.deepcopy(cfg)
+    small.train.batch_size = batch // f
+    mesh = tuple((a, n // f if a == "data" else n) for a, n in c.mesh if (a != "data" or n // f > 1))
+    return small, dataclasses.replace(c, mesh=mesh), f
+
+
 def _child() -> None:
     """The child of check(): a JSON job on stdin, a JSON row per candidate on stdout."""
     import json
@@ -117,7 +147,7 @@ def _child() -> None:
     import time
     job = json.loads(sys.stdin.read())
     jax.config.update("jax_platforms", "cpu")  # simulated devices, on a GPU host too
-    jax.config.update("jax_num_cpu_devices", job["devices"])
+    jax.config.update("jax_num_cpu_devices", min(job["devices"], MAX_CPU_DEVICES))
     from .. import configs
     from ..training import overrides
     cfg = overrides.apply(configs.load(job["config"]), [tuple(kv) for kv in job["overrides"]])
@@ -125,8 +155,12 @@ def _child() -> None:
         c = _candidate(d)
         start = time.perf_counter()
         try:
-            row = {"key": c.key, "cpu_formula": formula(cfg, c, "cpu")["total"],
-                   "compiled": compiled(cfg, c, job.get("platform", "")).to_dict()}
+            row = {"key": c.key, "cpu_formula": formula(cfg, c, "cpu")["total"]}
+            small, c2, f = twin(cfg, c)
+            if f > 1:  # all but ZeRO's data shard on the twin; the arguments from the plan (check's caller)
+                row["twin"] = {"key": c2.key, "data_over": f}
+                row["cpu_formula_twin"] = formula(small, c2, "cpu")["total"]
+            row["compiled"] = compiled(small, c2, job.get("platform", "")).to_dict()
         except Exception as e:  # a candidate that does not compile is a row that says why
             row = {"key": c.key, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         row["seconds"] = time.perf_counter() - start

@@ -40,9 +40,12 @@ MOE_D_VALUES = 3  # d-wide values per slot: dispatched tokens, expert output, co
 SCORES = 2  # einsum attention's per head and key: scores and probabilities
 WORKING = {"none": 0.5, "dots": 0.6, "dots_saveable": 0.6, "full": 1.5}  # layers' residuals the backward holds
 LOGIT_COPIES = 3  # logits, probabilities, their gradient
-DROPLESS_FFN_VALUES = 9.5  # FFN-wide values per received row of a dropless layer (grouped matmuls, their sorts)
-DROPLESS_D_VALUES = 7  # d-wide values per received row (the exchange's buffers, both ways, and their copies)
+DROPLESS_FFN_VALUES = 8  # FFN-wide values per received row of a dropless layer (grouped matmuls, their sorts)
+DROPLESS_D_VALUES = 6  # d-wide values per received row (the exchange's buffers, both ways, and their copies)
 DROPLESS_DOTS = 0.4  # of those, what remat "dots" keeps in a loop: the experts' matmul outputs, saved by name
+# float32 copies of every expert's weights (and one group more) a dropless layer's grouped matmuls hold in the
+# backward: the weights per group and their gradient
+DROPLESS_WEIGHT_COPIES = 2
 PIPELINE_TICKS = 1.5  # microbatches' residuals a pipelined stage holds beyond its stash: the ticks running
 # float32 gradient copies at the peak with microbatches, by where the layers run: beside the accumulator, part
 # of a microbatch's own (unrolled); its stacked gradients and their partial sums (a scanned stack); a tick's
@@ -133,8 +136,12 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
     buffers = dropless_buffers(shape, c, tokens) if shape.dropless else 0.0
     kept_buffers = {"none": 1.0, "dots": DROPLESS_DOTS, "dots_saveable": DROPLESS_DOTS, "full": 0.0}[remat] * buffers
     kept = layers * (residuals(shape, c, remat, where) * a * tokens + kept_buffers)
+    if shape.dropless:  # per group: every expert and the overflow's
+        per_expert = shape.expert_params / (shape.periods * shape.experts * y)
+        held = 1 if p == 1 and shape.scan else layers  # a scan's trip holds its own layer's; a stage all its
+        out["working"] += held * DROPLESS_WEIGHT_COPIES * (shape.experts + 1) * per_expert * 4
     out["activations"] = kept * flight
-    out["working"] = WORKING[remat] * (residuals(shape, c, "none") * a * tokens + buffers)
+    out["working"] = WORKING[remat] * (residuals(shape, c, "none") * a * tokens + buffers) + out["working"]
     if z > 1 or c.zero_stage == 3:  # a layer's weights gathered at a time; a scan gathers the next one's beside
         per = (shape.layer_params + shape.expert_params / e) / (shape.layers * y * x)
         ahead = shape.scan and shape.periods / p >= 2  # prefetch.py: a loop of two trips or more
