@@ -47,15 +47,17 @@ DROPLESS_DOTS = 0.4  # of those, what remat "dots" keeps in a loop: the experts'
 # backward: the weights per group and their gradient
 DROPLESS_WEIGHT_COPIES = 2
 PIPELINE_TICKS = 1.5  # microbatches' residuals a pipelined stage holds beyond its stash: the ticks running
-# float32 gradient copies at the peak with microbatches, by where the layers run: beside the accumulator, part
-# of a microbatch's own (unrolled); its stacked gradients and their partial sums (a scanned stack); a tick's
-# own and the stage's partial sums (a pipeline)
-MICROBATCH_GRADIENTS = {"unrolled": 1.5, "loop": 2.5, "stash": 3.0, "ticks": 3.0}
+# A step's gradients at its peak, per local parameter: the backward's own in the model's dtype, a bf16 model's
+# converted to float32, and with microbatches float32 copies beside them: the accumulator and part of a
+# microbatch's own (an unrolled stack), its stacked gradients and their partial sums too (a scanned stack), a
+# tick's and the stage's partial sums (a pipeline, whose ticks convert as they accumulate)
+MICROBATCH_GRADIENTS = {"unrolled": 0.5, "loop": 1.5, "ticks": 2.0, "stash": 2.0}
 
 
-def gradient_copies(where: str, microbatches: int) -> float:
-    """Float32 copies of the local gradients a step holds at its peak (MICROBATCH_GRADIENTS)."""
-    return MICROBATCH_GRADIENTS[where] if microbatches > 1 else 1.0
+def gradient_bytes(where: str, microbatches: int, param_bytes: int) -> float:
+    """Bytes of gradients a step holds at its peak per local parameter (MICROBATCH_GRADIENTS)."""
+    mixed = param_bytes < 4 and where not in ("ticks", "stash")
+    return param_bytes + 4 * (mixed + (MICROBATCH_GRADIENTS[where] if microbatches > 1 else 0.0))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -116,14 +118,14 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
                         0.0)
     looped = shape.scan or p > 1  # a scanned stack or a pipeline: each trip recomputes its own layer
     where = "stash" if c.schedule in SC.OWN_BACKWARD else "ticks" if p > 1 else "loop" if looped else "unrolled"
-    gradient_bytes = 4 * gradient_copies(where, m) + (2 if mixed else 0)  # and a bf16 model's own, before float32
+    per_param = gradient_bytes(where, m, b)
     for cls in n:
         local = n[cls] / split[cls]
         stored = local / z
         out["params"] += stored * b / (zero[cls] if c.zero_stage == 3 else 1)
         # whole until the step's one reduction (module docstring); with microbatches, the accumulator and part of
         # the microbatch's own
-        out["gradients"] += local * gradient_bytes
+        out["gradients"] += local * per_param
         out["optimizer"] += stored * (8 + 4 * (mixed or c.offload)) / (zero[cls] if c.zero_stage >= 1 else 1)
     tokens = shape.tokens / (c.token_shards * m)  # per device and microbatch
     stacks = 2 if shape.kind == "encoder_decoder" else 1
