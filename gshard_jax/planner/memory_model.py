@@ -17,6 +17,7 @@ every candidate the screen costs. Each term is what the per-device program keeps
 - an MoE layer's dispatch: its experts' widths on k x capacity_factor slots per token, the dispatch and combine
   tensors, and a dropless exchange's buffers (every local row for every peer without a peer bound);
 - the logits, their probabilities and their gradient (float32);
+- a pipeline's ends: every microbatch's residual stream entering the stages, and its float32 gradient;
 - the largest transient gather: a layer's weights under FSDP / ZeRO-3 (two in a scanned stack, which gathers
   the next layer's during the current one's).
 """
@@ -34,7 +35,7 @@ HOST_STATE_BYTES = 12  # per parameter of an offloaded optimizer state: float32 
 # materialised), a 1F1B stash's (the same, in each layout the backward reads them in)
 NONE_VALUES = {"unrolled": (12, 3), "loop": (10, 6), "ticks": (10, 6), "stash": (16, 10)}
 # the same under "dots": the matmul outputs (q, k, v, attention out, FFN in and out) and the layer's inputs
-DOTS_VALUES = {"unrolled": (8, 3), "loop": (8, 3), "ticks": (8, 3), "stash": (8, 3)}
+DOTS_VALUES = {"unrolled": (8, 3), "loop": (8, 3), "ticks": (8, 3), "stash": (10, 4)}
 MOE_FFN = 1.5  # an MoE layer's FFN-wide values per slot over a dense layer's per token (dispatched copies)
 MOE_D_VALUES = 3  # d-wide values per slot: dispatched tokens, expert output, combined output
 SCORES = 2  # einsum attention's per head and key: scores and probabilities
@@ -46,7 +47,7 @@ DROPLESS_DOTS = 0.4  # of those, what remat "dots" keeps in a loop: the experts'
 # float32 copies of every expert's weights (and one group more) a dropless layer's grouped matmuls hold in the
 # backward: the weights per group and their gradient
 DROPLESS_WEIGHT_COPIES = 2
-PIPELINE_TICKS = 1.5  # microbatches' residuals a pipelined stage holds beyond its stash: the ticks running
+PIPELINE_TICKS = 1.3  # microbatches' residuals a pipelined stage holds beyond its stash: the ticks running
 # A step's gradients at its peak, per local parameter: the backward's own in the model's dtype, a bf16 model's
 # converted to float32, and with microbatches float32 copies beside them: the accumulator and part of a
 # microbatch's own (an unrolled stack), its stacked gradients and their partial sums too (a scanned stack), a
@@ -149,6 +150,8 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
         ahead = shape.scan and shape.periods / p >= 2  # prefetch.py: a loop of two trips or more
         out["transient"] = per * b * (2 if ahead else 1)
     out["logits"] = LOGIT_COPIES * tokens * shape.vocab / y * 4
+    if p > 1:  # the pipeline's ends: every microbatch's input to the first stage and its gradient (float32)
+        out["pipeline_ends"] = m * tokens * shape.d_model / (x * (y if c.sequence_parallel else 1)) * (4 + b)
     if c.offload:
         offloaded(out, out.pop("optimizer"), b)
     out["total"] = device_total(out)

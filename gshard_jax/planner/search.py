@@ -584,7 +584,7 @@ def _verify(cfg, shape, screened: list[Ranked], count: int, hw: Hardware, budget
                 rejected.append((c.key, "partitioner", f"partitioner: {str(got).splitlines()[0][:300]}"))
                 continue
             comms, args, exposed = got
-            mem = dict(r.estimate.memory)
+            mem = E.memory(shape, c) if c != r.candidate else dict(r.estimate.memory)  # the twin's own
             mem["params"], mem["optimizer"] = args.get("params", 0), args.get("optimizer", 0)
             mem["batch"] = args.get("batch", 0) + args.get("step", 0)  # the rest of the step's arguments
             if c.offload:
