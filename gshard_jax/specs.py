@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, Optional, Sequence
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from . import annotations as A
 from .partitioner.sharding import Sharding
@@ -143,8 +143,13 @@ def named(specs, mesh: Mesh, what: str):
 # --------------------------------------------------------------------------- meshes and placements
 
 def same_mesh(a, b) -> bool:
-    """The same axes, sizes and devices in the same order (axis types aside)."""
-    return (tuple(a.axis_names) == tuple(b.axis_names) and a.devices.shape == b.devices.shape and
+    """The same axes, sizes and devices in the same order (axis types aside); an AbstractMesh has no devices, so
+    against one the axes and sizes decide."""
+    if tuple(a.axis_names) != tuple(b.axis_names):
+        return False
+    if isinstance(a, AbstractMesh) or isinstance(b, AbstractMesh):
+        return tuple(a.axis_sizes) == tuple(b.axis_sizes)
+    return (a.devices.shape == b.devices.shape and
             all(x.id == y.id for x, y in zip(a.devices.flat, b.devices.flat)))
 
 

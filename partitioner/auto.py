@@ -52,7 +52,14 @@ def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_s
     temps = temporaries(g, program, mesh_shape)
     limit = BUDGETED_SECONDS if auto.memory_budget is not None else None
     try:
-        sol = auto_search.choose(g, mesh_shape, auto.memory_budget, temps, time_limit=limit)
+        try:
+            sol = auto_search.choose(g, mesh_shape, auto.memory_budget, temps, time_limit=limit)
+        except Infeasible:
+            if auto.memory_budget is None:
+                raise
+            # the rows may overstate a point by SLACK of the budget (fewer variables): a choice within the budget
+            # they miss is found with them exact, so "no sharding fits" is said only where none does
+            sol = auto_search.choose(g, mesh_shape, auto.memory_budget, temps, time_limit=limit, slack=0.0)
     except Unsolved as e:
         raise ValueError(f"memory_budget={auto.memory_budget:.0f} bytes per device: no sharding within it was "
                          f"found in {limit:.0f} s ({e}); raise the budget, or annotate the largest values") from None

@@ -164,9 +164,98 @@ def _result_of(e: Eqn) -> str:
     return f"the result of {e.name}" + (f" at {e.source}" if e.source else "")
 
 
+# Count the temporaries as XLA holds them (fusion_aware) rather than as explain()'s liveness does: on once
+# liveness.lifetimes applies fusion_aware too, so the choice's temporaries stay explain()'s (test_auto.py
+# compares them), and a choice within the budget is one explain() says is within it.
+FUSION_AWARE = False
+# ops XLA fuses into a reader that fuses too (a loop fusion), besides the pointwise ones
+FUSED = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "iota",
+                   "sharding_annotation"})
+
+
+def fused(program: Program) -> set:
+    """The values XLA never stores: made by a top-level pointwise (or broadcast, reshape, transpose) op and
+    read once, by such an op, so each is computed inside its reader's loop fusion (an optimizer's update,
+    tree_map by tree_map over every parameter, is a few such chains per parameter ending in its new state).
+    A value read twice is stored (XLA duplicates only cheap producers into several consumers), and so are a
+    body's values and results, the program's outputs and what a loop, a reduction, a matmul or a collective
+    reads."""
+    from . import registry as REG  # (registry imports the lowering, which imports the auto modules' callers)
+    fusing = lambda e: not e.subs and (e.name in FUSED or e.name in REG.POINTWISE)
+    readers: dict = {}
+    stored: set = {id(v) for v in program.outvars}
+    for e in program.all_eqns():
+        for x in e.invars:
+            readers.setdefault(id(x), []).append(e)
+        for sub in e.subs.values():
+            stored.update(id(v) for v in sub.outvars)
+    top = {id(e) for e in program.eqns}
+    return {id(v) for e in program.eqns if fusing(e) for v in e.outvars
+            if id(v) not in stored and len(readers.get(id(v), ())) == 1 and id(readers[id(v)][0]) in top
+            and fusing(readers[id(v)][0])}
+
+
+def _sinks_early(program: Program, lt: Lifetimes, gone: set) -> np.ndarray:
+    """The temporaries' last points with the program's sinks run as early as their operands allow, as XLA's
+    memory-minimising scheduler runs them: a sink is a top-level op of those `fused` fuses whose results are
+    outputs or fused values only sinks read (a parameter's optimizer update, run as soon as its gradient is made
+    rather than after every gradient, as optax's tree_maps are written). The other readers keep their points."""
+    from . import registry as REG
+    top = {id(e) for e in program.eqns}
+    outputs = {id(v) for v in program.outvars}
+    readers: dict = {}
+    for e in program.all_eqns():
+        for x in e.invars:
+            readers.setdefault(id(x), []).append(e)
+    made_at = {id(v): int(a) for v, a in zip(lt.values, lt.start)}
+    maker = {id(v): e for e in program.all_eqns() for v in e.outvars}
+    fusing = lambda e: id(e) in top and not e.subs and (e.name in FUSED or e.name in REG.POINTWISE)
+    sinks: set = set()  # id() of the sinks, found from the last op back (a sink's readers come after it)
+    for e in reversed(program.eqns):
+        if fusing(e) and all(id(v) in outputs or (id(v) in gone and all(id(r) in sinks for r in readers.get(
+                id(v), ()))) for v in e.outvars):
+            sinks.add(id(e))
+    ready: dict = {}  # id(op) -> the point its operands are all made at (fused ones: where their makers may run)
+
+    def made(x) -> int:  # the first point x may be read at
+        m = maker.get(id(x))
+        if id(x) in made_at or m is None:
+            return made_at.get(id(x), 0)  # a temporary where its op makes it; an argument or constant at once
+        if fusing(m) and (id(x) in gone or id(m) in sinks):  # computed in its readers, or a sink run early
+            return ready[id(m)]
+        return lt.spans.get(m, (0, 0))[1]
+
+    for e in program.eqns:  # in program order: an operand's maker's point is known before its reader's
+        ready[id(e)] = max((made(x) for x in e.invars), default=0)
+    end = lt.end.copy()
+    for k, v in enumerate(lt.values):
+        rs = readers.get(id(v), ())
+        if not rs or any(id(r) not in top or r not in lt.spans for r in rs):
+            continue
+        points = [ready[id(r)] if id(r) in sinks else lt.spans[r][1] for r in rs]
+        end[k] = min(end[k], max(int(lt.start[k]), *points))
+    return end
+
+
+def fusion_aware(program: Program, lt: Lifetimes) -> Lifetimes:
+    """lt less the values XLA fuses away (`fused`), with the sinks run early (`_sinks_early`)."""
+    gone = fused(program)
+    if not gone:
+        return lt
+    keep = [k for k, v in enumerate(lt.values) if id(v) not in gone]
+    out = dataclasses.replace(lt, values=[lt.values[k] for k in keep], start=lt.start[keep], end=lt.end[keep])
+    if hasattr(out, "early"):  # the values made at the program's start (liveness.py)
+        out.early = [v for v in out.early if id(v) not in gone]
+    out.end = _sinks_early(program, out, gone)
+    return out
+
+
 def temporaries(g: Graph, program: Program, mesh_shape: dict) -> Temporaries:
-    """The temporaries of the program the graph was built from, over its nodes' options."""
+    """The temporaries of the program the graph was built from, over its nodes' options (with FUSION_AWARE,
+    the values XLA fuses away left out, its sinks run early, and the outputs held as made until they leave)."""
     lt = lifetimes(program)
+    if FUSION_AWARE:
+        lt = fusion_aware(program, lt)
     made = {id(v): e for e in program.all_eqns() for v in e.outvars}
     node, sizes = [], []
     for v in lt.values:
@@ -218,7 +307,37 @@ def _copies(g: Graph, program: Program, lt: Lifetimes, mesh_shape: dict) -> list
                                    f"{held} resharded to {t} for {reader.name}" + (f" at {reader.source}"
                                                                                 if reader.source else ""))
             groups[key].readers.append(Reader(edge.dst, np.array([n == t for n in need], bool), first, last))
-    return list(groups.values())
+    return list(groups.values()) + (_exits(g, lt, mesh_shape) if FUSION_AWARE else [])
+
+
+def _exits(g: Graph, lt: Lifetimes, mesh_shape: dict) -> list[Copy]:
+    """An output that leaves in a sharding other than its maker's is held as made until it leaves (the made
+    value is a temporary, the output another buffer): per sharding m a maker's option makes it in, a Copy
+    alive where the maker makes m and the output leaves otherwise (its `maker` is the output's node, its
+    reader the maker's; from the maker's op to the program's end)."""
+    out = []
+    end = len(lt.ops) - 1
+    for j, v, k, _ in g.outputs:
+        if v not in g.values or g.nodes[j].value is not None or end < 0:
+            continue  # (an output in a donated argument's buffer leaves as the argument arrives)
+        a, r, view = g.values[v]
+        if a == j:
+            continue
+        makes = [o.made[r] if r < len(o.made) else None for o in g.nodes[a].options]
+        if any(m is None for m in makes):
+            continue
+        makes = [m if view is None else viewed(m, view) for m in makes]
+        leaves = [o.need[0] for o in g.nodes[j].options]
+        eqn = g.nodes[a].eqn
+        first = lt.spans[eqn][0] if eqn is not None and eqn in lt.spans else end
+        for m in dict.fromkeys(makes):
+            done = np.array([t == m for t in leaves], bool)
+            if done.all():
+                continue
+            out.append(Copy(j, done, float(_local_bytes(v, m, mesh_shape)),
+                            [Reader(a, np.array([x == m for x in makes], bool), first, end)], v,
+                            f"output {k} as made in {m}, before it leaves resharded"))
+    return out
 
 
 def _per_option(g: Graph, v: Value, mesh_shape: dict) -> tuple[int, np.ndarray]:

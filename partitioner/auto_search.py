@@ -25,7 +25,7 @@ import numpy as np
 
 from .auto_graph import Graph
 from .auto_memory import Temporaries
-from .auto_solve import MIP_GAP, Infeasible, Solution, Unsolved, memory_of, solve
+from .auto_solve import MIP_GAP, SLACK, Infeasible, Solution, Unsolved, memory_of, solve
 
 EXACT_OPTIONS = 5_000  # a budgeted graph with more options than this is searched by windows, not solved whole
 WINDOW_OPTIONS = 5_000  # the options a window frees at first (doubling after a pass that gains nothing)
@@ -34,17 +34,18 @@ START_SHARE = 0.5  # the share of the time limit the start (leanest or whole opt
 
 def choose(g: Graph, mesh_shape: dict, budget: Optional[float], temps: Optional[Temporaries],
            time_limit: Optional[float], exclude: Sequence[tuple[int, int]] = (), points: Sequence[int] = (),
-           near: Optional[Solution] = None) -> Solution:
+           near: Optional[Solution] = None, slack: float = SLACK) -> Solution:
     """The cheapest choice within the budget: solve()'s exact program where the graph is small enough or has
     no budget, else the neighbourhood search. near: for a runner-up on a searched graph, the choice it is
-    measured from (a window around the excluded nodes, the rest of near held)."""
+    measured from (a window around the excluded nodes, the rest of near held). slack: solve()'s."""
     if not searched(g, budget, temps):
-        return solve(g, mesh_shape, budget, exclude=exclude, time_limit=time_limit, temps=temps, points=points)
+        return solve(g, mesh_shape, budget, exclude=exclude, time_limit=time_limit, temps=temps, points=points,
+                     slack=slack)
     deadline = None if time_limit is None else time.perf_counter() + time_limit
     if near is not None:
         window = _window(g, _neighbours(g), [i for i, _ in exclude], WINDOW_OPTIONS)
-        return _within(g, mesh_shape, budget, temps, near.picks, window, exclude, points, deadline)
-    return search(g, mesh_shape, budget, temps, deadline, exclude, points)
+        return _within(g, mesh_shape, budget, temps, near.picks, window, exclude, points, deadline, slack)
+    return search(g, mesh_shape, budget, temps, deadline, exclude, points, slack)
 
 
 def searched(g: Graph, budget: Optional[float], temps: Optional[Temporaries]) -> bool:
@@ -53,14 +54,14 @@ def searched(g: Graph, budget: Optional[float], temps: Optional[Temporaries]) ->
 
 
 def search(g: Graph, mesh_shape: dict, budget: float, temps: Temporaries, deadline: Optional[float],
-           exclude: Sequence[tuple[int, int]] = (), points: Sequence[int] = ()) -> Solution:
+           exclude: Sequence[tuple[int, int]] = (), points: Sequence[int] = (), slack: float = SLACK) -> Solution:
     """The neighbourhood search (the module docstring): the best choice found by the deadline."""
     for pool, share in ((_ends(g, temps, whole=True), START_SHARE), (_ends(g, temps, whole=False), 1.0)):
         try:
             best = solve(g, mesh_shape, budget, exclude=[*exclude, *((i, s) for i, keep in enumerate(pool)
                                                                     for s in np.flatnonzero(~keep))],
                          time_limit=None if deadline is None else _left(deadline) * share, temps=temps,
-                         points=points)
+                         points=points, slack=slack)
             break
         except Unsolved:  # none found in its share of the time: the leanest options alone, a smaller program
             continue
@@ -75,7 +76,8 @@ def search(g: Graph, mesh_shape: dict, budget: float, temps: Temporaries, deadli
             if deadline is not None and time.perf_counter() >= deadline:
                 break
             try:
-                sol = _within(g, mesh_shape, budget, temps, best.picks, window, exclude, best.points, deadline)
+                sol = _within(g, mesh_shape, budget, temps, best.picks, window, exclude, best.points, deadline,
+                              slack)
             except (Unsolved, Infeasible):
                 continue
             gained = gained or sol.seconds < best.seconds * (1 - MIP_GAP)  # else a pass stays at this size
@@ -107,13 +109,14 @@ def _windows(g: Graph, near: list, size: int):
 
 
 def _within(g: Graph, mesh_shape: dict, budget: float, temps: Temporaries, picks: list, window: np.ndarray,
-            exclude: Sequence[tuple[int, int]], points: Sequence[int], deadline: Optional[float]) -> Solution:
+            exclude: Sequence[tuple[int, int]], points: Sequence[int], deadline: Optional[float],
+            slack: float = SLACK) -> Solution:
     """The best choice with the window's nodes free and every other node at its pick."""
     free = np.zeros(len(g.nodes), bool)
     free[window] = True
     held = [(i, s) for i, n in enumerate(g.nodes) if not free[i] for s in range(len(n.options)) if s != picks[i]]
     sol = solve(g, mesh_shape, budget, exclude=[*exclude, *held], time_limit=_left(deadline), temps=temps,
-                points=points)
+                points=points, slack=slack)
     sol.proven = sol.proven and bool(free.all())
     return sol
 

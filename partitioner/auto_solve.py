@@ -115,20 +115,21 @@ def _eliminate(unary: list, edges: dict, keep: set) -> list:
 
 def solve(g: Graph, mesh_shape: dict, budget: Optional[float] = None, exclude: Sequence[tuple[int, int]] = (),
           objective: str = "time", time_limit: Optional[float] = None, temps: Optional[Temporaries] = None,
-          points: Sequence[int] = ()) -> Solution:
+          points: Sequence[int] = (), slack: float = SLACK) -> Solution:
     """The cheapest choice of one option per node (exclude: (node, option) pairs forbidden). objective="memory":
     the least memory instead (what a budget no choice meets is measured against). time_limit: seconds the
     solver may take; past them the best choice found is returned, marked not proven. temps: the step's
     temporaries, kept within the budget with the arguments and outputs at every point (auto_memory.py: a row
     per point where a choice's peak was over the budget, added until none is; points: rows to start from,
-    a solve's own `points` for a solve of the same graph)."""
+    a solve's own `points` for a solve of the same graph; slack: the share of the budget a row may overstate
+    by, row()'s)."""
     memory = memory_of(g)
     limited = temps is not None and (budget is not None or objective == "memory")
     points = list(dict.fromkeys(list(points) + temps.first_points())) if limited else []
     deadline = None if time_limit is None else time.perf_counter() + time_limit
     while True:
-        slack = SLACK * budget if budget is not None and objective == "time" else 0.0
-        rows = [temps.row(p, memory, slack) for p in points] if points else [RW.row(dict(enumerate(memory)))]
+        over = slack * budget if budget is not None and objective == "time" else 0.0
+        rows = [temps.row(p, memory, over) for p in points] if points else [RW.row(dict(enumerate(memory)))]
         left = None if deadline is None else max(deadline - time.perf_counter(), 0.1)
         sol = _solve_rows(g, memory, rows, budget, exclude, objective, left)
         sol.points = points
@@ -283,7 +284,8 @@ def _integer_program(unary: list, edges: dict, alive: list, mem_rows: list, budg
     a = sparse.csr_array((vals, (rows, cols)), shape=(len(lo), m))
     integrality = np.zeros(m)
     integrality[:n] = 1
-    options = {"mip_rel_gap": MIP_GAP, **({"time_limit": time_limit} if time_limit else {})}
+    # the least memory (what "no sharding fits" is measured against) to the byte; the cheapest within MIP_GAP
+    options = {"mip_rel_gap": 0.0 if minimax else MIP_GAP, **({"time_limit": time_limit} if time_limit else {})}
     res = milp(c, integrality=integrality, bounds=Bounds(np.zeros(m), upper),
                constraints=LinearConstraint(a, np.array(lo), np.array(hi)), options=options)
     if res.x is None and res.status == 1:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from . import deferral as DF, prefetch as PF
 from .jax_compat import scan_counts
+from .local_shards import Token
 from .program import BODIES
 from .sharding import Sharding
 
@@ -117,23 +118,33 @@ def _pipelined(lo, eqn, env, log, ins, carry_sh, xs, x_sh, y_sh, ahead: dict, de
             x[j] = (w, ahead[j])
         return ins[:nc] + list(zip(carry, carry_sh)) + x
 
+    nw = len(js)
+
+    def put(bufs, ys_now, i):  # each trip's results written into the whole stacked results, in place
+        return tuple(jax.lax.dynamic_update_index_in_dim(b, y, i, 0) for b, y in zip(bufs, ys_now))
+
     def step(c, i):
-        carry, w = c[:nk], c[nk:]
+        carry, w, bufs = c[:nk], c[nk:nk + nw], c[nk + nw:]
         i = i[0]
         outs = lo._body(body, env, given(carry, [at(x, i) for x in xs], w), carry_sh + y_sh, log, "scan", n - 1,
                         keep, lambda: [lo.gather_ahead(at(xs[j], i, ahead_by), xvars[j], x_sh[j], ahead[j], what[j])
                                        for j in js])
-        k = len(outs) - len(js)
-        return tuple(outs[:nk]) + tuple(outs[k:]), tuple(outs[nk:k])
+        k = len(outs) - nw
+        return tuple(outs[:nk]) + tuple(outs[k:]) + (bufs if dry else put(bufs, outs[nk:k], i)), ()
 
     trips = None if dry else jnp.arange(1, n) if reverse else jnp.arange(n - 1)  # every trip's index but last's
-    cw, ys = lo.scan(step, tuple(a for a, _ in ins[nc:]) + tuple(w0), (trips,), n - 1, reverse, eqn.params["unroll"])
+    # The stacked results are carried whole and each trip's slice written into them (as a scan's own are):
+    # joining the peeled trip's to the loop's would copy them all, a cost growing with the layers.
+    bufs = tuple(Token() if dry else jnp.zeros((n, *s.local_shape(v.shape, lo.mesh_shape)), v.aval.dtype)
+                 for v, s in zip(body.outvars[nk:], y_sh))
+    cw, _ = lo.scan(step, tuple(a for a, _ in ins[nc:]) + tuple(w0) + bufs, (trips,), n - 1, reverse,
+                    eqn.params["unroll"])
     unread = [k for k in range(nk) if not lo.reads(eqn.outvars[k])]  # final carries no one reads
-    outs = lo._body(body, env, given(cw[:nk], [at(x, last) for x in xs], cw[nk:]), carry_sh + y_sh, log,
+    outs = lo._body(body, env, given(cw[:nk], [at(x, last) for x in xs], cw[nk:nk + nw]), carry_sh + y_sh, log,
                     "scan.last", 1, keep, dead=unread)
-    carry, y_last = outs[:nk], outs[nk:]
+    carry, ys = outs[:nk], cw[nk + nw:]
     if not dry:
-        ys = [jnp.concatenate([y[None], y_all] if reverse else [y_all, y[None]]) for y, y_all in zip(y_last, ys)]
+        ys = put(ys, outs[nk:], last)
     results = list(zip(carry, carry_sh)) + [(y, stacked(s)) for y, s in zip(ys, y_sh)]
     return results, (f"scan x{n}: carry {' '.join(map(str, carry_sh)) or '-'}; "
                      f"stacked inputs {', '.join(map(str, js))} "

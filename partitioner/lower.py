@@ -33,6 +33,7 @@ import math
 from typing import Any, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from . import deferral as DF, liveness as LV, registry as REG
 from .cost import Collective, compute_time, platform_of
@@ -113,8 +114,10 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
             if isinstance(v, Value) and x != self.plan.sharding(v):
                 self._boundary_row("output", name, v, self.plan.sharding(v), x, log)
         if self.report is not None:  # the temporaries at their peak, as this program holds them
+            wide = 2 if self.platform == "cpu" else 1  # XLA:CPU computes and keeps bfloat16 values in float32
             self.report.temporaries = LV.peak(self.program, lambda v: LV.nbytes(v, self.plan.sharding(v).local_shape(
-                v.shape, self.mesh_shape)), copies=list(self.copies.values()), names=dict(zip(values, self.in_names)))
+                v.shape, self.mesh_shape)) * (wide if v.aval.dtype == jnp.bfloat16 else 1),
+                copies=list(self.copies.values()), names=dict(zip(values, self.in_names)))
         return outs
 
     def cost(self) -> None:

@@ -8,9 +8,10 @@ all-gathers (OAG) and XLA's collective pipeliner moves them: the first layer's s
 loop, the carry holds the gathered weights of the current layer, and each trip gathers the next layer's
 slice while it computes with the current one. The last trip is peeled off (run once after the loop on the
 weights the loop gathered last), so no slice is gathered twice and the bytes moved stay those of the
-unpipelined loop. Each trip reads its slices from the whole stack (a slice of the stack would copy it). The
-cost is one layer's gathered weights held across the trip, the body's program twice, and a copy of the
-stacked results (the peeled trip's joined to the loop's; docs/partitioner.md). explain()'s
+unpipelined loop. Each trip reads its slices from the whole stack (a slice of the stack would copy it), and
+writes its results into the whole stacked results, carried through the loop (the peeled trip's too), as a
+scan writes its own: joining the peeled trip's results to the loop's would copy them all. The cost is one
+layer's gathered weights held across the trip and the body's program twice (docs/partitioner.md). explain()'s
 liveness does not count that layer yet (docs/partitioner.md).
 
 This module says which stacked inputs a scan body gathers that way (`targets`); control_flow.py's scan
