@@ -5,7 +5,8 @@ every candidate the screen costs. Each term is what the per-device program keeps
 - params and optimizer state as the layout stores them (ZeRO, EPSO, FSDP / z, tensor, expert and stage splits);
 - gradients: float32, at the layout's size before any ZeRO or FSDP split. A step reduces its gradients once,
   after the microbatch loop or the scanned stack (partitioner/deferral.py), so each device holds the whole
-  local gradient (the accumulator of a microbatched step) until then, whatever the ZeRO stage;
+  local gradient (the accumulator of a microbatched step) until then, whatever the ZeRO stage; but a
+  prefetched stack (FSDP / ZeRO-3, scanned, one microbatch) reduces each trip's as it writes it;
 - activations: each layer's residuals for the backward under the remat policy (per token: d-model-wide
   values, the FFN's widths, attention's scores and probabilities unless a fused kernel keeps only its
   log-sum-exp), times the layers a device runs and the microbatches in flight (a pipeline's stash, or every
@@ -120,13 +121,18 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
     looped = shape.scan or p > 1  # a scanned stack or a pipeline: each trip recomputes its own layer
     where = "stash" if c.schedule in SC.OWN_BACKWARD else "ticks" if p > 1 else "loop" if looped else "unrolled"
     per_param = gradient_bytes(where, m, b)
+    # a prefetched stack (prefetch.py: scanned, stored split over z or ZeRO-3, a loop of two trips or more)
+    # writes each trip's gradient into its stacked result reduced: the stack's gradients are held as stored,
+    # and one layer's whole
+    prefetched = shape.scan and p == 1 and m == 1 and shape.periods >= 2 and (z > 1 or c.zero_stage == 3)
     for cls in n:
         local = n[cls] / split[cls]
         stored = local / z
         out["params"] += stored * b / (zero[cls] if c.zero_stage == 3 else 1)
         # whole until the step's one reduction (module docstring); with microbatches, the accumulator and part of
         # the microbatch's own
-        out["gradients"] += local * per_param
+        reduced = z * (zero[cls] if c.zero_stage == 3 else 1) if prefetched and cls != "vocab" else 1
+        out["gradients"] += local / reduced * per_param
         out["optimizer"] += stored * (8 + 4 * (mixed or c.offload)) / (zero[cls] if c.zero_stage >= 1 else 1)
     tokens = shape.tokens / (c.token_shards * m)  # per device and microbatch
     stacks = 2 if shape.kind == "encoder_decoder" else 1
@@ -145,6 +151,8 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
         out["working"] += held * DROPLESS_WEIGHT_COPIES * (shape.experts + 1) * per_expert * 4
     out["activations"] = kept * flight
     out["working"] = WORKING[remat] * (residuals(shape, c, "none") * a * tokens + buffers) + out["working"]
+    if prefetched:
+        out["gradients"] += (shape.layer_params + shape.expert_params / e) / (shape.layers * y * x) * per_param
     if z > 1 or c.zero_stage == 3:  # a layer's weights gathered at a time; a scan gathers the next one's beside
         per = (shape.layer_params + shape.expert_params / e) / (shape.layers * y * x)
         ahead = shape.scan and shape.periods / p >= 2  # prefetch.py: a loop of two trips or more
