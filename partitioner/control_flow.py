@@ -21,8 +21,7 @@ import jax.numpy as jnp
 
 from . import deferral as DF, prefetch as PF
 from .jax_compat import scan_counts
-from .local_shards import Token
-from .program import BODIES
+from .program import BODIES, Token
 from .sharding import Sharding
 
 Link = tuple  # (a, b, tag, stacked, stacked_b)

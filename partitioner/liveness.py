@@ -39,6 +39,7 @@ from jax.extend import core
 
 from .jax_compat import scan_counts
 from .program import Eqn, Program, Value, from_jaxpr
+from .rules import POINTWISE
 
 
 @dataclasses.dataclass
@@ -185,10 +186,9 @@ def _manual_peak(e: Eqn) -> tuple[int, int]:
     jaxpr = e.params.get("jaxpr")
     if jaxpr is None:
         return 0, 0
-    from . import registry as REG  # (registry imports the lowering, which imports this module)
     body = from_jaxpr(jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else core.ClosedJaxpr(jaxpr, []))
     lt = lifetimes(body)
-    fusing = lambda e: e.name in _FUSED or e.name in REG.POINTWISE
+    fusing = lambda e: e.name in _FUSED or e.name in POINTWISE
     stored = {id(x) for e in body.all_eqns() if not fusing(e) for x in e.invars}  # what an unfused op reads
     stored |= {id(v) for e in body.all_eqns() if not fusing(e) for v in e.outvars}
     stored |= {id(x) for x in lt.early}  # (an update's constant buffer)
@@ -212,7 +212,6 @@ def _hoist(region: Eqn, base: int, span: tuple, start: dict, end: dict) -> list:
     region's ops that do not wait for its latest operand (the cotangent it transposes against) run where
     their operands are made, and what they make that the rest reads is alive from there (base: the first
     point of the body the region runs in, where the values no op makes are)."""
-    from . import registry as REG  # (registry imports the lowering, which imports this module)
     first, last = span
     made_at = lambda x: start[x] if x in start else base
     outside = [made_at(x) for x in region.invars if isinstance(x, Value) and made_at(x) < first]
@@ -223,7 +222,7 @@ def _hoist(region: Eqn, base: int, span: tuple, start: dict, end: dict) -> list:
         points = [ready.get(x, made_at(x) if made_at(x) < first else None) for x in e.invars if isinstance(x, Value)]
         if None not in points and max(points, default=base) < latest:
             ready.update((v, max(points, default=base)) for v in e.outvars)
-    fused = lambda e: e.name in _FUSED or e.name in REG.POINTWISE
+    fused = lambda e: e.name in _FUSED or e.name in POINTWISE
     # (value, whether the reader that needs it fuses): what the rest of the region and the caller read
     held = [(x, fused(e)) for e in ops if not all(v in ready for v in e.outvars) for x in e.invars if x in ready]
     held += [(v, False) for v in ready if v in start and end[v] > last]

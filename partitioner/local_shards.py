@@ -16,16 +16,10 @@ from . import collective_matmul as CM, deferral as DF, factors as F, hooks as H,
 from .cost import Collective
 from .jax_compat import bind_on
 from .liveness import Copy, nbytes
-from .program import Const, Eqn, Value
+from .program import Const, Eqn, Token, Value
 from .report import Operand, Result
 from .sharding import Sharding
 from .strategy import Choice
-
-
-class Token:
-    """A local value in a walk without arrays (Lowering.cost): only its identity matters."""
-    __slots__ = ()
-
 
 
 class LocalShards:

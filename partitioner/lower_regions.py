@@ -16,8 +16,7 @@ from jax.extend.core.primitives import remat_p
 from . import manual_regions as M, program as P, registry as REG
 from .cost import Collective
 from .jax_compat import convert_constvars_jaxpr
-from .local_shards import Token
-from .program import Eqn, Program, Value
+from .program import Eqn, Program, Token, Value
 from .sharding import Sharding
 
 

@@ -270,3 +270,8 @@ def uses(program: Program) -> dict:
                 visit(sub)
     visit(program)
     return count
+
+
+class Token:
+    """A local value in a walk without arrays (Lowering.cost): only its identity matters."""
+    __slots__ = ()

@@ -15,6 +15,16 @@ import jax
 from .factors import FactorNames, Rule
 from .program import Eqn, shape_of
 
+# The pointwise ops: one rule (elementwise) partitions them all, and XLA fuses them (liveness.py)
+POINTWISE = frozenset("""
+abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clamp complex conj
+convert_element_type copy cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igamma_grad_a
+igammac imag integer_pow is_finite le le_to lgamma log log1p log2 logistic lt lt_to max min mul ne neg
+nextafter not one_minus_square or polygamma polynomial pow real reduce_precision regularized_incomplete_beta rem
+round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan tanh
+xor population_count clz stop_gradient zeta
+""".split())
+
 
 def elementwise(eqn: Eqn) -> Optional[Rule]:
     """Same factor for every dim; rank-0 operands and size-1 (implicitly broadcast) dims get their own."""

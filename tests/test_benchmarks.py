@@ -26,6 +26,7 @@ RUNS = {
                        "ms of device kernels a step"),
     "host_update.py": (["--params", "65536", "--groups", "2", "--repeats", "1"], "numpy, 1 thread"),
     "lm1b_style.py": ([], "xla"),
+    "memory_grid.py": (["--cases", "0", "--no-explain"], "formula / compiled"),
     "memory_prediction.py": (["--cases", "Megatron"], "MLP step, Megatron"),
     "moe_dropless.py": (["--steps", "1", "--tokens", "256"], "dropless"),
     "moe_vs_dense.py": (["--steps", "2", "--seeds", "0", "--set", "model.num_layers=1"], "MoE - dense"),
