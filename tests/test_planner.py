@@ -539,9 +539,9 @@ def test_fused_attention_keeps_no_scores_for_the_backward(attention, dtype, plat
     c = SP.Candidate((("data", 8),), remat="none")
     got = E.memory(shape, c)["activations"]
     einsum = E.memory(dataclasses.replace(shape, fused_attention=False), c)["activations"]
-    b = shape.param_bytes
+    a = shape.activation_bytes  # the compute dtype's, or 4 on XLA:CPU (memory_model.py)
     tokens_layers = shape.tokens / c.token_shards * shape.layers
-    saved = (SCORES * shape.heads * shape.seq - 4 * shape.heads / b) * b * tokens_layers
+    saved = (SCORES * shape.heads * shape.seq - 4 * shape.heads / a) * a * tokens_layers
     assert einsum - got == (pytest.approx(saved) if fused else 0)
     # in a scanned stack remat recomputes the scores either way (an unrolled one may keep them: memory_model.py)
     dots, scanned = dataclasses.replace(c, remat="dots"), dataclasses.replace(shape, scan=True)
