@@ -18,16 +18,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import gshard_jax as gs  # noqa: E402
+from gshard_jax.planner.memory_check import outputs_bytes  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")]
-
-
-def outputs_bytes(report, donated: set) -> int:
-    """Bytes per device of the outputs not written into a donated argument's buffer."""
-    shape = dict(report.mesh)
-    return int(sum(np.prod(o.boundary.local_shape(o.shape, shape)) * np.dtype(o.dtype).itemsize
-                   for k, o in enumerate(report.outputs) if k not in donated))
 
 
 def measure(fn, mesh, args, donated_outputs=(), **kw) -> tuple:

@@ -46,3 +46,27 @@ def test_the_grid_covers_the_seeds_options():
     kinds = {(bool(f.model.moe.num_experts), f.model.moe.get("dispatch", "einsum")) for f in cfgs}
     assert kinds >= {(False, "einsum"), (True, "einsum"), (True, "dropless")}
     assert {bool(f.model.scan) for f in cfgs} == {True, False}
+
+
+def test_a_plan_beyond_xla_cpus_devices_compiles_as_its_data_twin():
+    """memory_check.twin: data and batch halved until the devices fit, the other axes (the per-device shapes)
+    kept; a plan whose data cannot shrink that far is refused with the reason."""
+    cfg, _ = G.case(0)
+    cfg.train.batch_size = 8192
+    c = MC.SP.Candidate((("stage", 2), ("data", 128), ("y", 16)))
+    small, c2, f = MC.twin(cfg, c)
+    assert f == 2 and c2.sizes["data"] == 64 and c2.sizes["stage"] == 2 and c2.sizes["y"] == 16
+    assert small.train.batch_size == 4096 and cfg.train.batch_size == 8192
+    assert MC.twin(cfg, MC.SP.Candidate((("data", 8),)))[2] == 1
+    with pytest.raises(ValueError, match="divisible"):
+        MC.twin(cfg, MC.SP.Candidate((("z", 4096),)))
+
+
+@pytest.mark.slow
+def test_check_memory_compiles_a_plans_candidates_in_a_child_process():
+    """`gshard-jax plan --check-memory`'s child: the candidate compiled on as many simulated devices, its
+    memory the in-process compile's."""
+    cfg, c = G.case(0)
+    overrides = [tuple(kv.split("=", 1)) for kv in G.BASE + G.GRID[0][2]] + [("mesh.data", "8")]
+    (row,) = MC.check(os.path.join(G.ROOT, "experiments", "tiny_dense_lm.py"), overrides, 8, [c], [1.0], [0.0])
+    assert row["total"] == MC.compiled(cfg, c).total and row["predicted"] == 1.0

@@ -46,11 +46,17 @@ def explained(cfg: ml_collections.ConfigDict, c: SP.Candidate, hw: Hardware) -> 
     outputs not written into the donated state's buffers, and the temporaries' peak."""
     report = predict.explain(cfg, c, hw)
     state_outputs = len(jax.tree.leaves(predict.abstract_state(cfg, c)))  # the new state comes first, donated
-    sizes = dict(report.mesh)
-    outputs = sum(math.prod(o.boundary.local_shape(o.shape, sizes)) * np.dtype(o.dtype).itemsize
-                  for k, o in enumerate(report.outputs) if k >= state_outputs)
+    outputs = outputs_bytes(report, set(range(state_outputs)))
     temps = report.temporaries.bytes if report.temporaries is not None else 0
     return int(report.argument_bytes()["total"] + outputs + temps)
+
+
+def outputs_bytes(report: Any, donated: set) -> int:
+    """Bytes per device of a report's outputs not written into a donated argument's buffer (donated: their
+    indices)."""
+    sizes = dict(report.mesh)
+    return int(sum(math.prod(o.boundary.local_shape(o.shape, sizes)) * np.dtype(o.dtype).itemsize
+                   for k, o in enumerate(report.outputs) if k not in donated))
 
 
 def compiled(cfg: ml_collections.ConfigDict, c: SP.Candidate, platform: str = "") -> Any:
