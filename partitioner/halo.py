@@ -6,13 +6,16 @@ padded to k*S) needs global rows [i*step + first, i*step + first + rows).
 collective-permute per hop (a window wider than a block takes several),
 slices the window (statically when every device's window starts at the
 same offset in its block, else at a device-dependent one) and sets rows
-outside [0, N) to a pad value. windowed.py and reorder.py build every
+outside [0, N) to a pad value. Only rows some device's valid results read are
+sent (`reads`): not the input's padded tail, rows outside [0, N), or rows only
+the padding of an uneven result reads; the window's other rows are zeros. windowed.py and reorder.py build every
 windowed op and every reordering on it.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -34,15 +37,27 @@ class Halo:
     rows: int
     lo: int
     hi: int
+    reads: Optional[tuple[tuple[int, int], ...]] = None  # per shard, the rows [a, b) inside [0, N) its valid
+    # results read (None: its whole window); the rest of the window only reaches results' padding
+    shift: int = 0  # shards of a base-dilated input out of phase: shard i keeps its results from i * shift
 
     def _extent(self) -> tuple[int, int]:
+        """Rows of the window left and right of the shard's block (the window's geometry)."""
         left = [i * self.S - (i * self.step + self.first) for i in (0, self.k - 1)]
         right = [i * self.step + self.first + self.rows - (i + 1) * self.S for i in (0, self.k - 1)]
         return max(0, *left), max(0, *right)
 
+    def _sent(self) -> tuple[int, int]:
+        """Rows left and right of the block that some shard must receive (at most _extent)."""
+        if self.reads is None:
+            return self._extent()
+        spans = [(i, a, b) for i, (a, b) in enumerate(self.reads) if b > a]
+        return (max([0] + [i * self.S - a for i, a, _ in spans]),
+                max([0] + [b - (i + 1) * self.S for i, _, b in spans]))
+
     def pieces(self) -> list[tuple[int, int]]:
         """(hop, rows) of each collective-permute: negative hops bring rows from the left neighbours."""
-        left, right = self._extent()
+        left, right = self._sent()
         out = []
         for side, total in ((-1, left), (1, right)):
             if not self.S:  # an empty piece: nothing to send

@@ -9,9 +9,12 @@ sum, combined like any other). The hook then gives each device the input
 rows its windows read: it receives the rows its neighbours hold by one
 collective-permute per hop, sets rows outside the input to the op's pad
 value (0 for convolutions and sums, the identity of max/min), and runs the op
-on that local window with the padding it still needs. The split dim is never
-gathered, except for a base-dilated input whose shards would start at
-different dilation phases (XLA's partitioner gathers those too).
+on that local window with the padding it still needs. A base-dilated input
+whose shards start at different dilation phases (a strided slice's gradient)
+gets a wider window and keeps its results from a shifted start; the split dim
+is gathered only where that cannot be (a contracted window, or a stride that
+splits the phase), as XLA's partitioner gathers all such dims. The geometry
+is window_geometry.py's.
 """
 from __future__ import annotations
 
@@ -27,71 +30,7 @@ from .factors import FactorNames, Rule
 from .halo import Halo, exchange, gather_collectives, gather_rows, pad_value
 from .program import Eqn, Value, shape_of
 from .reshard import linear_axis_index
-
-CONV = "conv_general_dilated"
-POOLS = {"reduce_window_sum": "sum", "reduce_window_max": "max", "reduce_window_min": "min"}
-SCATTER = "select_and_scatter_add"  # max pooling's transpose: (source [output rows], operand) -> operand shape
-GATHER = "select_and_gather_add"  # max pooling's JVP: (tangent, operand) -> the tangent at each window's max
-GENERIC = "reduce_window"  # lax.reduce_window with any computation: (operands..., init values...) -> results...
-
-
-def _input(eqn: Eqn) -> int:
-    """The operand whose rows the windows read."""
-    return 1 if eqn.name == SCATTER else 0
-
-
-# --------------------------------------------------------------------------- rules
-
-@dataclasses.dataclass(frozen=True)
-class Spatial:
-    """One spatial dim of a windowed op: where it sits and its window geometry."""
-    lhs: int  # dim of the input
-    rhs: Optional[int]  # dim of the kernel (convolutions)
-    out: int  # dim of the result
-    size: int  # N: input rows
-    window: int  # T: window (kernel) rows
-    out_size: int  # O: output rows
-    stride: int
-    lo: int  # padding (may be negative)
-    hi: int
-    base: int  # lhs (base) dilation
-    dilation: int  # window (rhs) dilation
-    contracted: bool  # the split goes to the window rows (a partial sum), not to the output rows
-
-
-def spatial_dims(eqn: Eqn) -> list[Spatial]:
-    p = eqn.params
-    x = shape_of(eqn.invars[_input(eqn)])
-    out = shape_of(eqn.invars[0] if eqn.name == SCATTER else eqn.outvars[0])
-    n = len(x)
-    ones = (1,) * n
-    if eqn.name == CONV:
-        dn, w = p["dimension_numbers"], shape_of(eqn.invars[1])
-        dims = [(a, r, o, w[r]) for a, r, o in zip(dn.lhs_spec[2:], dn.rhs_spec[2:], dn.out_spec[2:])]
-        strides, pads, base, dil = p["window_strides"], p["padding"], p["lhs_dilation"], p["rhs_dilation"]
-    elif eqn.name == "pad":  # a window of 1 over the input dilated by interior+1 and padded
-        dims = [(d, None, d, 1) for d in range(n)]
-        cfg = p["padding_config"]
-        strides, pads, base, dil = ones, [(lo, hi) for lo, hi, _ in cfg], [i + 1 for _, _, i in cfg], ones
-    elif eqn.name == "slice":  # a window of 1, strided, with the cut rows as negative padding
-        dims = [(d, None, d, 1) for d in range(n)]
-        strides = p.get("strides") or ones
-        pads = [(-a, b - size) for a, b, size in zip(p["start_indices"], p["limit_indices"], x)]
-        base, dil = ones, ones
-    else:
-        dims = [(d, None, d, p["window_dimensions"][d]) for d in range(n)]
-        strides, pads = p["window_strides"], p["padding"]
-        base, dil = p.get("base_dilation", ones), p.get("window_dilation", ones)
-    result = []
-    for k, (a, r, o, t) in enumerate(dims):
-        lo, hi = pads[k]
-        contracted = eqn.name == CONV and t > out[o]
-        result.append(Spatial(a, r, o, x[a], t, out[o], strides[k], lo, hi, base[k], dil[k], contracted))
-    return result
-
-
-def _plain(sp: Spatial) -> bool:
-    return (sp.window, sp.stride, sp.lo, sp.hi, sp.base, sp.dilation) == (1, 1, 0, 0, 1, 1)
+from .window_geometry import GATHER, GENERIC, POOLS, SCATTER, Spatial, _input, _plain, halo, spatial_dims
 
 
 def conv_rule(eqn: Eqn) -> Rule:
@@ -154,8 +93,18 @@ def pool_rule(eqn: Eqn) -> Rule:
             ties[fo] = fi
     kind = f"pool({POOLS[eqn.name]})" if eqn.name in POOLS else f"{eqn.name}(windowed)"
     extra = tuple(() for _ in eqn.invars[1:])  # pad's padding value
-    # A slice or pad does not carry a split to its other side (the plan decides each side); pooling does.
-    return Rule(kind, (tuple(ins),) + extra, (tuple(outs),), n.sizes, ties=ties, ties_propagate=eqn.name in POOLS)
+    return Rule(kind, (tuple(ins),) + extra, (tuple(outs),), n.sizes, ties=ties, ties_propagate=_carries_split(eqn))
+
+
+def _carries_split(eqn: Eqn) -> bool:
+    """Whether propagation carries a split across the op. Pooling does; a slice or pad does where it cuts or adds
+    fewer rows at either end than both sides hold: a device's block then drifts from the input block it reads by
+    at most those rows, so a halo brings it fewer rows than gathering the result would (x[2:62:2], x[:, :-1]).
+    A far window (x[500:520] of 1024 rows) or a dilating pad is left to the plan, which decides each side."""
+    if eqn.name in POOLS:
+        return True
+    return all(_plain(sp) or (sp.base == 1 and max(-sp.lo, sp.lo, -sp.hi, sp.hi) < min(sp.size, sp.out_size))
+               for sp in spatial_dims(eqn))
 
 
 def generic_pool_rule(eqn: Eqn) -> Rule:
@@ -164,21 +113,6 @@ def generic_pool_rule(eqn: Eqn) -> Rule:
     base = pool_rule(eqn)
     k = len(eqn.outvars)
     return Rule("pool(generic)", (base.operands[0],) * k + ((),) * k, base.results * k, base.sizes, ties=base.ties)
-
-
-def halo(sp: Spatial, k: int, S: int, local: int) -> Optional[Halo]:
-    """The rows each of k shards needs; `local` is the local output rows (or window rows when contracted).
-    None when shards would start at different phases of a base-dilated input."""
-    extent = 1 + (sp.window - 1) * sp.dilation
-    if sp.contracted:
-        step, span = local * sp.dilation, (local - 1) * sp.dilation + (sp.out_size - 1) * sp.stride + 1
-    else:
-        step, span = local * sp.stride, (local - 1) * sp.stride + extent
-    if step % sp.base:
-        return None
-    lo = sp.lo % sp.base
-    rows = -(-(span - lo) // sp.base)
-    return Halo(k, S, sp.size, step // sp.base, -(sp.lo // sp.base), rows, lo, span - 1 - (rows - 1) * sp.base - lo)
 
 
 def _split(ctx, eqn: Eqn) -> list[tuple[int, Spatial, tuple, int]]:
@@ -202,7 +136,9 @@ def _local(ctx, sp: Spatial) -> int:
 def _plans(ctx) -> list[tuple[int, Spatial, tuple, int, Optional[Halo]]]:
     i = _input(ctx.eqn)
     lshape = ctx.need[i].local_shape(ctx.eqn.invars[i].shape, ctx.mesh_shape)
-    return [(k, sp, axes, n, halo(sp, n, lshape[sp.lhs], _local(ctx, sp))) for k, sp, axes, n in _split(ctx, ctx.eqn)]
+    shifted = ctx.eqn.name not in (SCATTER, GATHER)  # their hooks set the window's padding themselves
+    return [(k, sp, axes, n, halo(sp, n, lshape[sp.lhs], _local(ctx, sp), shifted))
+            for k, sp, axes, n in _split(ctx, ctx.eqn)]
 
 
 def collectives(ctx) -> list[Collective]:
@@ -268,16 +204,18 @@ def _receives(ctx, operand: Optional[int] = None) -> list[Collective]:
 
 def _windowed(ctx, x, pad_value, padding: list, operand: Optional[int] = None) -> tuple:
     """x with each split spatial dim replaced by the rows its local windows need; the local padding, and
-    per gathered (base-dilated) dim the output block this device keeps."""
+    per gathered (base-dilated) or shifted dim the output block this device keeps."""
     keep = []
     for k, sp, axes, n, h, key in _keyed_plans(ctx, operand):
         index = linear_axis_index(axes, ctx.mesh_shape)
         if h is None:
             x = gather_rows(x, sp.lhs, axes, sp.size, pad_value)
-            keep.append((sp, axes, index, n))
+            keep.append((sp, axes, index, n, None))
             continue
         x = exchange(x, sp.lhs, axes, h, index, pad_value, ctx.mesh_shape, ctx.cache, key)
         padding[k] = (h.lo, h.hi)
+        if h.shift:
+            keep.append((sp, axes, index, n, h.shift))
     return x, padding, keep
 
 
@@ -297,7 +235,10 @@ def _keyed_plans(ctx, operand: Optional[int] = None) -> list:
 def _keep_blocks(ctx, y, keep):
     """From a result computed over whole (gathered) dims, this device's block of rows."""
     local = ctx.local_out()
-    for sp, _, index, n in keep:
+    for sp, _, index, n, shift in keep:
+        if shift is not None:  # results of a wider window: this device's start at index * shift
+            y = jax.lax.dynamic_slice_in_dim(y, index * shift, local[sp.out], axis=sp.out)
+            continue
         if sp.contracted:  # every device computed the whole sum: one of them keeps it
             y = jnp.where(index == 0, y, jnp.zeros((), y.dtype))
             continue
@@ -313,8 +254,8 @@ def conv_hook(ctx, ins, params, bind):
     lhs, rhs = ins
     padding = [tuple(p) for p in params["padding"]]
     lhs, padding, keep = _windowed(ctx, lhs, 0, padding)
-    for sp, axes, _, _ in keep:  # a gathered kernel-gradient window: its rows are gathered too
-        if sp.contracted:
+    for sp, axes, _, _, shift in keep:  # a gathered kernel-gradient window: its rows are gathered too
+        if sp.contracted and shift is None:
             rhs = gather_rows(rhs, sp.rhs, axes, sp.window, 0)
     p = dict(params, padding=tuple(padding))
     for key in ("feature_group_count", "batch_group_count"):
