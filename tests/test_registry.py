@@ -78,7 +78,7 @@ SIGNATURES = {
                             "need_replication={e} ties={f~d}",
     "split": "([a, b])->([a, c], [a, d], [a, e]) {a=4, b=8, c=2, d=3, e=3} ties={c~b, d~b, e~b}",
     "concatenate": "([c, b], [d, b])->([a, b]) {a=6, b=8, c=4, d=2} ties={c~a, d~a} (not propagated)",
-    "slice": "([a, b])->([a, c]) {a=4, b=8, c=3} ties={c~b} (not propagated)",
+    "slice": "([a, b])->([a, c]) {a=4, b=8, c=3} ties={c~b}",
 }
 
 
