@@ -384,12 +384,12 @@ def build_model(model: ModelConfig | ConfigDict, train: bool = False, pipeline: 
 
 def end_stages_of(cfg: Config | ConfigDict, pipeline: Optional[PipelineConfig]) -> int:
     """The stage count of the model's stage-owned ends: the pipeline's stages where pipeline.owned_ends holds
-    and the model allows it (an untied decoder LM under a schedule that runs its own backward), else 1. Not
+    and the model allows it (an untied decoder LM), else 1. Not
     with the optimizer state offloaded: a checkpoint takes each end's owner slice, which JAX does not slice
     in host memory."""
     owned = cfg.pipeline.owned_ends if isinstance(cfg, Config) else cfg.pipeline.get("owned_ends", True)
     model = model_config(cfg.model)
-    if (pipeline is None or not owned or not pipeline.owns_backward or model.kind != "decoder_lm"
+    if (pipeline is None or not owned or model.kind != "decoder_lm"
             or model.transformer.tie_embeddings or cfg.train.offload_optimizer):
         return 1
     return pipeline.stages

@@ -13,10 +13,13 @@ losses and statistics come out of each stage as the pipeline's aux and are
 averaged over microbatches, as gradient accumulation averages them.
 
 GPipe and circular run inside ``model.apply`` (autodiff differentiates the
-loop). 1F1B and interleaved 1F1B own their backward pass, so the loss must
-be computed inside the pipeline: `pipelined_loss` runs the head and the
-loss per microbatch at the last stage and wraps gs.pipeline_value_and_grad
-in a custom_vjp, so ``jax.grad`` of the model's loss still works.
+loop) where the ends are replicated (`pipelined`). 1F1B and interleaved 1F1B
+own their backward pass, so the loss must be computed inside the pipeline,
+and so is it under every schedule with stage-owned ends (`loss_in_pipeline`),
+so that the last stage's outputs go to the head on that stage rather than
+being summed over the stages: `pipelined_loss` runs the head and the loss
+per microbatch at the last stage and wraps gs.pipeline_value_and_grad in a
+custom_vjp, so ``jax.grad`` of the model's loss still works.
 """
 from __future__ import annotations
 
@@ -44,6 +47,13 @@ class PipelineConfig:
     @property
     def owns_backward(self) -> bool:
         return self.schedule in S.OWN_BACKWARD
+
+
+def loss_in_pipeline(pc: Optional[PipelineConfig], end_stages: int) -> bool:
+    """Whether the pipeline runs the head and loss (`pipelined_loss`): a schedule that owns its backward needs
+    the loss per microbatch, and with stage-owned ends the last stage runs them on its own outputs, which
+    then never cross the stage axis."""
+    return pc is not None and (pc.owns_backward or end_stages > 1)
 
 
 def check(pc: PipelineConfig, periods: int) -> None:
@@ -172,8 +182,9 @@ def pipelined(stack: nn.Module, n: int, x, enc, mask, periods: Callable):
 
 def pipelined_loss(stack: nn.Module, n: int, x, head: Callable, head_params, targets, aux_weights: dict,
                    periods: Callable):
-    """The mean over microbatches of head(head_params, y_mb, targets_mb) + the weighted MoE losses, for the
-    schedules that own their backward pass: (loss, metrics including "cross_entropy")."""
+    """The mean over microbatches of head(head_params, y_mb, targets_mb) + the weighted MoE losses, where
+    `loss_in_pipeline`: (loss, metrics including "cross_entropy"). GPipe and circular differentiate their loop
+    here too (gs.pipeline_value_and_grad), inside the custom_vjp's forward."""
     pc = stack.cfg.pipeline
     w, stage, state, param_specs, state_specs = _setup(stack, n, x, None, None, periods)
     m = pc.microbatches

@@ -24,7 +24,7 @@ from .grouped import EXPERT_MATMUL
 from .layers import cross_entropy
 from .logical import DEFAULT_RULES, LAST_STAGE, Rules, constrain, sequence_parallel
 from .moe import MoeConfig, MoeFFN
-from .pipelined import PipelineConfig, pipelined, pipelined_loss
+from .pipelined import PipelineConfig, loss_in_pipeline, pipelined, pipelined_loss
 
 REMAT_POLICIES = {
     "none": None,  # no checkpointing
@@ -61,7 +61,7 @@ class TransformerConfig:
     rules: Rules = DEFAULT_RULES  # logical axis -> mesh axes table
     sequence_parallel: bool = False  # the residual stream split along its positions over y (sharding.py)
     pipeline: Optional[PipelineConfig] = None  # periods split over the `stage` mesh axis (None: no pipeline)
-    # > 1: stage-owned ends (Megatron's layout, untied decoder LMs under 1F1B schedules): the embedding, final
+    # > 1: stage-owned ends (Megatron's layout, untied decoder LMs under a pipeline): the embedding, final
     # norm and unembedding lead with [end_stages], split over the stages; the first stage reads its slice of the
     # embedding and the last its slice of the head, so their gradients never cross the stage axis
     end_stages: int = 1
@@ -99,12 +99,11 @@ def check(cfg: TransformerConfig, decoder_only: bool) -> None:
         raise ValueError(f"TransformerConfig.moe_every={cfg.moe_every!r}; expected a positive int")
     if cfg.end_stages > 1:
         pc = cfg.pipeline
-        if not decoder_only or cfg.tie_embeddings or (pc is not None and (not pc.owns_backward or
-                                                                          pc.stages != cfg.end_stages)):
+        if not decoder_only or cfg.tie_embeddings or (pc is not None and pc.stages != cfg.end_stages):
             raise ValueError(f"TransformerConfig.end_stages={cfg.end_stages}: stage-owned ends need an untied "
-                             f"decoder-only LM (tie_embeddings={cfg.tie_embeddings}) and, with a pipeline, a "
-                             f"schedule that runs its own backward over as many stages (pipeline={pc}); set "
-                             f"end_stages=1 to keep the ends replicated over the stages")
+                             f"decoder-only LM (tie_embeddings={cfg.tie_embeddings}) and, with a pipeline, as "
+                             f"many stages (pipeline={pc}); set end_stages=1 to keep the ends replicated over "
+                             f"the stages")
     counts = [("num_layers", cfg.num_layers)]
     counts += [] if decoder_only else [("num_decoder_layers", cfg.num_decoder_layers)]
     for field, n in counts:
@@ -238,7 +237,7 @@ class Stack(nn.Module):
     @nn.compact
     def __call__(self, x_BLD, enc_BTD=None, enc_mask_BT=None, head=None):
         """-> (x, metrics), or with head = (head_fn, head params, targets, aux weights) under a pipeline that
-        owns its backward pass, (loss, metrics) from models/pipelined.py's pipelined_loss."""
+        runs the loss (pipelined.loss_in_pipeline), (loss, metrics) from models/pipelined.py's pipelined_loss."""
         c = self.cfg
         if head is not None:
             return pipelined_loss(self, self.num_layers // c.period, x_BLD, *head, periods=scanned_periods)
@@ -253,8 +252,8 @@ class DecoderLM(nn.Module):
 
     @nn.compact
     def __call__(self, tokens_BL, targets_BL=None, weights_BL=None):
-        """-> (logits, metrics); under a pipeline schedule that owns its backward pass (1F1B), the loss is
-        computed inside the pipeline: (tokens, targets[, weights]) -> (training loss, metrics)."""
+        """-> (logits, metrics); under a pipeline schedule that owns its backward pass (1F1B) or with stage-owned
+        ends, the loss is computed inside the pipeline: (tokens, targets[, weights]) -> (training loss, metrics)."""
         c, r, dt = self.cfg, self.cfg.rules, self.cfg.compute_dtype
         check(c, decoder_only=True)
         E = c.end_stages
@@ -266,7 +265,7 @@ class DecoderLM(nn.Module):
         L = tokens_BL.shape[1]
         if not c.rope:
             x = x + layers.sinusoid(L, c.d_model, layers.positions(L, r)).astype(dt)
-        if c.pipeline is not None and c.pipeline.owns_backward:
+        if loss_in_pipeline(c.pipeline, E):
             order = lambda t: None if t is None else layers.in_context_order(t, r)
             return self._loss_in_pipeline(embed, x, order(targets_BL), order(weights_BL))
         x, metrics = Stack(c, c.num_layers, causal=True, cross=False, train=self.train, name="decoder")(x)
@@ -363,7 +362,7 @@ def loss_fn(model: nn.Module, params, batch: dict, rng: Optional[jax.Array] = No
     """
     rngs = {"gating": rng} if rng is not None else {}
     c = model.cfg
-    if c.pipeline is not None and c.pipeline.owns_backward:
+    if loss_in_pipeline(c.pipeline, c.end_stages):
         if isinstance(model, EncoderDecoder):
             raise ValueError(f"pipeline schedule {c.pipeline.schedule!r} (the loss inside the pipeline) is built "
                              f"for the decoder-only LM; train the encoder-decoder with 'gpipe' or 'circular'")

@@ -181,15 +181,17 @@ def test_the_typed_config_names_an_unknown_field():
 
 
 def test_the_end_stages_own_the_ends_only_where_the_run_allows_it():
-    """configs.end_stages_of: the pipeline's stages for a 1F1B schedule on an untied decoder LM with
-    pipeline.owned_ends; replicated ends (1) otherwise: GPipe and circular, tied embeddings, the option off,
-    an offloaded optimizer state, the encoder-decoder, no pipeline."""
+    """configs.end_stages_of: the pipeline's stages on an untied decoder LM with pipeline.owned_ends, whatever
+    the schedule; replicated ends (1) otherwise: tied embeddings, the option off, an offloaded optimizer
+    state, the encoder-decoder, no pipeline."""
     from gshard_jax.models.pipelined import PipelineConfig
     cfg = configs.load(os.path.join(ROOT, "experiments", "tiny_dense_lm.py"))
     one_f_one_b, gpipe = PipelineConfig(4, 8, "1f1b"), PipelineConfig(4, 8, "gpipe")
     assert configs.end_stages_of(cfg, one_f_one_b) == 4
     assert configs.end_stages_of(cfg, PipelineConfig(2, 4, "interleaved_1f1b", 2)) == 2
-    assert configs.end_stages_of(cfg, gpipe) == configs.end_stages_of(cfg, None) == 1
+    assert configs.end_stages_of(cfg, gpipe) == 4
+    assert configs.end_stages_of(cfg, PipelineConfig(2, 4, "circular", 2)) == 2
+    assert configs.end_stages_of(cfg, None) == 1
     for section, field, value in (("model", "tie_embeddings", True), ("pipeline", "owned_ends", False),
                                   ("train", "offload_optimizer", True)):
         other = configs.load(os.path.join(ROOT, "experiments", "tiny_dense_lm.py"))

@@ -382,13 +382,15 @@ def test_a_flax_block_with_an_optax_loss_pipelines_like_xla(schedule):
     assert flops(ours) <= 1.05 * flops(xla)
 
 
-@pytest.mark.parametrize("schedule,r", [("1f1b", 1), pytest.param("interleaved_1f1b", 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("schedule,r", [("1f1b", 1), ("gpipe", 1), pytest.param("circular", 2, marks=pytest.mark.slow),
+                                        pytest.param("interleaved_1f1b", 2, marks=pytest.mark.slow)])
 def test_owned_ends_keep_the_input_and_head_gradients_on_their_stages(schedule, r):
     """owned_ends: x and the loss params lead with [stages]; stage 0 reads its slice of x and the last stage
-    its slice of the head. The loss and the layers' gradients are the replicated ends' (the unpipelined
-    function's), d x and d head come back on their owners only, and partitioned over {stage 4, data 2}
-    nothing crosses the stage axis but the stages' permutes and the scalar loss: the replicated ends' run
-    all-reduces d x and d head over it."""
+    runs the loss on its own outputs with its slice of the head. The loss and the layers' gradients are the
+    replicated ends' (the unpipelined function's), d x and d head come back on their owners only, and
+    partitioned over {stage 4, data 2} nothing crosses the stage axis but the stages' permutes and the
+    scalar loss: the replicated ends' run all-reduces d x and the outputs (GPipe, circular) or d head (1F1B)
+    over it."""
     mesh = gs.make_mesh({"stage": 4, "data": 2})
     p, m = 4, 8
     W, x, H, t = _problem(rows=32)
@@ -421,9 +423,12 @@ def test_owned_ends_keep_the_input_and_head_gradients_on_their_stages(schedule, 
 
     owned = gs.explain(run(True), mesh, Win, x_p, H_p, t)
     replicated = gs.explain(run(False), mesh, Win, x, H, t)
-    # d x (each device its half of the rows), d head and the loss, summed over the stages
-    assert over_stage(replicated, "all-reduce") == x.nbytes // 2 + H.nbytes + 4
-    assert over_stage(owned, "all-reduce") <= 4  # the loss, a float32 scalar
+    # d x (each device its half of the rows) and, summed over the stages, the outputs (as big: the loss then runs
+    # on every stage) or d head and the loss (1F1B runs the loss on the last stage)
+    own = schedule in S.OWN_BACKWARD
+    ends = x.nbytes // 2 + (H.nbytes + 4 if own else x.nbytes // 2)
+    assert over_stage(replicated, "all-reduce") == ends
+    assert over_stage(owned, "all-reduce") + over_stage(owned, "reduce-scatter") <= 4  # the loss, a float32 scalar
     assert over_stage(owned, "collective-permute") == over_stage(replicated, "collective-permute")
     assert_report_matches_hlo(owned, hlo_stats(part, Win, x_p, H_p, t))
     with pytest.raises(ValueError, match=r"every leaf of loss_params must lead with the 4 stages"):

@@ -10,6 +10,7 @@ import gshard_jax as gs
 from gshard_jax.models import pipelined as PM, transformer as T
 from gshard_jax.models.moe import MoeConfig
 from gshard_jax.models.pipelined import PipelineConfig
+from gshard_jax.pipelines import schedules as S
 from helpers import assert_report_matches_hlo, hlo_stats, ragged_all_to_all_emulated_on_cpu
 
 B, L, V = 16, 8, 64
@@ -272,16 +273,40 @@ def _owned_case(schedule, p, r, partitioned):
     return f, mesh, stored, batch, (pc, cfg)
 
 
+def _reductions_over_stage(report) -> int:
+    """Per step, the bytes explain's rows all-reduce or reduce-scatter over `stage` (the permutes are sends)."""
+    return sum(c.payload * c.runs * row.trips for row in report.rows for c in row.collectives
+               if c.kind in ("all-reduce", "reduce-scatter") and "stage" in c.axes)
+
+
+@pytest.mark.parametrize("schedule,p,r", [("gpipe", 4, 1), ("circular", 2, 2)])
+def test_the_forward_schedules_run_the_head_on_the_last_stage(schedule, p, r):
+    """GPipe and circular with stage-owned ends (the default for an untied decoder LM) hand the last stage's
+    outputs to the head on that stage, as 1F1B does: over {stage p, data 8/p} a step reduces over `stage`
+    only the scalar loss and metrics, where summing the outputs [B, L, D] over it (and their gradient, the
+    input's) moved 2 B L D 4 / (8 / p) bytes. The values are test_stage_owned_ends_send_nothing_...'s."""
+    cfg = dataclasses.replace(_config(False), end_stages=p)
+    pc = PipelineConfig(p, 2 * p, schedule, r)
+    batch = _batch()
+    stored = jax.jit(T.DecoderLM(dataclasses.replace(cfg, pipeline=pc)).init)(jax.random.key(0), batch["inputs"],
+                                                                              batch["targets"])
+    report = gs.explain(_pipelined_loss(cfg, pc), gs.make_mesh({"stage": p, "data": 8 // p}), stored, batch)
+    assert report.pipelines[0]["schedule"] == schedule
+    assert _reductions_over_stage(report) <= 64  # the loss and the metrics
+
+
 # slow (30 s): the default suite checks the same through the trainer's planned step
 # (test_planner.py::test_what_crosses_stages_once_a_step) and the pipeline alone (test_pipeline.py)
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,p,r", [("1f1b", 4, 1), ("interleaved_1f1b", 2, 2)])
+@pytest.mark.parametrize("schedule,p,r", [("1f1b", 4, 1), ("interleaved_1f1b", 2, 2), ("gpipe", 4, 1),
+                                          ("circular", 2, 2)])
 def test_stage_owned_ends_send_nothing_over_the_stages_but_the_loss(schedule, p, r):
     """TransformerConfig.end_stages = p: the embedding, final norm and unembedding lead with [stages]; stage
     0 reads its slice of the embedding and the last stage its slice of the head, and the gradients stay on
-    their owners. The loss and gradients are gradient accumulation's, and partitioned over {stage p, data
-    8/p} the all-reduces over `stage` carry the scalar loss and metrics, where replicated ends all-reduce
-    the embedding's input gradient [B, L, D] and the head's gradient there."""
+    their owners (GPipe and circular too: the last stage runs the head on its own outputs). The loss and
+    gradients are gradient accumulation's, and partitioned over {stage p, data 8/p} the all-reduces over
+    `stage` carry the scalar loss and metrics, where replicated ends all-reduce the embedding's input gradient
+    [B, L, D] and the head's gradient (1F1B) or the last stage's outputs [B, L, D] (GPipe, circular) there."""
     f, mesh, stored, batch, (pc, cfg) = _owned_case(schedule, p, r, partitioned=True)
 
     def over_stage(report):
@@ -293,7 +318,9 @@ def test_stage_owned_ends_send_nothing_over_the_stages_but_the_loss(schedule, p,
     plain = T.DecoderLM(base).init(jax.random.key(1), batch["inputs"])
     replicated = gs.explain(_pipelined_loss(base, pc), mesh, PM.reorder(plain, PM.stacked(plain), PM.order_key(None),
                                                                        PM.order_key(pc)), batch)
-    head_and_input = 4 * (base.d_model * base.vocab_size + B * L * base.d_model // (8 // p))
-    assert over_stage(replicated) >= head_and_input, (over_stage(replicated), over_stage(owned))
+    residual_stream = 4 * B * L * base.d_model // (8 // p)  # a device's rows of [B, L, D] float32
+    head = 4 * base.d_model * base.vocab_size
+    ends = residual_stream + (head if schedule in S.OWN_BACKWARD else residual_stream)
+    assert over_stage(replicated) >= ends, (over_stage(replicated), over_stage(owned))
     assert over_stage(owned) <= 64  # scalars: the loss and the MoE metrics
     assert_report_matches_hlo(owned, hlo_stats(gs.partition(f, mesh), stored, batch))

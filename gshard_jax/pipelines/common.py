@@ -58,6 +58,27 @@ def microbatches(x: PyTree, m: int) -> PyTree:
     return jax.tree.map(one, x)
 
 
+def stage_inputs(x: PyTree, m: int, p: int, axis: Optional[str], x_spec: Optional[PyTree],
+                 owned: bool) -> tuple[PyTree, PyTree]:
+    """(xs, one microbatch's [p, ...] shapes): x's microbatches, [B/m, m, ...] per leaf, or with owned ends
+    [p, B/m, m, ...], x leading with [p] split over the stage axis so that stage 0 reads its own slice."""
+    if not owned:
+        xs = microbatches(x, m)
+        return xs, jax.tree.map(lambda a: (p,) + one_shape(a), xs)
+    xs = jax.vmap(lambda a: microbatches(a, m))(shard_leading(x, (axis,), x_spec, axis))  # [p, B/m, m, ...]
+    return xs, jax.tree.map(lambda a: (p,) + one_shape(a[0]), xs)
+
+
+def check_owned(p: int, **trees: PyTree) -> None:
+    """owned ends' inputs: every leaf leads with the p stages."""
+    for name, tree in trees.items():
+        bad = [tuple(jnp.shape(a)) for a in jax.tree.leaves(tree) if jnp.ndim(a) == 0 or jnp.shape(a)[0] != p]
+        if bad:
+            raise ValueError(f"owned_ends=True: every leaf of {name} must lead with the {p} stages (stage s's "
+                             f"slice at [s]); got shapes {bad[:3]}. Stack the replicated value p times, e.g. "
+                             f"jnp.broadcast_to(a, ({p},) + a.shape)")
+
+
 def unmicrobatch(y: PyTree) -> PyTree:
     """The inverse of `microbatches`."""
     return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), y)
@@ -92,6 +113,24 @@ def where(ok, a, b):
 
 def zero_unless(ok, tree):
     return jax.tree.map(lambda u: jnp.where(mask(ok, u), u, jnp.zeros((), u.dtype)), tree)
+
+
+@jax.custom_vjp
+def gradient_where(ok, tree):
+    """tree, its cotangent zeroed where not ok: what a stage that must not use a value computes from it reaches
+    no gradient (a select of the value itself would be a new array for the partitioner to lay out)."""
+    return tree
+
+
+def _gradient_where_fwd(ok, tree):
+    return tree, ok
+
+
+def _gradient_where_bwd(ok, ct):
+    return None, zero_unless(ok, ct)
+
+
+gradient_where.defvjp(_gradient_where_fwd, _gradient_where_bwd)
 
 
 def put(tree, idx, value, ok):

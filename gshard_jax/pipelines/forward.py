@@ -30,14 +30,14 @@ from .common import (
     PyTree,
     Run,
     aux_zeros,
+    check_owned,
     chunk,
     from_stage,
-    microbatches,
-    one_shape,
     put_rows,
     record,
     stacked,
     stage_axis,
+    stage_inputs,
     stages_of,
     unmicrobatch,
     zero_unless,
@@ -47,7 +47,7 @@ from .residuals import Residuals
 
 def pipeline(stage_fn: Callable, params: PyTree, x: PyTree, *, num_microbatches: int, schedule: str = "gpipe",
              repeats: int = 1, has_aux: bool = False, axis: str = "stage", x_spec: Optional[PyTree] = None,
-             param_specs: Optional[PyTree] = None, unroll: bool = False):
+             param_specs: Optional[PyTree] = None, unroll: bool = False, owned_ends: bool = False):
     """Run `stage_fn(chunk_params, x_mb) -> y_mb` (or (y_mb, aux) with has_aux) as a pipeline over x's batch.
 
     params: a pytree whose leaves lead with [stages] (repeats == 1) or [repeats, stages] (MaxText's
@@ -58,28 +58,36 @@ def pipeline(stage_fn: Callable, params: PyTree, x: PyTree, *, num_microbatches:
     tuple over the other mesh axes (one microbatch / one chunk), for the annotations the pipeline makes.
     unroll: unroll the tick loop (XLA may then overlap a tick's permute with the next tick's compute, and
     cost_analysis() counts every tick).
+    owned_ends: the pipeline's ends are owned by its end stages, as in `pipeline_value_and_grad`. x leads
+    with [stages] (split over the stage axis) and stage 0 reads its own slice; y comes back as [stages, B, ...],
+    the last stage's slice holding the outputs and the others zeros, for a head run on the last stage
+    (vmapped over the stage dim). Otherwise y is replicated over the stages: the last stage's outputs are
+    summed over the stage axis with the others' zeros, an all-reduce as big as y (and x's gradient is too).
     The 1F1B schedules run their forward order here; their backward needs `pipeline_value_and_grad`.
     """
     p = stages_of(params, repeats)
     S.check(schedule, p, num_microbatches, repeats)
     name = {"1f1b": "gpipe", "interleaved_1f1b": "circular"}.get(schedule, schedule)
+    if owned_ends:
+        check_owned(p, x=x)
     sc = S.make(name, p, num_microbatches, repeats)
     record(sc)
     ax = stage_axis(axis, p)
     run = Run(stage_fn, has_aux, sc, ax, x_spec)
     params_rp = stacked(params, repeats, p, ax, param_specs)
-    xs = microbatches(x, num_microbatches)
-    y0 = run.state(jax.tree.map(lambda a: jnp.zeros((p,) + one_shape(a), a.dtype), xs))
-    out0 = jax.tree.map(lambda a: jnp.zeros((p,) + a.shape, a.dtype), xs)
+    xs, one_x = stage_inputs(x, num_microbatches, p, ax, x_spec, owned_ends)
+    y0 = run.state(jax.tree.map(lambda a, shape: jnp.zeros(shape, a.dtype), xs, one_x))
+    # per stage, every microbatch's output: only the last stage's slice is written
+    out0 = jax.tree.map(lambda a: jnp.zeros(a.shape if owned_ends else (p,) + a.shape, a.dtype), xs)
     aux0 = aux_zeros(run, params_rp, y0)
 
-    stages = _lean_stages(run, params_rp, xs, repeats)
+    stages = _lean_stages(run, params_rp, y0, repeats)
 
     def tick(carry, row):
         state, out, aux = carry
         mb, rep, _ = row
         valid = mb >= 0
-        inp = run.inject(xs, state, mb, rep)
+        inp = run.inject(xs, state, mb, rep, owned_ends)
         y, a = stages(params_rp, rep, inp, valid)
         last = valid & (run.stage_ids == p - 1) & (rep == repeats - 1)
         out = put_rows(out, mb, y, last)
@@ -89,12 +97,12 @@ def pipeline(stage_fn: Callable, params: PyTree, x: PyTree, *, num_microbatches:
     with jax.named_scope(f"pipeline.{name}"):
         (_, out, aux), _ = jax.lax.scan(tick, (y0, out0, aux0), run.rows(sc.forward, range(sc.ticks)),
                                         unroll=unroll)
-    y = unmicrobatch(from_stage(out, p - 1))
+    y = jax.vmap(unmicrobatch)(out) if owned_ends else unmicrobatch(from_stage(out, p - 1))
     aux = jax.tree.map(lambda a: a.sum(0), aux)
     return (y, aux) if has_aux else y
 
 
-def _lean_stages(run: "Run", params_rp, xs, r: int) -> Callable:
+def _lean_stages(run: "Run", params_rp, state, r: int) -> Callable:
     """(params_rp, rep, inp, valid) -> every stage on its chunk of repeat rep[s]: (y, aux).
 
     With repeats the chunk a stage reads changes every tick, so autodiff would keep each tick's gathered
@@ -107,7 +115,7 @@ def _lean_stages(run: "Run", params_rp, xs, r: int) -> Callable:
         return plain
     res = Residuals(run.vmap, run.call,
                     jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params_rp),
-                    jax.tree.map(lambda a: jax.ShapeDtypeStruct((run.sc.stages,) + one_shape(a), a.dtype), xs))
+                    jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state))
     lean = jax.custom_vjp(plain)
 
     def fwd(params_rp, rep, inp, valid):

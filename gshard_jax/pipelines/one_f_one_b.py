@@ -22,7 +22,6 @@ from .common import (
     f32,
     from_stage,
     microbatches,
-    one_shape,
     put,
     put_rows,
     record,
@@ -30,6 +29,7 @@ from .common import (
     shard_leading,
     stacked,
     stage_axis,
+    stage_inputs,
     unmicrobatch,
     weights_like,
     where,
@@ -50,13 +50,7 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
     run = Run(stage_fn, has_aux, sc, ax, x_spec)
     ids = run.stage_ids
     params_rp = stacked(params, r, p, ax, param_specs)
-    if owned_ends:
-        x = shard_leading(x, (ax,), x_spec, ax)  # loss_params keep their own layout (the vmap splits dim 0)
-        xs = jax.vmap(lambda a: microbatches(a, m))(x)  # [p, B/m, m, ...]
-        one_x = jax.tree.map(lambda a: (p,) + one_shape(a[0]), xs)
-    else:
-        xs = microbatches(x, m)
-        one_x = jax.tree.map(lambda a: (p,) + one_shape(a), xs)
+    xs, one_x = stage_inputs(x, m, p, ax, x_spec, owned_ends)  # loss_params keep their layout (vmap splits dim 0)
     ts = microbatches(targets, m)
     res = Residuals(run.vmap, run.call,
                     jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params_rp),
