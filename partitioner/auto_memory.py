@@ -24,7 +24,7 @@ import numpy as np
 
 from .auto_graph import Graph, _local_bytes, viewed
 from .jax_compat import scan_counts
-from .liveness import Lifetimes, lifetimes
+from .liveness import Lifetimes, fusion_aware, lifetimes
 from .program import Eqn, Program, Value
 from .sharding import Sharding
 
@@ -164,98 +164,11 @@ def _result_of(e: Eqn) -> str:
     return f"the result of {e.name}" + (f" at {e.source}" if e.source else "")
 
 
-# Count the temporaries as XLA holds them (fusion_aware) rather than as explain()'s liveness does: on once
-# liveness.lifetimes applies fusion_aware too, so the choice's temporaries stay explain()'s (test_auto.py
-# compares them), and a choice within the budget is one explain() says is within it.
-FUSION_AWARE = False
-# ops XLA fuses into a reader that fuses too (a loop fusion), besides the pointwise ones
-FUSED = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "iota",
-                   "sharding_annotation"})
-
-
-def fused(program: Program) -> set:
-    """The values XLA never stores: made by a top-level pointwise (or broadcast, reshape, transpose) op and
-    read once, by such an op, so each is computed inside its reader's loop fusion (an optimizer's update,
-    tree_map by tree_map over every parameter, is a few such chains per parameter ending in its new state).
-    A value read twice is stored (XLA duplicates only cheap producers into several consumers), and so are a
-    body's values and results, the program's outputs and what a loop, a reduction, a matmul or a collective
-    reads."""
-    from . import registry as REG  # (registry imports the lowering, which imports the auto modules' callers)
-    fusing = lambda e: not e.subs and (e.name in FUSED or e.name in REG.POINTWISE)
-    readers: dict = {}
-    stored: set = {id(v) for v in program.outvars}
-    for e in program.all_eqns():
-        for x in e.invars:
-            readers.setdefault(id(x), []).append(e)
-        for sub in e.subs.values():
-            stored.update(id(v) for v in sub.outvars)
-    top = {id(e) for e in program.eqns}
-    return {id(v) for e in program.eqns if fusing(e) for v in e.outvars
-            if id(v) not in stored and len(readers.get(id(v), ())) == 1 and id(readers[id(v)][0]) in top
-            and fusing(readers[id(v)][0])}
-
-
-def _sinks_early(program: Program, lt: Lifetimes, gone: set) -> np.ndarray:
-    """The temporaries' last points with the program's sinks run as early as their operands allow, as XLA's
-    memory-minimising scheduler runs them: a sink is a top-level op of those `fused` fuses whose results are
-    outputs or fused values only sinks read (a parameter's optimizer update, run as soon as its gradient is made
-    rather than after every gradient, as optax's tree_maps are written). The other readers keep their points."""
-    from . import registry as REG
-    top = {id(e) for e in program.eqns}
-    outputs = {id(v) for v in program.outvars}
-    readers: dict = {}
-    for e in program.all_eqns():
-        for x in e.invars:
-            readers.setdefault(id(x), []).append(e)
-    made_at = {id(v): int(a) for v, a in zip(lt.values, lt.start)}
-    maker = {id(v): e for e in program.all_eqns() for v in e.outvars}
-    fusing = lambda e: id(e) in top and not e.subs and (e.name in FUSED or e.name in REG.POINTWISE)
-    sinks: set = set()  # id() of the sinks, found from the last op back (a sink's readers come after it)
-    for e in reversed(program.eqns):
-        if fusing(e) and all(id(v) in outputs or (id(v) in gone and all(id(r) in sinks for r in readers.get(
-                id(v), ()))) for v in e.outvars):
-            sinks.add(id(e))
-    ready: dict = {}  # id(op) -> the point its operands are all made at (fused ones: where their makers may run)
-
-    def made(x) -> int:  # the first point x may be read at
-        m = maker.get(id(x))
-        if id(x) in made_at or m is None:
-            return made_at.get(id(x), 0)  # a temporary where its op makes it; an argument or constant at once
-        if fusing(m) and (id(x) in gone or id(m) in sinks):  # computed in its readers, or a sink run early
-            return ready[id(m)]
-        return lt.spans.get(m, (0, 0))[1]
-
-    for e in program.eqns:  # in program order: an operand's maker's point is known before its reader's
-        ready[id(e)] = max((made(x) for x in e.invars), default=0)
-    end = lt.end.copy()
-    for k, v in enumerate(lt.values):
-        rs = readers.get(id(v), ())
-        if not rs or any(id(r) not in top or r not in lt.spans for r in rs):
-            continue
-        points = [ready[id(r)] if id(r) in sinks else lt.spans[r][1] for r in rs]
-        end[k] = min(end[k], max(int(lt.start[k]), *points))
-    return end
-
-
-def fusion_aware(program: Program, lt: Lifetimes) -> Lifetimes:
-    """lt less the values XLA fuses away (`fused`), with the sinks run early (`_sinks_early`)."""
-    gone = fused(program)
-    if not gone:
-        return lt
-    keep = [k for k, v in enumerate(lt.values) if id(v) not in gone]
-    out = dataclasses.replace(lt, values=[lt.values[k] for k in keep], start=lt.start[keep], end=lt.end[keep])
-    if hasattr(out, "early"):  # the values made at the program's start (liveness.py)
-        out.early = [v for v in out.early if id(v) not in gone]
-    out.end = _sinks_early(program, out, gone)
-    return out
-
-
 def temporaries(g: Graph, program: Program, mesh_shape: dict) -> Temporaries:
-    """The temporaries of the program the graph was built from, over its nodes' options (with FUSION_AWARE,
-    the values XLA fuses away left out, its sinks run early, and the outputs held as made until they leave)."""
-    lt = lifetimes(program)
-    if FUSION_AWARE:
-        lt = fusion_aware(program, lt)
+    """The temporaries of the program the graph was built from, over its nodes' options, as explain() counts
+    them (liveness.fusion_aware: the values XLA fuses away left out, its sinks run early; and the outputs held
+    as made until they leave)."""
+    lt = fusion_aware(program, lifetimes(program, {e: 0 for e in _prefetchable(program)}))
     made = {id(v): e for e in program.all_eqns() for v in e.outvars}
     node, sizes = [], []
     for v in lt.values:
@@ -266,15 +179,38 @@ def temporaries(g: Graph, program: Program, mesh_shape: dict) -> Temporaries:
                        _copies(g, program, lt, mesh_shape))
 
 
+def _prefetchable(program: Program) -> list[Eqn]:
+    """The scans whose stacked inputs the lowering may gather a trip ahead (prefetch.py): their peeled trip's
+    recomputation is counted through the loop whatever the choice (over where the choice gathers none)."""
+    from . import deferral as DF, prefetch as PF  # (prefetch reads the lowering's plan)
+    made_by = {id(v): e for e in program.all_eqns() for v in e.outvars}
+    if not PF.ENABLED.get():
+        return []
+    out = []
+    for e in program.all_eqns():
+        if e.name == "scan" and e.params["length"] >= 2:
+            nc, nk = scan_counts(e.params)
+            if any(getattr(made_by.get(id(x)), "name", None) not in DF.LOOPS for x in e.invars[nc + nk:]):
+                out.append(e)
+    return out
+
+
 def _copies(g: Graph, program: Program, lt: Lifetimes, mesh_shape: dict) -> list[Copy]:
     """A Copy per value and sharding some reader's option needs of it that its maker's options may not make.
     A scan's const is copied at the scan's entry (the lowering reads it there), so its readers in the body
-    read the caller's value over all of the scan's points."""
+    read the caller's value over all of the scan's points. A scan's stacked input gathered for its body is
+    gathered a trip ahead where the lowering pipelines the loop (prefetch.py): the trip's slice and the next
+    one's, held over all of the loop's points."""
+    from . import prefetch as PF
     entry: dict = {}  # a scan body's const -> (the scan, the caller's value it stands for)
+    stacked: dict = {}  # a prefetchable scan body's stacked input -> the scan
+    prefetched = set(_prefetchable(program))
     for e in program.all_eqns():
         if e.name == "scan":
-            nc, _ = scan_counts(e.params)
+            nc, nk = scan_counts(e.params)
             entry.update((b, (e, x)) for b, x in zip(e.subs["body"].invars[:nc], e.invars[:nc]) if isinstance(x, Value))
+            if e in prefetched:
+                stacked.update((b, e) for b in e.subs["body"].invars[nc + nk:])
     groups: dict = {}
     for edge in g.edges:
         x, reader = edge.value, edge.reader
@@ -284,6 +220,9 @@ def _copies(g: Graph, program: Program, lt: Lifetimes, mesh_shape: dict) -> list
         while x in entry:  # read at the loop's entry
             reader, x = entry[x]
             first, last = lt.spans[reader]
+        ahead = x in stacked and stacked[x] in lt.spans
+        if ahead:
+            first, last = lt.spans[stacked[x]]
         if edge.at_end:
             first = last
         a, r, view = g.values[edge.value]
@@ -303,11 +242,12 @@ def _copies(g: Graph, program: Program, lt: Lifetimes, mesh_shape: dict) -> list
             key = (id(x), t)
             if key not in groups:
                 held = g.nodes[a].what if g.nodes[a].value is x else f"a value of {g.nodes[a].what}"
-                groups[key] = Copy(a, done, float(_local_bytes(x, t, mesh_shape)), [], x,
+                n = float(_local_bytes(x, t, mesh_shape)) * (PF.AHEAD_LAYERS if ahead else 1)
+                groups[key] = Copy(a, done, n, [], x,
                                    f"{held} resharded to {t} for {reader.name}" + (f" at {reader.source}"
                                                                                 if reader.source else ""))
             groups[key].readers.append(Reader(edge.dst, np.array([n == t for n in need], bool), first, last))
-    return list(groups.values()) + (_exits(g, lt, mesh_shape) if FUSION_AWARE else [])
+    return list(groups.values()) + _exits(g, lt, mesh_shape)
 
 
 def _exits(g: Graph, lt: Lifetimes, mesh_shape: dict) -> list[Copy]:

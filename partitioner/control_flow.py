@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from . import deferral as DF, prefetch as PF
 from .jax_compat import scan_counts
+from .liveness import nbytes
 from .program import BODIES, Token
 from .sharding import Sharding
 
@@ -109,6 +110,9 @@ def _pipelined(lo, eqn, env, log, ins, carry_sh, xs, x_sh, y_sh, ahead: dict, de
         return x if dry else jax.lax.dynamic_index_in_dim(x, i + by, keepdims=False)
 
     what = {j: f"{xvars[j]} (stacked input {j} of the scan)" for j in js}
+    # held through the loop: the trip's gathered weights (the carry) and the next trip's, gathered beside them
+    lo.ahead[eqn] = PF.AHEAD_LAYERS * sum(nbytes(xvars[j], ahead[j].local_shape(xvars[j].shape, lo.mesh_shape))
+                                       for j in js)
     w0 = [lo.gather_ahead(at(xs[j], first), xvars[j], x_sh[j], ahead[j], what[j]) for j in js]
 
     def given(carry, x_now, w_now):

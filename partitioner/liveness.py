@@ -18,9 +18,8 @@ checkpointed region's recomputation (what the rest of the region reads and XLA d
 made where its operands are, as if there were no remat (in a loop's body, within the trip), and a constant
 an update writes into is made at its body's start; a manual region (shard_map) holds its body's
 temporaries (_manual_peak); a scan pipelined by prefetch.py, where the caller names it (lifetimes' `ahead`),
-holds the weights it gathers a trip ahead and its peeled trip's recomputation through the loop. explain()
-does not name them yet: the automatic sharding's rows (auto_memory.py), which must count what explain()
-counts, cannot, so a prefetched ZeRO-3 / FSDP stack's temporaries are under the compiled step's.
+holds the weights it gathers a trip ahead and its peeled trip's recomputation through the loop (the lowering
+names the scans it pipelined; the automatic sharding's rows, auto_memory.py, name every scan it may).
 
 What this is: the program's own values, each in the sharding the plan gives it, at their per-device size.
 What it is not: XLA's buffer assignment. XLA fuses elementwise ops (their results are never stored) and may
@@ -242,6 +241,86 @@ def _hoist(region: Eqn, base: int, span: tuple, start: dict, end: dict) -> list:
     return stored
 
 
+# ops XLA fuses into a reader that fuses too (a loop fusion), besides the pointwise ones
+FUSED = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "iota",
+                   "sharding_annotation"})
+
+
+def fused(program: Program) -> set:
+    """The values XLA never stores: made by a top-level pointwise (or broadcast, reshape, transpose) op and
+    read once, by such an op, so each is computed inside its reader's loop fusion (an optimizer's update,
+    tree_map by tree_map over every parameter, is a few such chains per parameter ending in its new state).
+    A value read twice is stored (XLA duplicates only cheap producers into several consumers), and so are a
+    body's values and results, the program's outputs and what a loop, a reduction, a matmul or a collective
+    reads."""
+    fusing = lambda e: not e.subs and (e.name in FUSED or e.name in POINTWISE)
+    readers: dict = {}
+    stored: set = {id(v) for v in program.outvars}
+    for e in program.all_eqns():
+        for x in e.invars:
+            readers.setdefault(id(x), []).append(e)
+        for sub in e.subs.values():
+            stored.update(id(v) for v in sub.outvars)
+    top = {id(e) for e in program.eqns}
+    return {id(v) for e in program.eqns if fusing(e) for v in e.outvars
+            if id(v) not in stored and len(readers.get(id(v), ())) == 1 and id(readers[id(v)][0]) in top
+            and fusing(readers[id(v)][0])}
+
+
+def _sinks_early(program: Program, lt: Lifetimes, gone: set) -> np.ndarray:
+    """The temporaries' last points with the program's sinks run as early as their operands allow, as XLA's
+    memory-minimising scheduler runs them: a sink is a top-level op of those `fused` fuses whose results are
+    outputs or fused values only sinks read (a parameter's optimizer update, run as soon as its gradient is made
+    rather than after every gradient, as optax's tree_maps are written). The other readers keep their points."""
+    top = {id(e) for e in program.eqns}
+    outputs = {id(v) for v in program.outvars}
+    readers: dict = {}
+    for e in program.all_eqns():
+        for x in e.invars:
+            readers.setdefault(id(x), []).append(e)
+    made_at = {id(v): int(a) for v, a in zip(lt.values, lt.start)}
+    maker = {id(v): e for e in program.all_eqns() for v in e.outvars}
+    fusing = lambda e: id(e) in top and not e.subs and (e.name in FUSED or e.name in POINTWISE)
+    sinks: set = set()  # id() of the sinks, found from the last op back (a sink's readers come after it)
+    for e in reversed(program.eqns):
+        if fusing(e) and all(id(v) in outputs or (id(v) in gone and all(id(r) in sinks for r in readers.get(
+                id(v), ()))) for v in e.outvars):
+            sinks.add(id(e))
+    ready: dict = {}  # id(op) -> the point its operands are all made at (fused ones: where their makers may run)
+
+    def made(x) -> int:  # the first point x may be read at
+        m = maker.get(id(x))
+        if id(x) in made_at or m is None:
+            return made_at.get(id(x), 0)  # a temporary where its op makes it; an argument or constant at once
+        if fusing(m) and (id(x) in gone or id(m) in sinks):  # computed in its readers, or a sink run early
+            return ready[id(m)]
+        return lt.spans.get(m, (0, 0))[1]
+
+    for e in program.eqns:  # in program order: an operand's maker's point is known before its reader's
+        ready[id(e)] = max((made(x) for x in e.invars), default=0)
+    end = lt.end.copy()
+    for k, v in enumerate(lt.values):
+        rs = readers.get(id(v), ())
+        if not rs or any(id(r) not in top or r not in lt.spans for r in rs):
+            continue
+        points = [ready[id(r)] if id(r) in sinks else lt.spans[r][1] for r in rs]
+        end[k] = min(end[k], max(int(lt.start[k]), *points))
+    return end
+
+
+def fusion_aware(program: Program, lt: Lifetimes) -> Lifetimes:
+    """lt less the values XLA fuses away (`fused`), with the sinks run early (`_sinks_early`)."""
+    gone = fused(program)
+    if not gone:
+        return lt
+    keep = [k for k, v in enumerate(lt.values) if id(v) not in gone]
+    out = dataclasses.replace(lt, values=[lt.values[k] for k in keep], start=lt.start[keep], end=lt.end[keep])
+    if hasattr(out, "early"):  # the values made at the program's start (liveness.py)
+        out.early = [v for v in out.early if id(v) not in gone]
+    out.end = _sinks_early(program, out, gone)
+    return out
+
+
 def nbytes(v: Value, local_shape: tuple) -> int:
     """Bytes of a value's local shard (a typed PRNG key's: its key data's)."""
     return math.prod(local_shape) * v.aval.dtype.itemsize
@@ -269,11 +348,13 @@ class Peak:
 
 def peak(program: Program, local_bytes: Callable[[Value], int], lt: Optional[Lifetimes] = None,
          named: int = 3, copies: Sequence[Copy] = (), names: Mapping[Value, str] = {},
-         ahead: Mapping[Eqn, int] = {}) -> Peak:
-    """The temporaries' peak with each value at local_bytes(value) per device, and the operands' copies
-    (each alive from its first reader's first point to its last reader's last); named: how many to name,
-    names: what to call the program's inputs, ahead: as lifetimes()."""
-    lt = lt or lifetimes(program, ahead)
+         ahead: Mapping[Eqn, int] = {}, exits: Sequence[Value] = ()) -> Peak:
+    """The temporaries' peak (as XLA holds them: fusion_aware) with each value at local_bytes(value) per
+    device, and the operands' copies (each alive from its first reader's first point to its last reader's
+    last); named: how many to name, names: what to call the program's inputs, ahead: as lifetimes(), exits:
+    the outputs that leave resharded, each held as made from its op to the program's end (the output is
+    another buffer)."""
+    lt = lt or fusion_aware(program, lifetimes(program, ahead))
     if not lt.ops:
         return Peak(0, "")
     sizes = np.array([local_bytes(v) for v in lt.values], float)
@@ -281,8 +362,11 @@ def peak(program: Program, local_bytes: Callable[[Value], int], lt: Optional[Lif
     spans = [lt.span(c.readers) for c in copies]
     for c, (a, b) in zip(copies, spans):
         at[a: b + 1] += c.bytes
-    p = int(np.argmax(at))
     made = {id(v): e for e in program.all_eqns() for v in e.outvars}
+    held_out = [(lt.spans[made[id(v)]][0], local_bytes(v), v) for v in exits if made.get(id(v)) in lt.spans]
+    for a, n, _ in held_out:
+        at[a:] += n
+    p = int(np.argmax(at))
 
     def made_by(v: Value) -> str:
         e = made.get(id(v))
@@ -293,5 +377,6 @@ def peak(program: Program, local_bytes: Callable[[Value], int], lt: Optional[Lif
     held += [(c.bytes, f"{names.get(c.value) or made_by(c.value)} resharded for {c.readers[0].name} at "
                        f"{c.readers[0].source}") for c, (a, b) in zip(copies, spans) if a <= p <= b]
     held += [(int(n), what) for a, b, n, what in lt.scratch if a <= p <= b]
+    held += [(n, f"{made_by(v)}, before it leaves resharded") for a, n, v in held_out if a <= p]
     largest = tuple((what, n) for n, what in sorted(held, key=lambda t: -t[0])[:named])
     return Peak(int(at[p]), f"{lt.ops[p].name} at {lt.ops[p].source}", largest)

@@ -38,6 +38,9 @@ class LocalShards:
         if v in self._lazy and DF.kept(self._lazy[v], have):
             return
         planned = self.plan.sharding(v)
+        if have != planned and not have.partial and x is not None:  # as made: a reader of a slice slices it
+            self._cache[(v, have)] = x
+            self._resharded.setdefault(v, set()).add(have)
         env[v] = (self._reshard(env, v, planned, log)[0], planned)
 
     def _reshard(self, env, v, dst: Sharding, log: list[Collective]):
@@ -58,6 +61,15 @@ class LocalShards:
                 # Step by step: a sharding on the way that an earlier reshard of v reached is reused (an exit
                 # reshard that starts with the all-gather an op already made sends it once, as XLA's CSE does).
                 y = x
+                # A sharding v was made or resharded in that holds dst's blocks (dst a local slice of it): slice
+                # that, as XLA folds a gather of a slice of an array it has whole into that array.
+                wider = [s for s in self._resharded.get(v, ()) if (v, s) in self._cache and s != src and all(
+                    st.kind == "all-slice" for st in self.reshard_steps(s, dst, v.shape))]
+                if wider:
+                    y, src = self._cache[(v, wider[0])], wider[0]
+                remade = self._remade(env, v, src, dst)
+                if remade is not None:
+                    y, src = remade, dst
                 for st in self.reshard_steps(src, dst, v.shape):
                     done = self._cache.get((v, st.after))
                     if done is None:
@@ -74,6 +86,23 @@ class LocalShards:
             copy = self.copies.setdefault(id(y), Copy(y, v, nbytes(v, dst.local_shape(v.shape, self.mesh_shape))))
             copy.readers.append(self._reader)
         return self._cache[key], dst
+
+    def _remade(self, env, v: Value, src: Sharding, dst: Sharding):
+        """v made again in dst where it is a scalar broadcast, annotated or not (every device can make any block
+        of it), and resharding it would move bytes: as XLA folds a collective of a constant. None: not so."""
+        e = self.producers().get(v)
+        while e is not None and e.name == "sharding_annotation":  # (an annotation of it: the same values)
+            e = self.producers().get(e.invars[0])
+        if e is None or e.name != "broadcast_in_dim" or e.invars[0].shape or dst.partial or all(
+                st.kind == "all-slice" for st in self.reshard_steps(src, dst, v.shape)):
+            return None
+        x = e.invars[0]
+        if isinstance(x, Value) and x not in env:
+            return None
+        if self.dry:
+            return Token()
+        scalar = x.val if isinstance(x, Const) else env[x][0]
+        return jnp.broadcast_to(scalar, dst.local_shape(v.shape, self.mesh_shape)).astype(v.aval.dtype)
 
     @contextlib.contextmanager
     def reading(self, eqn: Optional[Eqn]) -> Iterator[None]:

@@ -88,6 +88,7 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
         # every op that reuses it), and the op whose operands are being read (None: a reshard is no reader's copy)
         self.copies: dict[int, LV.Copy] = {}
         self._reader: Optional[Eqn] = None
+        self.ahead: dict[Eqn, int] = {}  # a scan pipelined by prefetch.py -> the gathered weights it holds (bytes)
 
     # ------------------------------------------------------------------ execution
     def run(self, *local_args):
@@ -98,7 +99,7 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
         self._made_by: Optional[dict] = None  # producers()
         self._reads: Optional[dict] = None  # value -> its readers (reads())
         self._prefix, self._trips = "", 1
-        self.copies, self._reader = {}, None
+        self.copies, self._reader, self.ahead = {}, None, {}
         values = list(self.program.invars) + [v for v, _ in self.program.consts]
         for v, x, e, name in zip(values, local_args, self.entry, self.in_names):
             log: list[Collective] = []
@@ -107,17 +108,19 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
                 self._boundary_row("input", name, v, e, self.plan.sharding(v), log)
         self.sum_trees(self.program)
         self._run_eqns(self.program.eqns, env)
-        outs = []
+        outs, exits = [], []
         for v, x, name in zip(self.program.outvars, self.exit, self.out_names):
             log = []
             outs.append(self._read(env, v, x, log))
             if isinstance(v, Value) and x != self.plan.sharding(v):
                 self._boundary_row("output", name, v, self.plan.sharding(v), x, log)
+                exits.append(v)
         if self.report is not None:  # the temporaries at their peak, as this program holds them
             wide = 2 if self.platform == "cpu" else 1  # XLA:CPU computes and keeps bfloat16 values in float32
             self.report.temporaries = LV.peak(self.program, lambda v: LV.nbytes(v, self.plan.sharding(v).local_shape(
                 v.shape, self.mesh_shape)) * (wide if v.aval.dtype == jnp.bfloat16 else 1),
-                copies=list(self.copies.values()), names=dict(zip(values, self.in_names)))
+                copies=list(self.copies.values()), names=dict(zip(values, self.in_names)), ahead=self.ahead,
+                exits=exits)
         return outs
 
     def cost(self) -> None:

@@ -11,8 +11,8 @@ weights the loop gathered last), so no slice is gathered twice and the bytes mov
 unpipelined loop. Each trip reads its slices from the whole stack (a slice of the stack would copy it), and
 writes its results into the whole stacked results, carried through the loop (the peeled trip's too), as a
 scan writes its own: joining the peeled trip's results to the loop's would copy them all. The cost is one
-layer's gathered weights held across the trip and the body's program twice (docs/partitioner.md). explain()'s
-liveness does not count that layer yet (docs/partitioner.md).
+layer's gathered weights held across the trip and the body's program twice (docs/partitioner.md); explain()'s
+liveness and the automatic sharding's rows count both layers through the loop (AHEAD_LAYERS).
 
 This module says which stacked inputs a scan body gathers that way (`targets`); control_flow.py's scan
 lowering runs the pipelined loop.
@@ -27,6 +27,8 @@ from .program import Eqn
 from .sharding import Sharding
 
 ENABLED = contextvars.ContextVar("prefetched_gathers", default=True)
+# the gathered slices a pipelined loop holds through its trips: the trip's (its carry) and the next one's
+AHEAD_LAYERS = 2
 RELAYOUTS = ("sharding_annotation", "copy", "copy_p")  # readers that only re-lay the slice: it is gathered for them
 
 

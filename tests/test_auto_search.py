@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from test_auto import MESH2, block_step, close, held, moe_annotated, moe_args, moe_plain, moved
 
 import gshard_jax as gs
-from gshard_jax.partitioner import auto, auto_memory, auto_search
+from gshard_jax.partitioner import auto, auto_search
 from gshard_jax.partitioner.auto_solve import MIP_GAP, Unsolved
 
 
@@ -159,13 +159,7 @@ def adam_mlp():
     return step, args, hands
 
 
-@pytest.fixture
-def fusion_aware(monkeypatch):
-    """The choice counting the temporaries as XLA holds them (auto_memory.FUSION_AWARE)."""
-    monkeypatch.setattr(auto_memory, "FUSION_AWARE", True)
-
-
-def test_an_adam_mlp_with_only_the_batch_given_fits_where_an_experts_layout_does(fusion_aware):
+def test_an_adam_mlp_with_only_the_batch_given_fits_where_an_experts_layout_does():
     """With the temporaries counted as XLA holds them, the choice under 16 MiB holds at most 14 MiB per device,
     as it predicts and as compiled (Megatron's layout compiles to 12.1 MiB), and its step equals jax.jit's.
     (Counting optax's update as stored values, each intermediate of every parameter alive at once, it finds
@@ -184,7 +178,7 @@ def test_an_adam_mlp_with_only_the_batch_given_fits_where_an_experts_layout_does
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mib", [16, 14, 8])
-def test_no_sharding_fits_is_said_only_where_no_experts_layout_fits(mib, fusion_aware):
+def test_no_sharding_fits_is_said_only_where_no_experts_layout_fits(mib):
     """Under each budget the choice either fits it as it predicts, or says no sharding fits, and then none of
     the hand layouts (Megatron, FSDP, data parallel) fits it compiled either (its least memory solved exactly,
     its rows exact before it says so); the compiled choice within 1.1x the budget (test_auto's bound on the
