@@ -71,7 +71,7 @@ def _validate(specs, mesh: Mesh, what: str) -> None:
 
 def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardware,
            report: Optional[Report], placements: tuple, collective_matmul: str = "auto", given=None,
-           auto: Optional[AU.Auto] = None) -> Callable:
+           auto: Optional[AU.Auto] = None, donate_argnums: tuple = ()) -> Callable:
     """The global function: trace fn, plan, and call the per-device program under shard_map (passes.py).
 
     `placements` holds, per flat argument leaf, the spec it is committed to on the mesh (None: not committed).
@@ -80,7 +80,8 @@ def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardw
     def global_fn(*args, **kwargs):
         with gc_paused():
             t, lowering, runs_on = P.partition_program(fn, mesh, in_shardings, out_shardings, placements, args,
-                                                       kwargs, given, profile, report, collective_matmul, auto)
+                                                       kwargs, given, profile, report, collective_matmul, auto,
+                                                       donate_argnums)
             in_specs, out_specs = P.entry_specs(lowering)
             per_device = jax.shard_map(lambda *xs: tuple(lowering.run(*xs)), mesh=runs_on, in_specs=in_specs,
                                        out_specs=out_specs, check_vma=False)
@@ -155,7 +156,7 @@ class Partitioned:
             key = self._keys[seen] = _placements(self._fn, self._mesh, args, kwargs)
         if key not in self._jits:
             self._jits[key] = jax.jit(_build(self._fn, self._mesh, self._in, self._out, self._profile, None, key,
-                                             self._collective_matmul, self._given, self._auto),
+                                             self._collective_matmul, self._given, self._auto, self._donate),
                                       donate_argnums=self._donate)
         return self._jits[key]
 
@@ -301,7 +302,8 @@ def explain(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, out_shard
     train step; gs.plan costs its candidates this way. auto, memory_budget, donate_argnums: as partition's.
     """
     given, mesh = mesh, _check(mesh, "gshard")
-    choice = _auto(auto, memory_budget, "gshard", _donated(donate_argnums))
+    donated = _donated(donate_argnums)
+    choice = _auto(auto, memory_budget, "gshard", donated)
     check_mode(collective_matmul)
     _validate(in_shardings, mesh, "in_shardings")
     _validate(out_shardings, mesh, "out_shardings")
@@ -310,11 +312,11 @@ def explain(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, out_shard
     placements = _placements(fn, mesh, args, kwargs)
     if trace_per_device:
         jax.make_jaxpr(_build(fn, mesh, in_shardings, out_shardings, profile, report, placements,
-                              collective_matmul, given, choice))(*args, **kwargs)
+                              collective_matmul, given, choice, donated))(*args, **kwargs)
         return report
     with gc_paused():
         P.partition_program(fn, mesh, in_shardings, out_shardings, placements, args, kwargs, given, profile,
-                            report, collective_matmul, choice)[1].cost()
+                            report, collective_matmul, choice, donated)[1].cost()
         SUB.name_whole_axes(report)
     return report
 
@@ -327,13 +329,14 @@ def chosen_shardings(fn: Callable, mesh: Mesh, *args, in_shardings: Any = None, 
     and the outputs: what partition(auto=True) compiles, to fix them where a caller keeps them from call to
     call (a training loop's state). Arguments as explain's; no runner-ups are solved."""
     given, mesh = mesh, _check(mesh, "gshard")
-    choice = _auto(True, memory_budget, "gshard", _donated(donate_argnums))
+    donated = _donated(donate_argnums)
+    choice = _auto(True, memory_budget, "gshard", donated)
     _validate(in_shardings, mesh, "in_shardings")
     _validate(out_shardings, mesh, "out_shardings")
     placements = _placements(fn, mesh, args, kwargs)
     with gc_paused():
         t, lowering, _ = P.partition_program(fn, mesh, in_shardings, out_shardings, placements, args, kwargs,
-                                             given, _placed(profile, mesh), None, "auto", choice)
+                                             given, _placed(profile, mesh), None, "auto", choice, donated)
     n = len(jax.tree_util.tree_leaves(args))
     spec = lambda s: SUB.whole(s, dict(mesh.shape)).spec()  # planned with sub-axes: named over the mesh given
     ins = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tuple(args)), [spec(s) for s in lowering.entry[:n]])

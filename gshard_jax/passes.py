@@ -199,24 +199,27 @@ def plan_and_lower(t: Traced, mesh, profile: Hardware, report: Optional[Report],
 
 def partition_program(fn: Callable, mesh, in_shardings, out_shardings, placements: tuple, args: tuple,
                       kwargs: dict, given, profile: Hardware, report: Optional[Report],
-                      collective_matmul: str = "auto", auto: Optional[AU.Auto] = None
-                      ) -> tuple[Traced, L.Lowering, Any]:
+                      collective_matmul: str = "auto", auto: Optional[AU.Auto] = None,
+                      donate_argnums: tuple = ()) -> tuple[Traced, L.Lowering, Any]:
     """The one driver partition() and explain() share: fn traced for these arguments, planned and lowered
     (with auto: the automatic sharding's choices as seeds). Returns (the traced program, its lowering, the
-    mesh the per-device program runs on)."""
+    mesh the per-device program runs on). donate_argnums: as jax.jit's (the outputs in a donated argument's
+    buffer are not fresh buffers a temporary may live in before they are written: liveness.fusion_aware)."""
     t = trace(fn, mesh, in_shardings, out_shardings, placements, args, kwargs, given)
+    counts = [len(jax.tree_util.tree_leaves(a)) for a in args]
+    donated = [sum(counts[:i]) + j for i in donate_argnums if i < len(args) for j in range(counts[i])]
+    ties = AU.donated_outputs(t.program, donated)
     if auto is not None:
         fixed = {k: t.leaving.get(k) or t.seeds[v][0] for k, v in enumerate(t.program.outvars)
                  if k in t.leaving or (v in t.seeds and t.seeds[v][1].startswith("out_shardings"))}
-        counts = [len(jax.tree_util.tree_leaves(a)) for a in args]
-        donated = [sum(counts[:i]) + j for i in auto.donate_argnums if i < len(args) for j in range(counts[i])]
         chosen, pinned, leaving, lines = AU.choose(
             t.program, t.seeds, dict(mesh.shape), tuple(mesh.axis_names), profile,
             dict(zip(t.program.invars, t.names)), auto, why=report is not None, out_fixed=fixed,
-            out_names=dict(enumerate(t.out_names)), ties=AU.donated_outputs(t.program, donated))
+            out_names=dict(enumerate(t.out_names)), ties=ties)
         t = dataclasses.replace(t, seeds={**chosen, **t.seeds}, notes=t.notes + lines, pinned=pinned,
                                 leaving={**leaving, **t.leaving})
     lowering, runs_on = plan_and_lower(t, mesh, profile, report, collective_matmul)
+    lowering.fresh = {k for k in range(len(t.program.outvars)) if k not in ties}
     return t, lowering, runs_on
 
 

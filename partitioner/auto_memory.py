@@ -168,7 +168,8 @@ def temporaries(g: Graph, program: Program, mesh_shape: dict) -> Temporaries:
     """The temporaries of the program the graph was built from, over its nodes' options, as explain() counts
     them (liveness.fusion_aware: the values XLA fuses away left out, its sinks run early; and the outputs held
     as made until they leave)."""
-    lt = fusion_aware(program, lifetimes(program, {e: 0 for e in _prefetchable(program)}))
+    fresh = {id(v) for j, v, _, _ in g.outputs if g.nodes[j].value is None}  # (not in a donated buffer)
+    lt = fusion_aware(program, lifetimes(program, {e: 0 for e in _prefetchable(program)}), fresh)
     made = {id(v): e for e in program.all_eqns() for v in e.outvars}
     node, sizes = [], []
     for v in lt.values:

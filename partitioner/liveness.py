@@ -273,7 +273,6 @@ def _sinks_early(program: Program, lt: Lifetimes, gone: set) -> np.ndarray:
     outputs or fused values only sinks read (a parameter's optimizer update, run as soon as its gradient is made
     rather than after every gradient, as optax's tree_maps are written). The other readers keep their points."""
     top = {id(e) for e in program.eqns}
-    outputs = {id(v) for v in program.outvars}
     readers: dict = {}
     for e in program.all_eqns():
         for x in e.invars:
@@ -281,11 +280,7 @@ def _sinks_early(program: Program, lt: Lifetimes, gone: set) -> np.ndarray:
     made_at = {id(v): int(a) for v, a in zip(lt.values, lt.start)}
     maker = {id(v): e for e in program.all_eqns() for v in e.outvars}
     fusing = lambda e: id(e) in top and not e.subs and (e.name in FUSED or e.name in POINTWISE)
-    sinks: set = set()  # id() of the sinks, found from the last op back (a sink's readers come after it)
-    for e in reversed(program.eqns):
-        if fusing(e) and all(id(v) in outputs or (id(v) in gone and all(id(r) in sinks for r in readers.get(
-                id(v), ()))) for v in e.outvars):
-            sinks.add(id(e))
+    sinks = _sinks(program, gone, readers)
     ready: dict = {}  # id(op) -> the point its operands are all made at (fused ones: where their makers may run)
 
     def made(x) -> int:  # the first point x may be read at
@@ -308,12 +303,66 @@ def _sinks_early(program: Program, lt: Lifetimes, gone: set) -> np.ndarray:
     return end
 
 
-def fusion_aware(program: Program, lt: Lifetimes) -> Lifetimes:
-    """lt less the values XLA fuses away (`fused`), with the sinks run early (`_sinks_early`)."""
+def _sinks(program: Program, gone: set, readers: dict) -> set:
+    """id() of the sinks (_sinks_early), found from the last op back (a sink's readers come after it)."""
+    top = {id(e) for e in program.eqns}
+    outputs = {id(v) for v in program.outvars}
+    fusing = lambda e: id(e) in top and not e.subs and (e.name in FUSED or e.name in POINTWISE)
+    sinks: set = set()
+    for e in reversed(program.eqns):
+        if fusing(e) and all(id(v) in outputs or (id(v) in gone and all(id(r) in sinks for r in readers.get(
+                id(v), ()))) for v in e.outvars):
+            sinks.add(id(e))
+    return sinks
+
+
+RELAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims"})  # a value's layout, not its values
+
+
+def _hosted(program: Program, values: list, gone: set, fresh: set) -> set:
+    """id() of the stored values a fresh output's buffer holds until the output is written (fresh: id() of the
+    outputs not written into a donated argument's buffer): a value only sinks read, of the shape and item size
+    of an output their fused chain writes. XLA's loop fusion writes an elementwise result over an operand it
+    reads last, so a parameter's gradient lives in its new value's buffer (one value per output)."""
+    readers: dict = {}
+    for e in program.all_eqns():
+        for x in e.invars:
+            readers.setdefault(id(x), []).append(e)
+    sinks = _sinks(program, gone, readers)
+    taken: set = set()
+    hosted: set = set()
+    for x in reversed(values):  # (a reader's result first)
+        rs = readers.get(id(x), ())
+        if id(x) in gone or not rs:
+            continue
+        if len(rs) == 1 and rs[0].name in RELAYOUT and len(rs[0].outvars) == 1 and id(rs[0].outvars[0]) in hosted:
+            hosted.add(id(x))  # laid out as its reader's (hosted) result: one buffer (a dot writes it transposed)
+            continue
+        if not all(id(r) in sinks for r in rs):
+            continue
+        chain, seen, outs = list(rs), set(), []
+        while chain:  # the sinks x's readers feed, through the values they fuse away
+            e = chain.pop()
+            if id(e) not in seen:
+                seen.add(id(e))
+                outs += [v for v in e.outvars if id(v) in fresh]
+                chain += [r for v in e.outvars if id(v) in gone for r in readers.get(id(v), ())]
+        host = next((o for o in outs if id(o) not in taken and tuple(o.shape) == tuple(x.shape)
+                     and o.aval.dtype.itemsize == x.aval.dtype.itemsize), None)
+        if host is not None:
+            taken.add(id(host))
+            hosted.add(id(x))
+    return hosted
+
+
+def fusion_aware(program: Program, lt: Lifetimes, fresh: set = frozenset()) -> Lifetimes:
+    """lt less the values XLA fuses away (`fused`) and those fresh outputs' buffers hold (`_hosted`; fresh: id()
+    of the outputs not in a donated argument's buffer), with the sinks run early (`_sinks_early`)."""
     gone = fused(program)
     if not gone:
         return lt
-    keep = [k for k, v in enumerate(lt.values) if id(v) not in gone]
+    hosted = _hosted(program, lt.values, gone, fresh) if fresh else set()
+    keep = [k for k, v in enumerate(lt.values) if id(v) not in gone and id(v) not in hosted]
     out = dataclasses.replace(lt, values=[lt.values[k] for k in keep], start=lt.start[keep], end=lt.end[keep])
     if hasattr(out, "early"):  # the values made at the program's start (liveness.py)
         out.early = [v for v in out.early if id(v) not in gone]
@@ -348,13 +397,13 @@ class Peak:
 
 def peak(program: Program, local_bytes: Callable[[Value], int], lt: Optional[Lifetimes] = None,
          named: int = 3, copies: Sequence[Copy] = (), names: Mapping[Value, str] = {},
-         ahead: Mapping[Eqn, int] = {}, exits: Sequence[Value] = ()) -> Peak:
+         ahead: Mapping[Eqn, int] = {}, exits: Sequence[Value] = (), fresh: set = frozenset()) -> Peak:
     """The temporaries' peak (as XLA holds them: fusion_aware) with each value at local_bytes(value) per
     device, and the operands' copies (each alive from its first reader's first point to its last reader's
     last); named: how many to name, names: what to call the program's inputs, ahead: as lifetimes(), exits:
     the outputs that leave resharded, each held as made from its op to the program's end (the output is
-    another buffer)."""
-    lt = lt or fusion_aware(program, lifetimes(program, ahead))
+    another buffer), fresh: as fusion_aware's."""
+    lt = lt or fusion_aware(program, lifetimes(program, ahead), fresh)
     if not lt.ops:
         return Peak(0, "")
     sizes = np.array([local_bytes(v) for v in lt.values], float)

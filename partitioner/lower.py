@@ -89,6 +89,7 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
         self.copies: dict[int, LV.Copy] = {}
         self._reader: Optional[Eqn] = None
         self.ahead: dict[Eqn, int] = {}  # a scan pipelined by prefetch.py -> the gathered weights it holds (bytes)
+        self.fresh: set[int] = set()  # the outputs (by index) not written into a donated argument's buffer
 
     # ------------------------------------------------------------------ execution
     def run(self, *local_args):
@@ -120,7 +121,7 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
             self.report.temporaries = LV.peak(self.program, lambda v: LV.nbytes(v, self.plan.sharding(v).local_shape(
                 v.shape, self.mesh_shape)) * (wide if v.aval.dtype == jnp.bfloat16 else 1),
                 copies=list(self.copies.values()), names=dict(zip(values, self.in_names)), ahead=self.ahead,
-                exits=exits)
+                exits=exits, fresh={id(self.program.outvars[k]) for k in self.fresh})
         return outs
 
     def cost(self) -> None:

@@ -1,8 +1,7 @@
 """explain()'s predicted memory per device (arguments in device memory, outputs not donated, the temporaries'
 peak: partitioner/liveness.py) against the compiled train step's memory_analysis() (argument + output - alias +
-temp), on the steps of benchmarks/memory_grid.py whose liveness models XLA's buffers: a pipeline's carries in
-one buffer per loop, an unrolled checkpoint's recomputation made as early as its operands, a dropless layer's
-manual region, bfloat16 on a CPU. Within [0.90, 1.15], never under by more than 10%."""
+temp), on every step of benchmarks/memory_grid.py but the two NOT_YET names. Within [0.90, 1.15], never under
+by more than 10%."""
 import os
 import sys
 
@@ -15,39 +14,26 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import memory_grid as G  # noqa: E402
 
 LOW, HIGH = 0.90, 1.15
-D, M = G.D, G.M
-STAGED = G.STAGED
-# (config, mesh, overrides) as the grid writes them: found by what they are, so rows added to it keep these
-STEPS = {
-    "1f1b": (D, "stage=2,data=4", STAGED + ["pipeline.schedule=1f1b", "train.microbatches=4"]),
-    "interleaved": (D, "stage=2,data=4", STAGED + ["pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2",
-                                                   "train.microbatches=4"]),
-    "moe_1f1b": (M, "stage=2,data=2,expert=2", STAGED + ["pipeline.schedule=1f1b", "train.microbatches=4"]),
-    "unrolled_dots": (D, "data=8", ["model.remat=dots"]),
-    "unrolled_full": (D, "data=8", ["model.remat=full"]),
-    "moe_dots": (M, "data=2,expert=4", ["model.remat=dots"]),
-    "moe_full": (M, "data=2,expert=4", ["model.remat=full"]),
-    "moe_zero1_m2_dots": (M, "data=2,expert=4", ["train.zero_stage=1", "train.microbatches=2", "model.remat=dots"]),
-    "zero1_m4_dots": (D, "data=8", ["train.zero_stage=1", "train.microbatches=4", "model.remat=dots"]),
-    "dropless_unrolled": (M, "data=2,expert=4", G.DROPLESS + ["model.remat=none"]),
-    # XLA:CPU keeps bfloat16 values in float32 (lower.py counts them so on a CPU)
-    "bf16_scanned_dots": (D, "data=8", ["model.dtype=bfloat16", "model.scan=true", "model.remat=dots"]),
-    "moe_bf16_zero1_m2": (M, "data=2,expert=4", ["model.dtype=bfloat16", "train.zero_stage=1",
-                                                 "train.microbatches=2"]),
-}
+# The grid's steps explain() does not yet predict within the bounds (docs/partitioner.md, "Liveness"): a 1F1B
+# step over {stage 2, z 2, x 2} (0.85: XLA holds the stash in one [slots, ...] buffer per layout the backward
+# reads, and a 2 MB loop buffer not traced to a value) and a scanned dropless MoE stack with remat dots
+# (1.151: the dropless region's temporaries counted in the shapes its body is written in, over).
+NOT_YET = [
+    (G.D, "stage=2,z=2,x=2", G.STAGED + ["pipeline.schedule=1f1b", "train.microbatches=8", "train.zero_stage=1",
+                                          "model.remat=dots"]),
+    (G.M, "data=2,expert=4", G.DROPLESS + ["model.scan=true", "model.remat=dots"]),
+]
+STEPS = [i for i, row in enumerate(G.GRID) if row not in NOT_YET]
 
 
-def _index(step) -> int:
-    rows = [i for i, row in enumerate(G.GRID) if row == step]
-    if not rows:
-        pytest.fail(f"benchmarks/memory_grid.py has no row {step}")
-    return rows[0]
+def test_the_steps_left_out_are_the_grids():
+    assert len(STEPS) == len(G.GRID) - len(NOT_YET), "a NOT_YET row is not in benchmarks/memory_grid.py"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("step", sorted(STEPS))
-def test_explains_memory_is_the_compiled_steps(step):
-    cfg, c = G.case(_index(STEPS[step]))
+@pytest.mark.parametrize("index", STEPS)
+def test_explains_memory_is_the_compiled_steps(index):
+    cfg, c = G.case(index)
     predicted = MC.explained(cfg, c, default_for("cpu"))
     compiled = MC.compiled(cfg, c)
     ratio = predicted / compiled.total

@@ -85,7 +85,7 @@ def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware, trace_pe
     report = gs.explain(trainer.train_step, trainer.mesh, state, batch,
                         in_shardings=(trainer.state_specs, trainer.batch_spec),
                         out_shardings=trainer.step_outs, profile=default_for(hw.platform),
-                        trace_per_device=trace_per_device)
+                        trace_per_device=trace_per_device, donate_argnums=0)  # the state, as the run donates it
     report.kind_of = state_kind
     return report
 
