@@ -111,7 +111,7 @@ def _floor(shape: ModelShape, s: dict, hw: Hardware, remats, zero_stages, m: int
         total += t("collective-permute", ("stage",), act_sp, facts.rolls)
         # stage-owned ends send nothing over stage (estimate.collectives, which still counts an offloaded
         # candidate's replicated ends: the floor leaves them out for every candidate, so it stays a floor)
-        if not (own and shape.owned_ends):
+        if not shape.owned_ends:
             total += t("all-reduce", ("stage",), act_sp * m * (4 / b if own else 1), 1)
             head = shape.vocab * shape.d_model / (y * x) * 4
             total += min(t("all-reduce", ("stage",), head / (d if zero else 1), 1) for zero in zero_stages) if own \

@@ -194,9 +194,9 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
         # Its ends, once per step: what one stage makes is summed over `stage`. The first stage's input
         # gradient (the step's residual stream; float32 where the 1F1B schedules make it), and the last
         # stage's outputs (GPipe, circular) or its head's float32 gradient (1F1B, which runs the head there).
-        # Under 1F1B with stage-owned ends those gradients stay on their owners: nothing crosses.
+        # With stage-owned ends (every schedule) the head and loss run on the last stage: nothing crosses.
         own = c.schedule in ("1f1b", "interleaved_1f1b")
-        if not (own and shape.owned_ends and not c.offload):  # an offloaded run keeps its ends replicated
+        if not (shape.owned_ends and not c.offload):  # an offloaded run keeps its ends replicated
             add("all-reduce", ("stage",), act * m * (4 / b if own else 1), 1)
             head = shape.vocab * shape.d_model / split_v * 4 / (d if c.zero_stage else 1)
             add("all-reduce", ("stage",), head if own else act * m, 1)
