@@ -177,14 +177,14 @@ def test_an_adam_mlp_with_only_the_batch_given_fits_where_an_experts_layout_does
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mib", [16, 14, 8])
+@pytest.mark.parametrize("mib", [16, 14, 13, 8])
 def test_no_sharding_fits_is_said_only_where_no_experts_layout_fits(mib):
     """Under each budget the choice either fits it as it predicts, or says no sharding fits, and then none of
     the hand layouts (Megatron, FSDP, data parallel) fits it compiled either (its least memory solved exactly,
     its rows exact before it says so); the compiled choice within 1.1x the budget (test_auto's bound on the
-    compiled step against the prediction). Between Megatron's compiled 12.1 MiB and the model's least, 13.2
-    MiB (under 13 MiB), it still says none fits: the model holds more than XLA, which also places temporaries
-    in the outputs' buffers before it writes them (docs/partitioner.md)."""
+    compiled step against the prediction). Between Megatron's compiled 12.1 MiB and the model's least, 12.5
+    MiB, it still says none fits: XLA also keeps the forward activations in the outputs' buffers before it
+    writes them (docs/partitioner.md)."""
     from test_auto import compiled_peak, estimate_of
     step, args, hands = adam_mlp()
     mesh, budget = gs.make_mesh({"data": 8}), mib * 2**20
