@@ -38,9 +38,6 @@ class LocalShards:
         if v in self._lazy and DF.kept(self._lazy[v], have):
             return
         planned = self.plan.sharding(v)
-        if have != planned and not have.partial and x is not None:  # as made: a reader of a slice slices it
-            self._cache[(v, have)] = x
-            self._resharded.setdefault(v, set()).add(have)
         env[v] = (self._reshard(env, v, planned, log)[0], planned)
 
     def _reshard(self, env, v, dst: Sharding, log: list[Collective]):
@@ -61,12 +58,6 @@ class LocalShards:
                 # Step by step: a sharding on the way that an earlier reshard of v reached is reused (an exit
                 # reshard that starts with the all-gather an op already made sends it once, as XLA's CSE does).
                 y = x
-                # A sharding v was made or resharded in that holds dst's blocks (dst a local slice of it): slice
-                # that, as XLA folds a gather of a slice of an array it has whole into that array.
-                wider = [s for s in self._resharded.get(v, ()) if (v, s) in self._cache and s != src and all(
-                    st.kind == "all-slice" for st in self.reshard_steps(s, dst, v.shape))]
-                if wider:
-                    y, src = self._cache[(v, wider[0])], wider[0]
                 remade = self._remade(env, v, src, dst)
                 if remade is not None:
                     y, src = remade, dst
@@ -91,10 +82,10 @@ class LocalShards:
         """v made again in dst where it is a scalar broadcast, annotated or not (every device can make any block
         of it), and resharding it would move bytes: as XLA folds a collective of a constant. None: not so."""
         e = self.producers().get(v)
-        while e is not None and e.name == "sharding_annotation":  # (an annotation of it: the same values)
+        while e is not None and REG.op_for(e.name).fold.identity:  # (an annotation or copy: the same values)
             e = self.producers().get(e.invars[0])
-        if e is None or e.name != "broadcast_in_dim" or e.invars[0].shape or dst.partial or all(
-                st.kind == "all-slice" for st in self.reshard_steps(src, dst, v.shape)):
+        if e is None or not REG.op_for(e.name).fold.spreads_scalar or len(e.invars) != 1 or e.invars[0].shape \
+                or dst.partial or all(st.kind == "all-slice" for st in self.reshard_steps(src, dst, v.shape)):
             return None
         x = e.invars[0]
         if isinstance(x, Value) and x not in env:
