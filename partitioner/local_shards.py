@@ -81,11 +81,12 @@ class LocalShards:
     def _remade(self, env, v: Value, src: Sharding, dst: Sharding):
         """v made again in dst where it is a scalar broadcast, annotated or not (every device can make any block
         of it), and resharding it would move bytes: as XLA folds a collective of a constant. None: not so."""
+        folds = lambda e: getattr(REG.op_for(e.name), "fold", REG.Fold())  # (an op the registry lacks: none)
         e = self.producers().get(v)
-        while e is not None and REG.op_for(e.name).fold.identity:  # (an annotation or copy: the same values)
+        while e is not None and folds(e).identity:  # (an annotation or copy: the same values)
             e = self.producers().get(e.invars[0])
-        if e is None or not REG.op_for(e.name).fold.spreads_scalar or len(e.invars) != 1 or e.invars[0].shape \
-                or dst.partial or all(st.kind == "all-slice" for st in self.reshard_steps(src, dst, v.shape)):
+        if e is None or not folds(e).spreads_scalar or len(e.invars) != 1 or e.invars[0].shape or dst.partial \
+                or all(st.kind == "all-slice" for st in self.reshard_steps(src, dst, v.shape)):
             return None
         x = e.invars[0]
         if isinstance(x, Value) and x not in env:
