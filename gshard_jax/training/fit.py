@@ -118,7 +118,8 @@ def device_limit(cfg: Any, mesh: Any) -> tuple[Optional[float], str]:
     t = cfg.train
     if t.memory_limit_gib:
         return t.memory_limit_gib * GiB, f"train.memory_limit_gib={t.memory_limit_gib:g}"
-    device = mesh.devices.flat[0]
+    # one of this process's devices: another process's reports no memory stats here
+    device = next((d for d in mesh.devices.flat if d.process_index == jax.process_index()), mesh.devices.flat[0])
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return float(stats["bytes_limit"]), f"{device.device_kind} device {device.id}'s bytes_limit"
@@ -136,6 +137,8 @@ def check(trainer: Any) -> Optional[StepMemory]:
     """Compile the train step and raise DoesNotFit where it needs more than the device limit; the step's
     memory (None where no limit is known: the check is skipped, and logged)."""
     limit, source = device_limit(trainer.cfg, trainer.mesh)
+    if limit is not None and not hasattr(trainer.step_fn, "lower"):
+        limit, source = None, "the train step is not a function jax can lower (a wrapped step)"
     if limit is None:
         log.info("memory check skipped: %s (set train.memory_limit_gib to check)", source)
         return None
