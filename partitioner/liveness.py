@@ -246,6 +246,20 @@ FUSED = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "tra
                    "sharding_annotation"})
 
 
+def _readers(program: Program) -> dict:
+    """id() of every value -> the ops that read it, bodies included."""
+    readers: dict = {}
+    for e in program.all_eqns():
+        for x in e.invars:
+            readers.setdefault(id(x), []).append(e)
+    return readers
+
+
+def _fuses(e: Eqn) -> bool:
+    """An op XLA computes inside its reader's loop fusion (pointwise, broadcast, reshape, transpose)."""
+    return not e.subs and (e.name in FUSED or e.name in POINTWISE)
+
+
 def fused(program: Program) -> set:
     """The values XLA never stores: made by a top-level pointwise (or broadcast, reshape, transpose) op and
     read once, by such an op, so each is computed inside its reader's loop fusion (an optimizer's update,
@@ -253,18 +267,15 @@ def fused(program: Program) -> set:
     A value read twice is stored (XLA duplicates only cheap producers into several consumers), and so are a
     body's values and results, the program's outputs and what a loop, a reduction, a matmul or a collective
     reads."""
-    fusing = lambda e: not e.subs and (e.name in FUSED or e.name in POINTWISE)
-    readers: dict = {}
+    readers = _readers(program)
     stored: set = {id(v) for v in program.outvars}
     for e in program.all_eqns():
-        for x in e.invars:
-            readers.setdefault(id(x), []).append(e)
         for sub in e.subs.values():
             stored.update(id(v) for v in sub.outvars)
     top = {id(e) for e in program.eqns}
-    return {id(v) for e in program.eqns if fusing(e) for v in e.outvars
+    return {id(v) for e in program.eqns if _fuses(e) for v in e.outvars
             if id(v) not in stored and len(readers.get(id(v), ())) == 1 and id(readers[id(v)][0]) in top
-            and fusing(readers[id(v)][0])}
+            and _fuses(readers[id(v)][0])}
 
 
 def _sinks_early(program: Program, lt: Lifetimes, gone: set) -> np.ndarray:
@@ -273,13 +284,10 @@ def _sinks_early(program: Program, lt: Lifetimes, gone: set) -> np.ndarray:
     outputs or fused values only sinks read (a parameter's optimizer update, run as soon as its gradient is made
     rather than after every gradient, as optax's tree_maps are written). The other readers keep their points."""
     top = {id(e) for e in program.eqns}
-    readers: dict = {}
-    for e in program.all_eqns():
-        for x in e.invars:
-            readers.setdefault(id(x), []).append(e)
+    readers = _readers(program)
     made_at = {id(v): int(a) for v, a in zip(lt.values, lt.start)}
     maker = {id(v): e for e in program.all_eqns() for v in e.outvars}
-    fusing = lambda e: id(e) in top and not e.subs and (e.name in FUSED or e.name in POINTWISE)
+    fusing = lambda e: id(e) in top and _fuses(e)
     sinks = _sinks(program, gone, readers)
     ready: dict = {}  # id(op) -> the point its operands are all made at (fused ones: where their makers may run)
 
@@ -307,7 +315,7 @@ def _sinks(program: Program, gone: set, readers: dict) -> set:
     """id() of the sinks (_sinks_early), found from the last op back (a sink's readers come after it)."""
     top = {id(e) for e in program.eqns}
     outputs = {id(v) for v in program.outvars}
-    fusing = lambda e: id(e) in top and not e.subs and (e.name in FUSED or e.name in POINTWISE)
+    fusing = lambda e: id(e) in top and _fuses(e)
     sinks: set = set()
     for e in reversed(program.eqns):
         if fusing(e) and all(id(v) in outputs or (id(v) in gone and all(id(r) in sinks for r in readers.get(
@@ -324,10 +332,7 @@ def _hosted(program: Program, values: list, gone: set, fresh: set) -> set:
     outputs not written into a donated argument's buffer): a value only sinks read, of the shape and item size
     of an output their fused chain writes. XLA's loop fusion writes an elementwise result over an operand it
     reads last, so a parameter's gradient lives in its new value's buffer (one value per output)."""
-    readers: dict = {}
-    for e in program.all_eqns():
-        for x in e.invars:
-            readers.setdefault(id(x), []).append(e)
+    readers = _readers(program)
     sinks = _sinks(program, gone, readers)
     taken: set = set()
     hosted: set = set()
