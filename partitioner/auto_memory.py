@@ -24,6 +24,7 @@ import numpy as np
 
 from .auto_graph import Graph, _local_bytes, viewed
 from .jax_compat import scan_counts
+from .buffer_reuse import less_held
 from .liveness import Lifetimes, fusion_aware, lifetimes
 from .program import Eqn, Program, Value
 from .sharding import Sharding
@@ -103,16 +104,20 @@ class Temporaries:
     sizes: list  # per temporary, its bytes per option of that node (one entry where none does)
     makers: list  # per temporary, the op that makes it
     copies: list = dataclasses.field(default_factory=list)  # Copy: the operands' copies ops may make
+    outputs: list = dataclasses.field(default_factory=list)  # (node, its bytes per option, the point it is made
+    # at) per output not in a donated buffer: what it holds before (buffer_reuse.py)
 
     def at(self, picks) -> np.ndarray:
-        """Per point, the bytes alive under a choice of one option per node."""
-        at = self.lt.bytes_at(np.array([s[picks[i]] if i >= 0 else s[0] for i, s in zip(self.node, self.sizes)],
-                                       float))
-        for c in self.copies:
-            held = c.held(picks)
-            if held is not None:
-                at[held[0]: held[1] + 1] += c.bytes
-        return at
+        """Per point, the bytes alive under a choice of one option per node, less what the outputs' buffers
+        hold before the outputs are made (buffer_reuse.py)."""
+        sizes = np.array([s[picks[i]] if i >= 0 else s[0] for i, s in zip(self.node, self.sizes)], float)
+        copies = [(c.bytes, *held) for c in self.copies for held in [c.held(picks)] if held is not None]
+        at = self.lt.bytes_at(sizes)
+        items = list(zip(sizes, self.lt.start.tolist(), self.lt.end.tolist()))
+        for n, a, b in copies:
+            at[a: b + 1] += n
+            items.append((n, a, b))
+        return less_held(at, items, [(b[picks[j]], made) for j, b, made in self.outputs])[0]
 
     def bound(self, largest: bool) -> np.ndarray:
         """Per point, the bytes alive with every value at its largest (or smallest) shard (largest: and each
@@ -130,10 +135,13 @@ class Temporaries:
                 at[a: b + 1] += n
         return at
 
-    def row(self, point: int, memory: list, slack: float = 0.0) -> Row:
+    def row(self, point: int, memory: list, slack: float = 0.0, strict: bool = False) -> Row:
         """The arguments' and outputs' bytes (memory: per node per option) and the temporaries alive at point
-        (slack: as row()'s)."""
-        terms = {i: m for i, m in enumerate(memory) if m.any()}
+        (slack: as row()'s), the outputs made after it left out unless strict: their buffers hold temporaries
+        until then (buffer_reuse.py; a row of all the arguments and outputs bounds the rest). Over as many
+        bytes as the buffers are, never under: a point the choice is over at is solved again strict."""
+        later = set() if strict else {j for j, _, made in self.outputs if made > point}
+        terms = {i: m for i, m in enumerate(memory) if m.any() and i not in later}
         const = 0.0
         for k in self.lt.alive(point):
             i, s = int(self.node[k]), self.sizes[k]
@@ -168,16 +176,18 @@ def temporaries(g: Graph, program: Program, mesh_shape: dict) -> Temporaries:
     """The temporaries of the program the graph was built from, over its nodes' options, as explain() counts
     them (liveness.fusion_aware: the values XLA fuses away left out, its sinks run early; and the outputs held
     as made until they leave)."""
-    fresh = {id(v) for j, v, _, _ in g.outputs if g.nodes[j].value is None}  # (not in a donated buffer)
-    lt = fusion_aware(program, lifetimes(program, {e: 0 for e in _prefetchable(program)}), fresh)
+    fresh = {id(v): j for j, v, _, _ in g.outputs if g.nodes[j].value is None}  # (not in a donated buffer)
+    lt = fusion_aware(program, lifetimes(program, {e: 0 for e in _prefetchable(program)}), set(fresh))
     made = {id(v): e for e in program.all_eqns() for v in e.outvars}
     node, sizes = [], []
     for v in lt.values:
         i, per = _per_option(g, v, mesh_shape)
         node.append(i)
         sizes.append(per)
+    outputs = [(fresh[id(o)], np.array([p.memory for p in g.nodes[fresh[id(o)]].options], float), at)
+               for o, at in lt.fresh]
     return Temporaries(lt, np.array(node, int), sizes, [made[id(v)] for v in lt.values],
-                       _copies(g, program, lt, mesh_shape))
+                       _copies(g, program, lt, mesh_shape), outputs)
 
 
 def _prefetchable(program: Program) -> list[Eqn]:

@@ -127,9 +127,12 @@ def solve(g: Graph, mesh_shape: dict, budget: Optional[float] = None, exclude: S
     limited = temps is not None and (budget is not None or objective == "memory")
     points = list(dict.fromkeys(list(points) + temps.first_points())) if limited else []
     deadline = None if time_limit is None else time.perf_counter() + time_limit
+    strict: set = set()  # the points whose rows count the outputs made after them (Temporaries.row)
     while True:
         over = slack * budget if budget is not None and objective == "time" else 0.0
-        rows = [temps.row(p, memory, over) for p in points] if points else [RW.row(dict(enumerate(memory)))]
+        rows = [temps.row(p, memory, over, p in strict) for p in points]
+        if not points or temps.outputs:  # (the arguments and outputs alone: what the later outputs bound)
+            rows.append(RW.row(dict(enumerate(memory))))
         left = None if deadline is None else max(deadline - time.perf_counter(), 0.1)
         sol = _solve_rows(g, memory, rows, budget, exclude, objective, left)
         sol.points = points
@@ -143,6 +146,9 @@ def solve(g: Graph, mesh_shape: dict, budget: Optional[float] = None, exclude: S
         limit = budget if objective == "time" else max(r.at(sol.picks) for r in rows)
         if sol.memory + sol.temporaries <= limit * (1 + 1e-6):
             return sol
+        if worst in points and worst not in strict and temps.outputs:  # the later outputs' buffers hold less
+            strict.add(worst)
+            continue
         if worst in points:  # its row holds, yet the choice is over it: the solver's tolerance, not a choice
             raise Unsolved(f"the solver's choice holds {sol.memory + sol.temporaries:.0f} bytes at a point whose "
                            f"row it was given, over {limit:.0f}")

@@ -36,6 +36,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import numpy as np
 from jax.extend import core
 
+from .buffer_reuse import less_held
 from .jax_compat import scan_counts
 from .program import Eqn, Program, Value, from_jaxpr
 from .rules import POINTWISE
@@ -53,6 +54,8 @@ class Lifetimes:
     # manual region's own temporaries)
     early: list = dataclasses.field(default_factory=list)  # the values made at the program's start
     twins: list = dataclasses.field(default_factory=list)  # (value, first point, last): a second copy of it
+    fresh: list = dataclasses.field(default_factory=list)  # (an output not in a donated buffer, the point its
+    # buffer is taken from): buffer_reuse.py's
 
     def span(self, readers) -> tuple[int, int]:
         """The points from the first of some ops' first points to the last of their last."""
@@ -327,22 +330,22 @@ def _sinks(program: Program, gone: set, readers: dict) -> set:
 RELAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims"})  # a value's layout, not its values
 
 
-def _hosted(program: Program, values: list, gone: set, fresh: set) -> set:
-    """id() of the stored values a fresh output's buffer holds until the output is written (fresh: id() of the
+def _hosted(program: Program, values: list, gone: set, fresh: set) -> dict:
+    """id() of the stored values -> the output whose buffer holds each: those a fresh output's buffer holds until the output is written (fresh: id() of the
     outputs not written into a donated argument's buffer): a value only sinks read, of the shape and item size
     of an output their fused chain writes. XLA's loop fusion writes an elementwise result over an operand it
     reads last, so a parameter's gradient lives in its new value's buffer (one value per output)."""
     readers = _readers(program)
     sinks = _sinks(program, gone, readers)
     taken: set = set()
-    hosted: set = set()
+    hosted: dict = {}
     for x in reversed(values):  # (a reader's result first)
         rs = readers.get(id(x), ())
         if id(x) in gone or not rs:
             continue
         if len(rs) == 1 and rs[0].name in RELAYOUT and len(rs[0].outvars) == 1 and id(rs[0].outvars[0]) in hosted:
-            hosted.add(id(x))  # laid out as its reader's (hosted) result: one buffer (a dot writes it transposed)
-            continue
+            hosted[id(x)] = hosted[id(rs[0].outvars[0])]  # laid out as its reader's (hosted) result: one buffer
+            continue  # (a dot writes it transposed)
         if not all(id(r) in sinks for r in rs):
             continue
         chain, seen, outs = list(rs), set(), []
@@ -356,21 +359,30 @@ def _hosted(program: Program, values: list, gone: set, fresh: set) -> set:
                      and o.aval.dtype.itemsize == x.aval.dtype.itemsize), None)
         if host is not None:
             taken.add(id(host))
-            hosted.add(id(x))
+            hosted[id(x)] = host
     return hosted
 
 
 def fusion_aware(program: Program, lt: Lifetimes, fresh: set = frozenset()) -> Lifetimes:
     """lt less the values XLA fuses away (`fused`) and those fresh outputs' buffers hold (`_hosted`; fresh: id()
-    of the outputs not in a donated argument's buffer), with the sinks run early (`_sinks_early`)."""
+    of the outputs not in a donated argument's buffer), with the sinks run early (`_sinks_early`), and the fresh
+    outputs each with the point its buffer is taken from (Lifetimes.fresh: its op's, or a hosted value's)."""
     gone = fused(program)
+    hosted = _hosted(program, lt.values, gone, fresh) if fresh and gone else {}
+    taken: dict = {}
+    for k, v in enumerate(lt.values):
+        if id(v) in hosted:
+            o = hosted[id(v)]
+            taken[id(o)] = min(taken.get(id(o), len(lt.ops)), int(lt.start[k]))
+    made = {id(v): e for e in program.eqns for v in e.outvars}
+    outs = {id(o): o for o in program.outvars if id(o) in fresh and made.get(id(o)) in lt.spans}
+    lt = dataclasses.replace(lt, fresh=[(o, min(lt.spans[made[i]][0], taken.get(i, len(lt.ops))))
+                                        for i, o in outs.items()])
     if not gone:
         return lt
-    hosted = _hosted(program, lt.values, gone, fresh) if fresh else set()
     keep = [k for k, v in enumerate(lt.values) if id(v) not in gone and id(v) not in hosted]
     out = dataclasses.replace(lt, values=[lt.values[k] for k in keep], start=lt.start[keep], end=lt.end[keep])
-    if hasattr(out, "early"):  # the values made at the program's start (liveness.py)
-        out.early = [v for v in out.early if id(v) not in gone]
+    out.early = [v for v in out.early if id(v) not in gone]
     out.end = _sinks_early(program, out, gone)
     return out
 
@@ -407,7 +419,8 @@ def peak(program: Program, local_bytes: Callable[[Value], int], lt: Optional[Lif
     device, and the operands' copies (each alive from its first reader's first point to its last reader's
     last); named: how many to name, names: what to call the program's inputs, ahead: as lifetimes(), exits:
     the outputs that leave resharded, each held as made from its op to the program's end (the output is
-    another buffer), fresh: as fusion_aware's."""
+    another buffer), fresh: as fusion_aware's. What the fresh outputs' buffers hold before the outputs are made
+    is not counted (buffer_reuse.py)."""
     lt = lt or fusion_aware(program, lifetimes(program, ahead), fresh)
     if not lt.ops:
         return Peak(0, "")
@@ -420,6 +433,9 @@ def peak(program: Program, local_bytes: Callable[[Value], int], lt: Optional[Lif
     held_out = [(lt.spans[made[id(v)]][0], local_bytes(v), v) for v in exits if made.get(id(v)) in lt.spans]
     for a, n, _ in held_out:
         at[a:] += n
+    items = [(float(n), int(a), int(b)) for n, a, b in zip(sizes, lt.start, lt.end)]
+    items += [(float(c.bytes), a, b) for c, (a, b) in zip(copies, spans)]
+    at, in_outputs = less_held(at, items, [(local_bytes(o), made) for o, made in lt.fresh])
     p = int(np.argmax(at))
 
     def made_by(v: Value) -> str:
@@ -427,9 +443,10 @@ def peak(program: Program, local_bytes: Callable[[Value], int], lt: Optional[Lif
         return f"the result of {e.name}" if e is not None else str(v)
 
     held = [(int(sizes[i]), f"{made[id(lt.values[i])].name} at {made[id(lt.values[i])].source}")
-            for i in lt.alive(p)]
+            for i in lt.alive(p) if i not in in_outputs]
     held += [(c.bytes, f"{names.get(c.value) or made_by(c.value)} resharded for {c.readers[0].name} at "
-                       f"{c.readers[0].source}") for c, (a, b) in zip(copies, spans) if a <= p <= b]
+                       f"{c.readers[0].source}") for k, (c, (a, b)) in enumerate(zip(copies, spans))
+             if a <= p <= b and len(sizes) + k not in in_outputs]
     held += [(int(n), what) for a, b, n, what in lt.scratch if a <= p <= b]
     held += [(n, f"{made_by(v)}, before it leaves resharded") for a, n, v in held_out if a <= p]
     largest = tuple((what, n) for n, what in sorted(held, key=lambda t: -t[0])[:named])

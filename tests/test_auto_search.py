@@ -160,31 +160,32 @@ def adam_mlp():
 
 
 def test_an_adam_mlp_with_only_the_batch_given_fits_where_an_experts_layout_does():
-    """With the temporaries counted as XLA holds them, the choice under 16 MiB holds at most 14 MiB per device,
-    as it predicts and as compiled (Megatron's layout compiles to 12.1 MiB), and its step equals jax.jit's.
-    (Counting optax's update as stored values, each intermediate of every parameter alive at once, it finds
-    nothing under 16.5 MiB: XLA fuses each parameter's update into its new state and runs it as soon as its
-    gradient is made.)"""
+    """With the temporaries counted as XLA holds them, the choice under 14 MiB fits it as it predicts and as
+    compiled (Megatron's layout compiles to 12.1 MiB), and its step equals jax.jit's. (Counting optax's update
+    as stored values, each intermediate of every parameter alive at once, it finds nothing under 16.5 MiB:
+    XLA fuses each parameter's update into its new state and runs it as soon as its gradient is made; and the
+    outputs' buffers hold the forward activations before the outputs are written: buffer_reuse.py.)"""
     from test_auto import compiled_peak, estimate_of
     step, args, _ = adam_mlp()
-    mesh, ins = gs.make_mesh({"data": 8}), (None, None, P("data", None))
-    report = gs.explain(step, mesh, *args, in_shardings=ins, auto=True, memory_budget=16 * 2**20)
+    mesh, ins, budget = gs.make_mesh({"data": 8}), (None, None, P("data", None)), 14 * 2**20
+    report = gs.explain(step, mesh, *args, in_shardings=ins, auto=True, memory_budget=budget)
     state = float(re.search(r"arguments and outputs ([\d.]+)MiB", report.notes[0]).group(1)) * 2**20
-    assert state + estimate_of(report)[1] <= 14 * 2**20, report.notes[0]
-    fn = gs.partition(step, mesh, in_shardings=ins, auto=True, memory_budget=16 * 2**20)
-    assert compiled_peak(fn, *args) <= 14 * 2**20
+    predicted = state + estimate_of(report)[1]
+    assert predicted <= budget, report.notes[0]
+    fn = gs.partition(step, mesh, in_shardings=ins, auto=True, memory_budget=budget)
+    got = compiled_peak(fn, *args)
+    assert got <= budget and 0.9 <= predicted / got <= 1.15, (predicted, got)
     close(fn(*args), jax.jit(step)(*args))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mib", [16, 14, 13, 8])
+@pytest.mark.parametrize("mib", [16, 14, 13, 12.5, 12.2, 8])
 def test_no_sharding_fits_is_said_only_where_no_experts_layout_fits(mib):
     """Under each budget the choice either fits it as it predicts, or says no sharding fits, and then none of
     the hand layouts (Megatron, FSDP, data parallel) fits it compiled either (its least memory solved exactly,
     its rows exact before it says so); the compiled choice within 1.1x the budget (test_auto's bound on the
-    compiled step against the prediction). Between Megatron's compiled 12.1 MiB and the model's least, 12.5
-    MiB, it still says none fits: XLA also keeps the forward activations in the outputs' buffers before it
-    writes them (docs/partitioner.md)."""
+    compiled step against the prediction). Just over Megatron's compiled 12.1 MiB (12.2, 12.5) it fits: the
+    outputs' buffers hold the forward activations before the outputs are written (buffer_reuse.py)."""
     from test_auto import compiled_peak, estimate_of
     step, args, hands = adam_mlp()
     mesh, budget = gs.make_mesh({"data": 8}), mib * 2**20
