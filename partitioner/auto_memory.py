@@ -23,8 +23,8 @@ from typing import Optional
 import numpy as np
 
 from .auto_graph import Graph, _local_bytes, viewed
-from .jax_compat import scan_counts
 from .buffer_reuse import less_held
+from .jax_compat import scan_counts
 from .liveness import Lifetimes, fusion_aware, lifetimes
 from .program import Eqn, Program, Value
 from .sharding import Sharding

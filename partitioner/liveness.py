@@ -331,10 +331,10 @@ RELAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims"})  # a va
 
 
 def _hosted(program: Program, values: list, gone: set, fresh: set) -> dict:
-    """id() of the stored values -> the output whose buffer holds each: those a fresh output's buffer holds until the output is written (fresh: id() of the
-    outputs not written into a donated argument's buffer): a value only sinks read, of the shape and item size
-    of an output their fused chain writes. XLA's loop fusion writes an elementwise result over an operand it
-    reads last, so a parameter's gradient lives in its new value's buffer (one value per output)."""
+    """id() of the stored values a fresh output's buffer holds until the output is written -> that output
+    (fresh: id() of the outputs not written into a donated argument's buffer): a value only sinks read, of the
+    shape and item size of an output their fused chain writes. XLA's loop fusion writes an elementwise result
+    over an operand it reads last, so a parameter's gradient lives in its new value's buffer (one per output)."""
     readers = _readers(program)
     sinks = _sinks(program, gone, readers)
     taken: set = set()
