@@ -97,7 +97,8 @@ def lm(name: str, mesh: dict):
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
              for k, v in data.model_batch(cfg.model.kind, windows).items()}
     report = gs.explain(trainer.train_step, trainer.mesh, state, batch, in_shardings=(trainer.state_specs,
-                        trainer.batch_spec), out_shardings=trainer.step_outs, trace_per_device=False)
+                        trainer.batch_spec), out_shardings=trainer.step_outs, trace_per_device=False,
+                        donate_argnums=(0,))
     m = trainer.step_fn.lower(state, batch).compile().memory_analysis()
     n_state = len(jax.tree.leaves(state))  # the new state's outputs come first, in the donated buffers
     pred = (report.argument_bytes()["total"], outputs_bytes(report, set(range(n_state))),

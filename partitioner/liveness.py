@@ -281,8 +281,9 @@ def fused(program: Program) -> set:
             and _fuses(readers[id(v)][0])}
 
 
-def _sinks_early(program: Program, lt: Lifetimes, gone: set) -> np.ndarray:
-    """The temporaries' last points with the program's sinks run as early as their operands allow, as XLA's
+def _sinks_early(program: Program, lt: Lifetimes, gone: set) -> tuple[np.ndarray, dict]:
+    """(The temporaries' last points, id() of each sink -> its point) with the program's sinks run as early as
+    their operands allow, as XLA's
     memory-minimising scheduler runs them: a sink is a top-level op of those `fused` fuses whose results are
     outputs or fused values only sinks read (a parameter's optimizer update, run as soon as its gradient is made
     rather than after every gradient, as optax's tree_maps are written). The other readers keep their points."""
@@ -311,7 +312,7 @@ def _sinks_early(program: Program, lt: Lifetimes, gone: set) -> np.ndarray:
             continue
         points = [ready[id(r)] if id(r) in sinks else lt.spans[r][1] for r in rs]
         end[k] = min(end[k], max(int(lt.start[k]), *points))
-    return end
+    return end, {k: ready[k] for k in sinks if k in ready}
 
 
 def _sinks(program: Program, gone: set, readers: dict) -> set:
@@ -369,22 +370,22 @@ def fusion_aware(program: Program, lt: Lifetimes, fresh: set = frozenset()) -> L
     outputs each with the point its buffer is taken from (Lifetimes.fresh: its op's, or a hosted value's)."""
     gone = fused(program)
     hosted = _hosted(program, lt.values, gone, fresh) if fresh and gone else {}
-    taken: dict = {}
+    taken: dict = {}  # id() of an output -> the first point its buffer holds a value it hosts
     for k, v in enumerate(lt.values):
         if id(v) in hosted:
             o = hosted[id(v)]
             taken[id(o)] = min(taken.get(id(o), len(lt.ops)), int(lt.start[k]))
+    runs: dict = {}
+    if gone:
+        keep = [k for k, v in enumerate(lt.values) if id(v) not in gone and id(v) not in hosted]
+        lt = dataclasses.replace(lt, values=[lt.values[k] for k in keep], start=lt.start[keep], end=lt.end[keep])
+        lt.early = [v for v in lt.early if id(v) not in gone]
+        lt.end, runs = _sinks_early(program, lt, gone)
     made = {id(v): e for e in program.eqns for v in e.outvars}
     outs = {id(o): o for o in program.outvars if id(o) in fresh and made.get(id(o)) in lt.spans}
-    lt = dataclasses.replace(lt, fresh=[(o, min(lt.spans[made[i]][0], taken.get(i, len(lt.ops))))
-                                        for i, o in outs.items()])
-    if not gone:
-        return lt
-    keep = [k for k, v in enumerate(lt.values) if id(v) not in gone and id(v) not in hosted]
-    out = dataclasses.replace(lt, values=[lt.values[k] for k in keep], start=lt.start[keep], end=lt.end[keep])
-    out.early = [v for v in out.early if id(v) not in gone]
-    out.end = _sinks_early(program, out, gone)
-    return out
+    return dataclasses.replace(lt, fresh=[  # (made where its op runs: a sink as early as it may)
+        (o, min(lt.spans[made[i]][0], runs.get(id(made[i]), len(lt.ops)), taken.get(i, len(lt.ops))))
+        for i, o in outs.items()])
 
 
 def nbytes(v: Value, local_shape: tuple) -> int:

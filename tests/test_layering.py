@@ -177,7 +177,7 @@ def test_no_package_imports_itself_in_a_circle():
 PARTITIONER_LAYERS = [
     ("representation", ["jax_compat", "sharding", "program", "factors"]),
     ("rules and costs", ["rules", "fused_attention", "rare_ops", "deferral", "subaxes", "hardware", "cost",
-                         "overlap", "liveness"]),
+                         "overlap", "buffer_reuse", "liveness"]),
     ("strategies", ["reshard", "manual_regions", "report", "hlo", "halo", "hooks", "lower_rows", "prefetch",
                     "collective_matmul", "control_flow", "relayout", "roll", "window_geometry", "windowed",
                     "partial_sums", "reorder"]),
