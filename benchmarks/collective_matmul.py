@@ -44,7 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import gshard_jax as gs  # noqa: E402
-from gshard_jax.partitioner.hlo import collective_stats  # noqa: E402
+from gshard_jax.partitioner.reporting.hlo import collective_stats  # noqa: E402
 from gshard_jax.training.timing import median_times  # noqa: E402
 
 WINDOWED_EINSUM = {"xla_gpu_threshold_for_windowed_einsum_mib": 0, "xla_gpu_multi_streamed_windowed_einsum": True}

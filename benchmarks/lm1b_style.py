@@ -31,7 +31,7 @@ jax.config.update("jax_num_cpu_devices", ARGS.devices)
 import numpy as np  # noqa: E402
 
 import gshard_jax as gs  # noqa: E402
-from gshard_jax.partitioner.hlo import collectives  # noqa: E402
+from gshard_jax.partitioner.reporting.hlo import collectives  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import lm1b_style  # noqa: E402

@@ -20,7 +20,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 from gshard_jax import configs  # noqa: E402
-from gshard_jax.partitioner.hardware import default_for  # noqa: E402
+from gshard_jax.partitioner.costs.hardware import default_for  # noqa: E402
 from gshard_jax.planner import memory_check as MC, space as SP  # noqa: E402
 from gshard_jax.training import overrides  # noqa: E402
 

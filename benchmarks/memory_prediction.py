@@ -1,5 +1,5 @@
 """explain()'s predicted memory per device against the compiled program's memory_analysis(), on 8 simulated CPU
-devices: arguments, outputs and the temporaries' peak (partitioner/liveness.py) against argument + output -
+devices: arguments, outputs and the temporaries' peak (partitioner/costs/liveness.py) against argument + output -
 alias + temp.
 
     python benchmarks/memory_prediction.py [--cases MLP,MoE,Block,scanned,tiny_dense_lm,tiny_moe_lm]

@@ -41,7 +41,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import gshard_jax as gs  # noqa: E402
 from gshard_jax.models import lm  # noqa: E402
-from gshard_jax.partitioner.jax_compat import clear_compilation_cache  # noqa: E402
+from gshard_jax.partitioner.representation.jax_compat import clear_compilation_cache  # noqa: E402
 
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%[\w.\-]+ = ", re.M)
 

@@ -47,7 +47,7 @@ from gshard_jax.models.gating import GatingConfig  # noqa: E402
 from gshard_jax.models.logical import DEFAULT_RULES  # noqa: E402
 from gshard_jax.models.moe import MoeConfig, MoeFFN, expert_einsums  # noqa: E402
 from gshard_jax.models.transformer import loss_fn  # noqa: E402
-from gshard_jax.partitioner.hlo import collective_stats  # noqa: E402
+from gshard_jax.partitioner.reporting.hlo import collective_stats  # noqa: E402
 from gshard_jax.training import data  # noqa: E402
 from gshard_jax.training.timing import median_times  # noqa: E402
 

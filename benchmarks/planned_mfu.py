@@ -1,7 +1,7 @@
 """The planner's pick for the papers' machines and its planned MFU: model flops per step (6 x active parameters
 per token plus attention) over the planned step time x peak. The step is the planned program's: compute at the
 profile's efficiency, the pipeline's bubble, and the communication its list schedule leaves exposed
-(partitioner/overlap.py).
+(partitioner/costs/overlap.py).
 
     python benchmarks/planned_mfu.py                     # every case (several minutes: 3,072 devices take 540 s)
     python benchmarks/planned_mfu.py --cases gpt_40b_64  # one

@@ -39,8 +39,8 @@ import functools  # noqa: E402
 import numpy as np  # noqa: E402
 
 from gshard_jax import configs  # noqa: E402
-from gshard_jax.partitioner.cost import _fmt_bytes  # noqa: E402
-from gshard_jax.partitioner.hlo import collective_stats, summary  # noqa: E402
+from gshard_jax.partitioner.costs.cost import _fmt_bytes  # noqa: E402
+from gshard_jax.partitioner.reporting.hlo import collective_stats, summary  # noqa: E402
 from gshard_jax.training import overrides, train  # noqa: E402
 from gshard_jax.training.timing import median_times  # noqa: E402
 

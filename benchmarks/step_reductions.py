@@ -1,5 +1,5 @@
 """Gradient reductions per step: accumulation over microbatches and every pipeline schedule, before and after
-deferring reductions past loops (partitioner/deferral.py), against XLA's partitioner in the same run.
+deferring reductions past loops (partitioner/strategies/deferral.py), against XLA's partitioner in the same run.
 
 Prints per case: all-reduces (and reduce-scatters) one step executes and their payload bytes per device, from
 explain() with deferral off ("before") and on ("after"), and XLA's, from its compiled HLO (a loop's

@@ -24,11 +24,11 @@ from .annotations import replicate, shard, split
 from .api import chosen_shardings, explain, partition
 from .manual import manual
 from .mesh import make_mesh
-from .partitioner import hardware
-from .partitioner.hardware import Hardware
-from .partitioner.hlo import collective_stats
-from .partitioner.report import Report
-from .partitioner.sharding import Sharding
+from .partitioner.costs import hardware
+from .partitioner.costs.hardware import Hardware
+from .partitioner.reporting.hlo import collective_stats
+from .partitioner.reporting.report import Report
+from .partitioner.representation.sharding import Sharding
 from .pipelines import pipeline, pipeline_value_and_grad
 
 __all__ = ["make_mesh", "replicate", "split", "shard", "manual", "partition", "explain", "chosen_shardings", "Report",

@@ -23,7 +23,7 @@ from jax.extend import core
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .partitioner.sharding import Sharding
+from .partitioner.representation.sharding import Sharding
 
 # --------------------------------------------------------------------------- the primitive
 

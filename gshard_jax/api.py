@@ -10,11 +10,12 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 from . import annotations as A, passes as P, sources as SRC, specs as S
-from .partitioner import auto as AU, subaxes as SUB
-from .partitioner.collective_matmul import check_mode
-from .partitioner.cost import platform_of
-from .partitioner.hardware import Hardware, default_for
-from .partitioner.report import Report
+from .partitioner.auto import choice as AU
+from .partitioner.costs.cost import platform_of
+from .partitioner.costs.hardware import Hardware, default_for
+from .partitioner.reporting.report import Report
+from .partitioner.representation import subaxes as SUB
+from .partitioner.strategies.collective_matmul import check_mode
 
 BACKENDS = ("gshard", "xla")
 
@@ -243,7 +244,7 @@ def partition(fn: Callable, mesh: Mesh, in_shardings: Any = None, out_shardings:
     auto=True: every value nobody annotated gets the sharding that minimises the step's predicted time, with
     every device's arguments, outputs and temporaries alive at any point, as explain() predicts them, within
     memory_budget bytes when given (a choice under a budget takes at most 120 s; past that, the best found);
-    annotations, in_shardings and out_shardings are kept (partitioner/auto.py). An output that reuses a
+    annotations, in_shardings and out_shardings are kept (partitioner/auto/choice.py). An output that reuses a
     donated argument's buffer (as jax.jit pairs them: the first donated argument of its shape and dtype)
     leaves in the sharding that argument arrives in, chosen once for both, and its bytes count once.
     """

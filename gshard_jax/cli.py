@@ -65,9 +65,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.plan:  # the plan's choice first: explicit overrides on the command line still win
         args.overrides = _plan_overrides(args.plan) + list(args.overrides)
     cfg = _setup(args)
-    from .training import fit, settle, train
+    from .training import fit, loop, settle
     try:
-        summary = train.train(cfg, args.workdir, progress=not args.no_progress)
+        summary = loop.train(cfg, args.workdir, progress=not args.no_progress)
     except settle.NonFiniteStep as e:
         print(f"gshard-jax train: halted: {e}", file=sys.stderr)
         return EXIT_HALTED
@@ -84,7 +84,7 @@ def _fitting(cfg, e) -> str:
     """The planner's options that would fit a step that does not (planner/fit_options.py)."""
     import jax
 
-    from .partitioner import hardware
+    from .partitioner.costs import hardware
     from .planner import fit_options
     t = cfg.train
     kind = jax.devices()[0]
@@ -117,8 +117,8 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     cfg = _setup(args)
-    from .training import train
-    print(json.dumps(train.evaluate(cfg, args.workdir)))
+    from .training import loop
+    print(json.dumps(loop.evaluate(cfg, args.workdir)))
     return 0
 
 
@@ -364,7 +364,7 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--devices", type=int, required=True, metavar="N", help="devices to plan for")
     q.add_argument("--hardware", default="cpu-simulation", metavar="PROFILE", help="a built-in profile (cpu-"
                    "simulation, h100-8, perlmutter-a100, tpu-v3, aurora-pvc) or a JSON file of "
-                   "gshard_jax.partitioner.hardware.Hardware's fields")
+                   "gshard_jax.partitioner.costs.hardware.Hardware's fields")
     q.add_argument("--memory-gb", type=float, default=None, metavar="M", help="memory budget per device in GiB "
                    "(default: the profile's device memory)")
     q.add_argument("--top", type=int, default=5, metavar="K", help="candidates to show")

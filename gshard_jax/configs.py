@@ -68,7 +68,7 @@ class TrainConfig:
     # replicated arrays written 1/R by each of their R replicas (scattered)
     checkpoint_replica_parallel: bool = True
     checkpoint_single_read: bool = True  # arrays replicated over host groups read by group 0 and broadcast
-    # the hardware profile (partitioner/hardware.py: a name or a JSON file) whose peak mfu divides by; "auto": the
+    # the hardware profile (partitioner/costs/hardware.py: a name or a JSON file) whose peak mfu divides by; "auto": the
     # built-in profile of the devices the run has (their device_kind: h100-8 on an H100, cpu-simulation on CPU)
     hardware: str = "auto"
     peak_flops: float = 0.0  # flop/s of one device for the mfu metric (0: the hardware profile's peak_flops)

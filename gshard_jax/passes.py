@@ -1,11 +1,11 @@
 """The partitioner's stages for one global function, each a function of the one before:
 
     trace(fn, ...)  -> Traced: the program (folded) and its seeds (in/out shardings, committed placements)
-    propagate(...)  -> Assignment: a sharding for every value (partitioner/propagation.py)
+    propagate(...)  -> Assignment: a sharding for every value (partitioner/propagation/propagate.py)
     lower_traced(...)      -> Lowering: the per-device program; .run() on local shards inside shard_map, or .cost()
                        to decide and report it without arrays
-    plan_and_lower  -> the two above, on the mesh or on one with sub-axes (partitioner/subaxes.py), whichever
-                       the cost model prefers
+    plan_and_lower  -> the two above, on the mesh or on one with sub-axes
+                       (partitioner/representation/subaxes.py), whichever the cost model prefers
     partition_program -> all of it: the one driver partition() and explain() call
 
 A planner adds shardings (seeds) and reads the costs; it never rewrites the program (Shardy's contract for
@@ -21,15 +21,17 @@ import jax
 from jax.interpreters import partial_eval as pe
 
 from . import annotations as A, sources as SRC, specs as S
-from .partitioner import auto as AU, lower as L, subaxes as SUB
-from .partitioner.fold import fold_constant_reductions, fold_pads, merge_common, static_slices
-from .partitioner.hardware import Hardware
-from .partitioner.program import Program, Value, from_jaxpr
-from .partitioner.propagation import Assignment, propagate
-from .partitioner.report import Report, ValueInfo
-from .partitioner.roll import fold_rolls
-from .partitioner.sharding import Sharding
-from .partitioner.strategy import StrategyCache
+from .partitioner.auto import choice as AU
+from .partitioner.costs.hardware import Hardware
+from .partitioner.lowering import lower as L
+from .partitioner.propagation.fold import fold_constant_reductions, fold_pads, merge_common, static_slices
+from .partitioner.propagation.propagate import Assignment, propagate
+from .partitioner.propagation.strategy import StrategyCache
+from .partitioner.reporting.report import Report, ValueInfo
+from .partitioner.representation import subaxes as SUB
+from .partitioner.representation.program import Program, Value, from_jaxpr
+from .partitioner.representation.sharding import Sharding
+from .partitioner.strategies.roll import fold_rolls
 
 # The pipeline schedules traced while a partitioned program is built (gshard_jax/pipelines appends them, and
 # explain() reports them).
@@ -49,7 +51,7 @@ class Traced:
     leaving: dict[int, Sharding]  # outputs resharded on exit (an input, another output or a constant)
     pipelines: list  # the schedules of the pipelines traced in fn
     factoring: dict = dataclasses.field(default_factory=dict)  # axes planned as parts (subaxes.py): axis -> sizes
-    pinned: dict = dataclasses.field(default_factory=dict)  # eqn -> its factor sharding, chosen (auto.py)
+    pinned: dict = dataclasses.field(default_factory=dict)  # eqn -> its factor sharding, chosen (auto/choice.py)
 
 
 def trace(fn: Callable, mesh, in_shardings, out_shardings, placements: tuple, args: tuple, kwargs: dict,
@@ -204,7 +206,7 @@ def partition_program(fn: Callable, mesh, in_shardings, out_shardings, placement
     """The one driver partition() and explain() share: fn traced for these arguments, planned and lowered
     (with auto: the automatic sharding's choices as seeds). Returns (the traced program, its lowering, the
     mesh the per-device program runs on). donate_argnums: as jax.jit's (the outputs in a donated argument's
-    buffer are not fresh buffers a temporary may live in before they are written: liveness.fusion_aware)."""
+    buffer are not fresh buffers a temporary may live in before they are written: fusion.fusion_aware)."""
     t = trace(fn, mesh, in_shardings, out_shardings, placements, args, kwargs, given)
     counts = [len(jax.tree_util.tree_leaves(a)) for a in args]
     donated = [sum(counts[:i]) + j for i in donate_argnums if i < len(args) for j in range(counts[i])]

@@ -19,8 +19,8 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
 from .annotations import check_spec, sharding_annotation_p
-from .partitioner.program import Eqn, Program, Value
-from .partitioner.sharding import Sharding
+from .partitioner.representation.program import Eqn, Program, Value
+from .partitioner.representation.sharding import Sharding
 
 # primitive -> the param holding the sharding it imposes on its result(s)
 IMPOSED = {"sharding_constraint": "sharding", "reshard": "dst_sharding", "device_put": "devices"}
@@ -80,7 +80,8 @@ def check_context(mesh) -> None:
 def trace_in_context(make: Callable, args: Sequence, mesh):
     """make(*args) under tracing_context(mesh). A jax.shard_map in fn over another mesh fails JAX's own check
     against a context mesh we set; it is traced again without one, so the manual region's check names both
-    meshes (partitioner/manual_regions.py). A context the user set stays: JAX's error is theirs under jax.jit too."""
+    meshes (partitioner/strategies/manual_regions.py). A context the user set stays: JAX's error is theirs
+    under jax.jit too."""
     ours = jax.sharding.get_abstract_mesh().empty
     try:
         with tracing_context(mesh):

@@ -13,7 +13,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from . import annotations as A
-from .partitioner.sharding import Sharding
+from .partitioner.representation.sharding import Sharding
 from .sources import describe
 
 

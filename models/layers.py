@@ -213,7 +213,7 @@ class Attention(nn.Module):
                                          head_axes=heads).astype(self.dtype)
             return project(out_BLHK)
         impl = attention_implementation(self.attention, q_BLHK)
-        if impl != "einsum":  # jax.nn.dot_product_attention: the fused kernel (partitioner/fused_attention.py)
+        if impl != "einsum":  # jax.nn.dot_product_attention: the fused kernel (partitioner/rules/fused_attention.py)
             causal_prefix = self.causal and n == 1  # positions 0..L-1 in order: the kernel's own causal mask
             mask_BHLT = None
             if self.causal and not causal_prefix:

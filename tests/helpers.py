@@ -13,7 +13,7 @@ from jax.extend.core import primitives as _primitives
 from jax.interpreters import mlir
 
 import gshard_jax as gs
-from gshard_jax.partitioner.hlo import collective_stats, summary
+from gshard_jax.partitioner.reporting.hlo import collective_stats, summary
 
 
 def randn(rng, *shape, dtype=np.float32):

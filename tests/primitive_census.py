@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
-from gshard_jax.partitioner import program as P
+from gshard_jax.partitioner.representation import program as P
 
 MODULES = {"jax.lax": jax.lax, "jax.numpy": jnp, "jax.nn": jax.nn, "jax.random": jax.random}
 

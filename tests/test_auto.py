@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import gshard_jax as gs
 from gshard_jax.models.moe import expert_einsums
-from gshard_jax.partitioner import auto_graph
+from gshard_jax.partitioner.auto import graph as auto_graph
 
 
 def moved(report) -> float:

@@ -1,4 +1,4 @@
-"""The neighbourhood search a budgeted choice on a large graph takes (partitioner/auto_search.py): its windows
+"""The neighbourhood search a budgeted choice on a large graph takes (partitioner/auto/search.py): its windows
 and its start as data; forced through it (every graph counted large), GShard's MoE layer given no time limit
 ends at the exact solve's proven choice, and a Flax train step given 3 s gets a choice within the budget."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 from test_auto import MESH2, block_step, close, held, moe_annotated, moe_args, moe_plain, moved
 
 import gshard_jax as gs
-from gshard_jax.partitioner import auto, auto_search
-from gshard_jax.partitioner.auto_solve import MIP_GAP, Unsolved
+from gshard_jax.partitioner.auto import choice as auto, search as auto_search
+from gshard_jax.partitioner.auto.solve import MIP_GAP, Unsolved
 
 
 def graph(options: list[int], args: set[int], edges: list[tuple[int, int]]):

@@ -90,7 +90,7 @@ def test_mesh_auto_within_a_memory_budget_shards_the_state_and_fits(monkeypatch)
     temporaries within the budget (memory_analysis(), the donated state counted once). The scanned step's
     graph is over auto_search.EXACT_OPTIONS, so it is searched until the time limit: 30 s here, as whatever
     choice the search returns is within the budget."""
-    from gshard_jax.partitioner import auto, auto_search
+    from gshard_jax.partitioner.auto import choice as auto, search as auto_search
     monkeypatch.setattr(auto, "BUDGETED_SECONDS", 30.0)
     searched = []
     search = auto_search.search

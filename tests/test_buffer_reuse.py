@@ -3,7 +3,7 @@ assignment places them (largest first, one at a time per buffer, no larger than 
 import numpy as np
 import pytest
 
-from gshard_jax.partitioner.buffer_reuse import held_in_outputs, less_held
+from gshard_jax.partitioner.costs.buffer_reuse import held_in_outputs, less_held
 
 CASES = [  # (items: (bytes, first, last), outputs: (bytes, made at), the items held)
     ([(4, 0, 2)], [(4, 3)], [0]),  # fits, gone before the output is made

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from gshard_jax import cli, configs
-from gshard_jax.partitioner import hardware
+from gshard_jax.partitioner.costs import hardware
 from gshard_jax.planner import calibrate, search
 from gshard_jax.training import overrides, timing
 

@@ -196,7 +196,7 @@ SHIFTS = {  # (function of a [B, L, D] array split on L, halo exchanges expected
 @pytest.mark.parametrize("name", list(SHIFTS))
 def test_pad_and_slice_on_a_split_sequence_exchange_neighbours(name, rng):
     """With both sides split on the sequence, a shift moves one row per device by collective-permute: the pad
-    folds into the slice (partitioner/fold.py) and nothing is gathered."""
+    folds into the slice (partitioner/propagation/fold.py) and nothing is gathered."""
     fn, permutes = SHIFTS[name]
     mesh = get_mesh("8")
     x = ints(rng, 4, 64, 8)

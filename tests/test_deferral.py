@@ -1,4 +1,4 @@
-"""Reductions deferred past loops (partitioner/deferral.py): accumulators found as data, and the partitioned
+"""Reductions deferred past loops (partitioner/strategies/deferral.py): accumulators found as data, and the partitioned
 loops against jax.jit, the compiled HLO (explain() equal to it) and the collectives one step executes."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import gshard_jax as gs
-from gshard_jax.partitioner import control_flow as CF, deferral as DF
-from gshard_jax.partitioner.program import from_jaxpr
+from gshard_jax.partitioner.representation.program import from_jaxpr
+from gshard_jax.partitioner.strategies import control_flow as CF, deferral as DF
 from helpers import assert_per_step_matches_hlo, assert_report_matches_hlo
 
 K, B, D = 4, 32, 16  # trips, batch, width

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gshard_jax import configs
-from gshard_jax.partitioner import hardware
+from gshard_jax.partitioner.costs import hardware
 from gshard_jax.planner import fit_options, predict, space as SP
 from gshard_jax.training import fit, launch, train
 

@@ -18,7 +18,7 @@ from test_models import model_and_batch
 import gshard_jax as gs
 from gshard_jax.models import layers
 from gshard_jax.models.transformer import loss_fn
-from gshard_jax.partitioner import fused_attention as FA
+from gshard_jax.partitioner.rules import fused_attention as FA
 from helpers import assert_close, assert_report_matches_hlo, get_mesh, hlo_stats
 
 

@@ -12,8 +12,8 @@ flops than XLA's partitioner, and gathers no k or v. With 1 k/v head, or 2 on a 
 ((b, c) of "2x2x2", where the sub-axes are mesh axes), the attention's head split reaches the repeated k/v
 first (propagation holds forward propagation into a repeat back), so the one head is gathered, as XLA does,
 and ours moves no more. 2 k/v heads on 4 devices: the k/v reshape asks for a sub-axis of `model`
-(partitioner/subaxes.py), so k/v split their heads over its major part and are gathered within pairs, as XLA
-does, instead of over all of `model`.
+(partitioner/representation/subaxes.py), so k/v split their heads over its major part and are gathered
+within pairs, as XLA does, instead of over all of `model`.
 
 `python tests/test_gqa.py` prints the figures per case (bytes per device, collectives, flops, ours and XLA's).
 """

@@ -1,4 +1,5 @@
 """The shape of the code, checked from its source: private JAX behind one module, and the style config."""
+import ast
 import os
 import re
 import subprocess
@@ -6,7 +7,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIBRARY = ("gshard_jax", "partitioner", "models", "benchmarks", "examples", "experiments")
-COMPAT = os.path.join("partitioner", "jax_compat.py")
+COMPAT = os.path.join("partitioner", "representation", "jax_compat.py")
 
 
 def _sources():
@@ -19,8 +20,8 @@ def _sources():
 
 
 def test_private_jax_is_imported_only_by_the_compat_module():
-    """jax._src moves between releases: partitioner/jax_compat.py holds every private name, and says which
-    JAX versions it was checked against."""
+    """jax._src moves between releases: partitioner/representation/jax_compat.py holds every private name, and
+    says which JAX versions it was checked against."""
     found = []
     for rel, path in _sources():
         with open(path) as f:
@@ -79,7 +80,6 @@ def _layer(module: str):
 
 def _imports(module: str, path: str):
     """(imported module, line) for every import in the file, at any depth (a function-level one too)."""
-    import ast
     package = module.split(".") if path.endswith("__init__.py") else module.split(".")[:-1]
     with open(path) as f:
         tree = ast.parse(f.read())
@@ -172,31 +172,53 @@ def test_no_package_imports_itself_in_a_circle():
     assert not circles, "\n".join(" <-> ".join(c) for c in circles)
 
 
-# docs/partitioner.md's order of the partitioner's modules, lowest first: each imports only from its own
-# layer and those before it.
-PARTITIONER_LAYERS = [
-    ("representation", ["jax_compat", "sharding", "program", "factors"]),
-    ("rules and costs", ["rules", "fused_attention", "rare_ops", "deferral", "subaxes", "hardware", "cost",
-                         "overlap", "buffer_reuse", "liveness"]),
-    ("strategies", ["reshard", "manual_regions", "report", "hlo", "halo", "hooks", "lower_rows", "prefetch",
-                    "collective_matmul", "control_flow", "relayout", "roll", "window_geometry", "windowed",
-                    "partial_sums", "reorder"]),
-    ("registry", ["registry"]),
-    ("passes", ["fold", "propagation", "strategy", "local_shards", "lower_regions", "lower"]),
-    ("choice", ["auto_graph", "auto_memory", "auto_solve", "auto_search", "auto"]),
-]
+def _phase(module: str):
+    """The partitioner phase (sub-package) a module is in, or None."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["gshard_jax", "partitioner"] else None
 
 
-def test_the_partitioners_modules_import_in_the_documented_order():
-    """Every partitioner module sits in one layer of docs/partitioner.md's table and imports only from its
-    layer and those below: the program representation imports no strategy, no strategy a pass."""
-    layer = {f"gshard_jax.partitioner.{m}": i for i, (_, names) in enumerate(PARTITIONER_LAYERS) for m in names}
-    edges = _package_edges(_modules())
-    placed = {m for m in edges if m.startswith("gshard_jax.partitioner.")}
-    assert placed == set(layer), sorted(placed ^ set(layer))
-    upward = [f"{m} ({PARTITIONER_LAYERS[layer[m]][0]}) imports {t} ({PARTITIONER_LAYERS[layer[t]][0]})"
-              for m in sorted(placed) for t in sorted(edges[m]) if layer[t] > layer[m]]
-    assert not upward, "\n".join(upward)
+def test_the_partitioners_modules_live_in_its_phases_folders():
+    """Every partitioner module is in one phase's folder (only the facade at the top), every folder is a phase
+    of PHASES (lowest first), and each phase's __init__ says what it holds and what it may import."""
+    from gshard_jax.partitioner import PHASES
+    top = os.path.join(ROOT, "partitioner")
+    loose = [f for f in os.listdir(top) if f.endswith(".py") and f != "__init__.py"]
+    assert not loose, loose
+    folders = {d for d in os.listdir(top) if os.path.isdir(os.path.join(top, d)) and d != "__pycache__"}
+    assert folders == set(PHASES), folders ^ set(PHASES)
+    for phase in PHASES:
+        with open(os.path.join(top, phase, "__init__.py")) as f:
+            doc = " ".join((ast.get_docstring(ast.parse(f.read())) or "").split())
+        assert "Holds" in doc and ("May import" in doc or "Imports nothing" in doc), (phase, doc)
+
+
+def test_each_partitioner_phase_imports_only_from_itself_and_the_phases_before_it():
+    """Read from every import in the partitioner's sources, function-level ones included: the program
+    representation imports no rule, no strategy a propagation, nothing below the automatic sharding imports
+    it."""
+    from gshard_jax.partitioner import PHASES
+    modules = _modules()
+    upward = []
+    for module, path in sorted(modules.items()):
+        mine = _phase(module)
+        if mine is None:
+            continue
+        for target, line in _imports(module, path):
+            theirs = _phase(target) if target in modules else None
+            if theirs is not None and PHASES.index(theirs) > PHASES.index(mine):
+                upward.append(f"{module} ({mine}) imports {target} ({theirs}), line {line}")
+    assert not sorted(set(upward)), "\n".join(sorted(set(upward)))
+
+
+def test_the_phase_check_sees_an_upward_import(tmp_path):
+    """A representation module importing the lowering inside a function is an upward import."""
+    path = tmp_path / "program.py"
+    path.write_text("def f():\n    from ..lowering import lower\n")
+    found = [t for t, _ in _imports("gshard_jax.partitioner.representation.program", str(path))]
+    from gshard_jax.partitioner import PHASES
+    assert "gshard_jax.partitioner.lowering.lower" in found
+    assert PHASES.index(_phase("gshard_jax.partitioner.lowering.lower")) > PHASES.index("representation")
 
 
 def test_the_circle_check_sees_a_function_level_circle(tmp_path):

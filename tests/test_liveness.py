@@ -1,4 +1,4 @@
-"""The step's temporaries (partitioner/liveness.py): which values are alive at each point of the program, and
+"""The step's temporaries (partitioner/costs/liveness.py): which values are alive at each point of the program, and
 explain()'s predicted peak of them per device. On 8 simulated CPU devices."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import gshard_jax as gs
-from gshard_jax.partitioner import liveness
-from gshard_jax.partitioner.program import from_jaxpr
+from gshard_jax.partitioner.costs import lifetimes, liveness
+from gshard_jax.partitioner.representation.program import from_jaxpr
 
 B, D, H = 256, 128, 512
 F32 = 4
@@ -52,7 +52,7 @@ def test_a_scans_body_holds_one_trips_values_and_its_stacked_results_whole():
     r = np.random.default_rng(0)
     x, w1s, w2s = (jnp.asarray(r.standard_normal(s), jnp.float32) for s in ((B, D), (12, D, H), (12, H, D)))
     program = from_jaxpr(jax.make_jaxpr(f)(x, w1s, w2s))
-    lt = liveness.lifetimes(program)
+    lt = lifetimes.lifetimes(program)
     whole = lambda v: liveness.nbytes(v, v.shape)
     peak = liveness.peak(program, whole, lt)
     stacked = 12 * B * D * F32
@@ -108,7 +108,7 @@ def test_a_copy_counts_against_a_budget_of_many_gigabytes():
     """The integer program's copy variables are in MiB: against a 20 GB budget a 500 MB copy is still a
     coefficient the solver keeps, so the pair of options that would copy it over the budget is refused,
     however much cheaper."""
-    from gshard_jax.partitioner import auto_memory, auto_solve
+    from gshard_jax.partitioner.auto import memory as auto_memory, solve as auto_solve
 
     budget, copy = 2e10, 5e8
     copies = [auto_memory.Copy(0, np.arange(2) == t, copy, [auto_memory.Reader(1, np.arange(2) == t, 0, 0)])

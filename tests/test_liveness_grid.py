@@ -1,5 +1,5 @@
 """explain()'s predicted memory per device (arguments in device memory, outputs not donated, the temporaries'
-peak: partitioner/liveness.py) against the compiled train step's memory_analysis() (argument + output - alias +
+peak: partitioner/costs/liveness.py) against the compiled train step's memory_analysis() (argument + output - alias +
 temp), on every step of benchmarks/memory_grid.py but the two NOT_YET names. Within [0.90, 1.15], never under
 by more than 10%."""
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from gshard_jax.partitioner.hardware import default_for
+from gshard_jax.partitioner.costs.hardware import default_for
 from gshard_jax.planner import memory_check as MC
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))

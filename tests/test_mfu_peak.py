@@ -9,7 +9,7 @@ import warnings
 import pytest
 
 from gshard_jax import configs
-from gshard_jax.partitioner import hardware
+from gshard_jax.partitioner.costs import hardware
 from gshard_jax.training import timing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -232,8 +232,8 @@ def _ragged_exchange_case(mesh_name):
 @pytest.mark.parametrize("spmd", [True, False], ids=["stage_vmap", "plain_vmap"])
 def test_ragged_all_to_all_batches_with_unbatched_offsets(spmd):
     """A pipeline's stage vmap over a ragged exchange whose receive offsets come from axis_index (not batched):
-    JAX's rule asserted; partitioner/jax_compat.py's broadcasts them, and every batch element (one per device
-    under the stage axis, two per device under a plain vmap) swaps its own rows."""
+    JAX's rule asserted; partitioner/representation/jax_compat.py's broadcasts them, and every batch element
+    (one per device under the stage axis, two per device under a plain vmap) swaps its own rows."""
     from jax.sharding import PartitionSpec as P
     mesh = jax.make_mesh((2, 4), ("stage", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)  # as the
     # partitioner runs a per-device program (under Explicit axes the emulation's slices of a batched dim fail)

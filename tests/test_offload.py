@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from test_sharded_state import batches, make
 
 import gshard_jax as gs
-from gshard_jax.partitioner import jax_compat
+from gshard_jax.partitioner.representation import jax_compat
 from gshard_jax.training import checkpoints, steps, train
 
 ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}

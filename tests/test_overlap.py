@@ -1,4 +1,4 @@
-"""Which compute each collective overlaps (partitioner/overlap.py): the list schedule as data, and explain()'s
+"""Which compute each collective overlaps (partitioner/costs/overlap.py): the list schedule as data, and explain()'s
 exposed time on real programs."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import gshard_jax as gs
-from gshard_jax.partitioner import overlap as OV
-from gshard_jax.partitioner.hardware import GENERIC
+from gshard_jax.partitioner.costs import overlap as OV
+from gshard_jax.partitioner.costs.hardware import GENERIC
 
 AR = "all-reduce"  # a collective of 1 s (comm_time below)
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import gshard_jax as gs
-from gshard_jax.partitioner.hlo import collective_stats
+from gshard_jax.partitioner.reporting.hlo import collective_stats
 from gshard_jax.pipelines import schedules as S
 from helpers import assert_per_step_matches_hlo, assert_report_matches_hlo, hlo_stats
 

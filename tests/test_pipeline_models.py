@@ -200,8 +200,8 @@ def test_storage_order_puts_each_stages_chunks_in_its_block():
 @pytest.mark.slow  # 70 s; the batching it rests on is test_moe.py's ragged vmap test
 def test_a_pipeline_stage_runs_the_ragged_exchange():
     """Stages are vmapped over the stage axis, and a dropless layer's ragged exchange runs inside them: the
-    real ragged_all_to_all primitive, batched by the stage vmap (partitioner/jax_compat.py fixes JAX's rule
-    for its unbatched receive offsets), partitioned and lowered by an emulation on XLA:CPU, gives the
+    real ragged_all_to_all primitive, batched by the stage vmap (partitioner/representation/jax_compat.py
+    fixes JAX's rule for its unbatched receive offsets), partitioned and lowered by an emulation on XLA:CPU, gives the
     unpipelined model's loss and gradients, and explain() counts each routed row once per trip."""
     with ragged_all_to_all_emulated_on_cpu():
         jitted, params, batch, mesh, f = _partitioned_case("stage2_expert2_data2", "1f1b", "dropless",

@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from gshard_jax import cli, configs
-from gshard_jax.partitioner.hlo import collective_stats
+from gshard_jax.partitioner.reporting.hlo import collective_stats
 from gshard_jax.planner import PROFILES, axonn, estimate as E, hardware, plan, predict as PR, space as SP
 from gshard_jax.planner.memory_model import SCORES
 from gshard_jax.training.train import Trainer
@@ -552,7 +552,7 @@ def test_fused_attention_keeps_no_scores_for_the_backward(attention, dtype, plat
 @pytest.mark.parametrize("scan", [False, True])
 def test_a_scanned_stack_stored_split_holds_two_layers_gathered(scan):
     """Under ZeRO-3 (or FSDP's z) a layer's weights are gathered while it runs; a scanned stack also gathers the
-    next layer's beside it (partitioner/prefetch.py; tests/test_prefetch.py measures it): the screen's
+    next layer's beside it (partitioner/strategies/prefetch.py; tests/test_prefetch.py measures it): the screen's
     transient memory is two layers' gathered weights there, one otherwise, and none without a split store."""
     cfg = _config("tiny_dense_lm")
     cfg.model.scan = scan

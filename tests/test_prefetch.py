@@ -1,4 +1,4 @@
-"""Weights gathered a trip ahead in scanned layer stacks (partitioner/prefetch.py): which stacked inputs, the
+"""Weights gathered a trip ahead in scanned layer stacks (partitioner/strategies/prefetch.py): which stacked inputs, the
 pipelined loop against jax.jit and the compiled HLO, its structure (no compute of the trip feeds the gather
 or reads it) and its memory cost."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import gshard_jax as gs
-from gshard_jax.partitioner import prefetch as PF
-from gshard_jax.partitioner.hardware import GENERIC
+from gshard_jax.partitioner.costs.hardware import GENERIC
+from gshard_jax.partitioner.strategies import prefetch as PF
 from helpers import assert_per_step_matches_hlo, assert_report_matches_hlo
 
 L, B, D = 4, 16, 64

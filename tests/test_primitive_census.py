@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import gshard_jax as gs
-from gshard_jax.partitioner import registry as REG
+from gshard_jax.partitioner.strategies import registry as REG
 from helpers import get_mesh
 from primitive_census import census, public_functions
 
@@ -34,7 +34,8 @@ def test_every_primitive_jax_emits_has_a_rule():
     assert len(traced) >= 0.6 * len(public_functions()), (len(traced), len(public_functions()))
     assert {"dot_general", "scan", "while", "sort", "gather", "cumsum", "conv_general_dilated"} <= set(emitted)
     missing = {name: sorted(fns)[:4] for name, fns in emitted.items() if not _handled(name) and name not in TOKENS}
-    assert not missing, f"primitives with no rule in partitioner/registry.py (and functions emitting them): {missing}"
+    assert not missing, (f"primitives with no rule in partitioner/strategies/registry.py (and functions emitting "
+                         f"them): {missing}")
 
 
 def _x(shape=(8, 16), lo=0.1, hi=0.9, seed=0):

@@ -10,9 +10,10 @@ from jax._src import core
 
 import gshard_jax as gs  # noqa: F401  (registers our annotation primitive)
 from gshard_jax import annotations
-from gshard_jax.partitioner import propagation, registry as REG
-from gshard_jax.partitioner.jax_compat import NOT_IN_EVERY_RELEASE
-from gshard_jax.partitioner.program import from_jaxpr
+from gshard_jax.partitioner.propagation import constraints
+from gshard_jax.partitioner.representation.jax_compat import NOT_IN_EVERY_RELEASE
+from gshard_jax.partitioner.representation.program import from_jaxpr
+from gshard_jax.partitioner.strategies import registry as REG
 
 pytestmark = pytest.mark.newest_jax  # .ci/run runs this file on the newest supported JAX too
 
@@ -95,6 +96,6 @@ def test_control_flow_links_are_marked_as_links():
         return jax.lax.scan(lambda c, y: (c + y, c), x[0], x)[0]
     program = from_jaxpr(jax.make_jaxpr(f)(jnp.zeros((4, 8))))
     (scan,) = [e for e in program.eqns if e.name == "scan"]
-    into, out = propagation.control_flow_links(scan)
+    into, out = constraints.control_flow_links(scan)
     assert into and out and all(c.rule.link for c in into + out)
     assert all(str(c.rule).endswith(" link") for c in into + out)

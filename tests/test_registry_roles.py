@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 
 import gshard_jax as gs  # noqa: F401  (registers our annotation primitive)
-from gshard_jax.partitioner import control_flow as CF, registry as REG
-from gshard_jax.partitioner.program import from_jaxpr
+from gshard_jax.partitioner.representation.program import from_jaxpr
+from gshard_jax.partitioner.strategies import control_flow as CF, registry as REG
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-READERS = ["propagation.py", "lower.py", "local_shards.py", "lower_regions.py", "lower_rows.py", "fold.py"]
+READERS = ["propagation/propagate.py", "lower.py", "local_shards.py", "lower_regions.py", "lower_rows.py", "fold.py"]
 
 
 def test_the_passes_never_test_an_op_name():

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import gshard_jax as gs
-from gshard_jax.partitioner import reshard as RS
-from gshard_jax.partitioner.sharding import Sharding
+from gshard_jax.partitioner.representation.sharding import Sharding
+from gshard_jax.partitioner.strategies import reshard as RS
 from helpers import all_specs, assert_close, hlo_counts, randn
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gshard_jax import configs
-from gshard_jax.partitioner.hlo import collectives
+from gshard_jax.partitioner.reporting.hlo import collectives
 from gshard_jax.training import layout as S, steps, train
 from gshard_jax.training.checkpoints import Checkpoints
 from helpers import assert_report_matches_hlo, hlo_stats

@@ -1,5 +1,5 @@
-"""The trainer's steps reduce their gradients once per step (partitioner/deferral.py): per-step figures of the
-microbatch scan and of every pipeline schedule, from explain() and from the compiled HLO."""
+"""The trainer's steps reduce their gradients once per step (partitioner/strategies/deferral.py): per-step
+figures of the microbatch scan and of every pipeline schedule, from explain() and from the compiled HLO."""
 from __future__ import annotations
 
 import jax

@@ -1,4 +1,4 @@
-"""Sub-axes (partitioner/subaxes.py): an axis planned in parts where a reshape asks for it.
+"""Sub-axes (partitioner/representation/subaxes.py): an axis planned in parts where a reshape asks for it.
 
 The naming and the conversions are tested as data; the partitioned programs against jax.jit, the compiled
 HLO (explain() equal to it), XLA's partitioner, and the user's mesh on the outputs.
@@ -12,9 +12,9 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import gshard_jax as gs
-from gshard_jax.partitioner import subaxes as SUB
-from gshard_jax.partitioner.program import from_jaxpr
-from gshard_jax.partitioner.sharding import Sharding
+from gshard_jax.partitioner.representation import subaxes as SUB
+from gshard_jax.partitioner.representation.program import from_jaxpr
+from gshard_jax.partitioner.representation.sharding import Sharding
 from helpers import assert_report_matches_hlo, get_mesh
 
 M1, M2 = "model:(1)2", "model:(2)2"

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .. import annotations as A, passes
-from ..partitioner.roll import roll as roll_dim
+from ..partitioner.strategies.roll import roll as roll_dim
 from . import schedules as S
 
 PyTree = Any

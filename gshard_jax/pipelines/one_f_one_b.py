@@ -48,7 +48,6 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
     record(sc)
     ax = stage_axis(axis, p)
     run = Run(stage_fn, has_aux, sc, ax, x_spec)
-    ids = run.stage_ids
     params_rp = stacked(params, r, p, ax, param_specs)
     xs, one_x = stage_inputs(x, m, p, ax, x_spec, owned_ends)  # loss_params keep their layout (vmap splits dim 0)
     ts = microbatches(targets, m)
@@ -59,7 +58,47 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
     aux0 = aux_zeros(run, params_rp, zeros_state)
     weights = jax.tree.map(lambda a, w: jnp.broadcast_to(jnp.asarray(w, a.dtype), a.shape[1:]), aux0,
                            weights_like(aux0, aux_weights))
-    carry = {
+    carry = _initial_carry(run, res, sc, zeros_state, aux0, params_rp, xs, loss_params, p, ax, param_specs,
+                           owned_ends)
+    forward, loss, backward = _tick_bodies(run, res, params_rp, xs, ts, loss_fn, loss_params, weights, p, r,
+                                           owned_ends)
+    forward = jax.jit(forward)  # the warmup's and the steady phase's bodies trace it once
+
+    def warm(c, row):
+        return forward(c, row)[0], None
+
+    def steady(c, rows):
+        c, y, last, mb = forward(c, rows[0])
+        c, dy = loss(c, y, last, mb)
+        return backward(c, rows[1], dy), None
+
+    def cool(c, row):
+        return backward(c, row), None
+
+    def loop(f, c, wave, ticks):
+        """A scan over a phase's rows; a phase of no ticks is no loop (XLA drops a zero-trip loop's body)."""
+        if not len(ticks):
+            return c
+        rows = tuple(run.rows(w, ticks) for w in wave) if isinstance(wave, tuple) else run.rows(wave, ticks)
+        return jax.lax.scan(f, c, rows, unroll=unroll)[0]
+
+    w_ticks, s_ticks, c_ticks = sc.phases
+    with jax.named_scope(f"pipeline.{schedule}"):
+        with jax.named_scope("warmup"):
+            carry = loop(warm, carry, sc.forward, w_ticks)
+        with jax.named_scope("steady"):
+            carry = loop(steady, carry, (sc.forward, sc.backward), s_ticks)
+        with jax.named_scope("cooldown"):
+            if len(c_ticks) == 1:  # no loop (XLA would inline it): its gradients go nowhere, so no roll
+                carry = backward(carry, [a[0] for a in run.rows(sc.backward, c_ticks)], roll=False)
+            else:  # in a loop the last tick rolls too: one body keeps the temp memory of one tick
+                carry = loop(cool, carry, sc.backward, c_ticks)
+    return _results(carry, r, owned_ends)
+
+
+def _initial_carry(run, res, sc, zeros_state, aux0, params_rp, xs, loss_params, p, ax, param_specs, owned_ends):
+    """The loops' carry before the first tick: the two waves, the stash, and the sums the ticks add to."""
+    return {
         "f": zeros_state,  # activations moving up a stage per tick
         "b": zeros_state,  # their gradients moving down
         "stash": [jnp.zeros((p, sc.stash) + tuple(a.shape), a.dtype) for a in res.stashed],
@@ -71,6 +110,13 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
                            loss_params),
         "dx": jax.tree.map(lambda a: jnp.zeros(a.shape if owned_ends else (p,) + a.shape, a.dtype), xs),
     }
+
+
+
+def _tick_bodies(run, res, params_rp, xs, ts, loss_fn, loss_params, weights, p, r, owned_ends):
+    """(forward, loss, backward): one tick of each wave on every stage at once (vmapped over the stage axis),
+    and the loss at the last stage between them."""
+    ids = run.stage_ids
 
     def forward(c, row):
         mb, rep, slot = row
@@ -116,37 +162,11 @@ def one_f_one_b(stage_fn, params, x, loss_fn, loss_params, targets, p, m, schedu
         first = valid & (ids == 0) & (rep == 0)
         return dict(c, b=run.roll(dx, -1) if roll else c["b"], dw=acc, dx=put_rows(c["dx"], mb, dx, first))
 
-    forward = jax.jit(forward)  # the warmup's and the steady phase's bodies trace it once
+    return forward, loss, backward
 
-    def warm(c, row):
-        return forward(c, row)[0], None
 
-    def steady(c, rows):
-        c, y, last, mb = forward(c, rows[0])
-        c, dy = loss(c, y, last, mb)
-        return backward(c, rows[1], dy), None
-
-    def cool(c, row):
-        return backward(c, row), None
-
-    def loop(f, c, wave, ticks):
-        """A scan over a phase's rows; a phase of no ticks is no loop (XLA drops a zero-trip loop's body)."""
-        if not len(ticks):
-            return c
-        rows = tuple(run.rows(w, ticks) for w in wave) if isinstance(wave, tuple) else run.rows(wave, ticks)
-        return jax.lax.scan(f, c, rows, unroll=unroll)[0]
-
-    w_ticks, s_ticks, c_ticks = sc.phases
-    with jax.named_scope(f"pipeline.{schedule}"):
-        with jax.named_scope("warmup"):
-            carry = loop(warm, carry, sc.forward, w_ticks)
-        with jax.named_scope("steady"):
-            carry = loop(steady, carry, (sc.forward, sc.backward), s_ticks)
-        with jax.named_scope("cooldown"):
-            if len(c_ticks) == 1:  # no loop (XLA would inline it): its gradients go nowhere, so no roll
-                carry = backward(carry, [a[0] for a in run.rows(sc.backward, c_ticks)], roll=False)
-            else:  # in a loop the last tick rolls too: one body keeps the temp memory of one tick
-                carry = loop(cool, carry, sc.backward, c_ticks)
+def _results(carry, r, owned_ends):
+    """((the loss, the aux sums), (d params, d x, d loss_params)) from the carry after the last tick."""
     aux = jax.tree.map(lambda a: a.sum(0), carry["aux"])
     d_params = jax.tree.map(lambda a: a[0], carry["dw"]) if r == 1 else carry["dw"]
     if owned_ends:  # each stage's own: stage 0's d x and the last stage's d loss_params, the rest zeros

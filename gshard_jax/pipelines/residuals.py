@@ -18,7 +18,7 @@ import jax
 from jax.extend import core
 from jax.interpreters.partial_eval import dce_jaxpr
 
-from ..partitioner.jax_compat import convert_constvars_jaxpr
+from ..partitioner.representation.jax_compat import convert_constvars_jaxpr
 from .common import in_context
 
 

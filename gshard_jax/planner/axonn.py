@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ..partitioner.hardware import GB, Hardware
+from ..partitioner.costs.hardware import GB, Hardware
 
 GEMMS = ((3, False), (1, True), (4, False), (4, True))  # (K, transposed) of QKV, attention out, MLP up, down
 

@@ -19,8 +19,8 @@ import functools
 import math
 from typing import Optional, Sequence
 
-from ..partitioner.cost import latency_steps, moved_bytes
-from ..partitioner.hardware import Hardware
+from ..partitioner.costs.cost import latency_steps, moved_bytes
+from ..partitioner.costs.hardware import Hardware
 from . import estimate as E, space as SP
 from .space import ModelShape
 

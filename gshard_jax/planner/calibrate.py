@@ -30,8 +30,8 @@ import ml_collections
 import optax
 
 from .. import configs
-from ..partitioner import hardware
-from ..partitioner.hardware import Hardware
+from ..partitioner.costs import hardware
+from ..partitioner.costs.hardware import Hardware
 from . import estimate as E, space as SP
 
 

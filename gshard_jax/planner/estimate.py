@@ -17,8 +17,8 @@ import math
 from typing import NamedTuple, Optional, Sequence
 
 from .. import configs
-from ..partitioner.cost import latency_steps, moved_bytes
-from ..partitioner.hardware import Hardware, axes_bandwidth
+from ..partitioner.costs.cost import latency_steps, moved_bytes
+from ..partitioner.costs.hardware import Hardware, axes_bandwidth
 from ..pipelines import schedules as SC
 from .memory_model import HOST_STATE_BYTES, device_total, memory, offloaded  # noqa: F401 (the screen's memory)
 from .space import Candidate, ModelShape
@@ -83,28 +83,54 @@ def _bandwidth(hw: Hardware, order: tuple, axes: tuple) -> float:
     return got[1]
 
 
-def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
-    """The step's collectives by formula (per device; bf16 activations, float32 gradient reductions)."""
-    s = c.sizes
-    p, d, z, e, y, x = (s[a] for a in ("stage", "data", "z", "expert", "y", "x"))
-    m, b = c.microbatches, shape.param_bytes
-    tokens_mb = shape.tokens / (c.token_shards * m)  # per device, per microbatch
-    act = tokens_mb * shape.d_model / x * b  # the residual stream's bytes per device
-    layers = shape.layers * (2 if shape.kind == "encoder_decoder" else 1) / p
-    fwd = 2 if c.remat == "full" else 1  # forward passes per step (remat full runs it again in the backward)
-    # Times a stage runs each of its layers per step, forward and backward alike: m, or in a pipeline every
-    # forward tick, bubbles included (m r + p - 1 ticks over r repeats), as a layer's collectives run then.
-    runs = schedule(c.schedule, p, m, c.repeats).forward_ticks / c.repeats if p > 1 else m
-    moe_layers = shape.periods * (2 if shape.kind == "encoder_decoder" else 1) / p  # a stage's, over its repeats
-    out: list[Comm] = []
+@dataclasses.dataclass
+class _Counts:
+    """What collectives()' formulas read: the candidate's axis sizes and the step's per-device counts, and the
+    collectives found so far."""
+    shape: ModelShape
+    c: Candidate
+    out: list = dataclasses.field(default_factory=list)
 
-    def add(kind, axes, payload, count):
+    def __post_init__(self) -> None:
+        shape, c = self.shape, self.c
+        s = c.sizes
+        p, d, z, e, y, x = (s[a] for a in ("stage", "data", "z", "expert", "y", "x"))
+        m, b = c.microbatches, shape.param_bytes
+        tokens_mb = shape.tokens / (c.token_shards * m)  # per device, per microbatch
+        act = tokens_mb * shape.d_model / x * b  # the residual stream's bytes per device
+        layers = shape.layers * (2 if shape.kind == "encoder_decoder" else 1) / p
+        fwd = 2 if c.remat == "full" else 1  # forward passes per step (remat full runs it again in the backward)
+        # Times a stage runs each of its layers per step, forward and backward alike: m, or in a pipeline every
+        # forward tick, bubbles included (m r + p - 1 ticks over r repeats), as a layer's collectives run then.
+        runs = schedule(c.schedule, p, m, c.repeats).forward_ticks / c.repeats if p > 1 else m
+        moe_layers = shape.periods * (2 if shape.kind == "encoder_decoder" else 1) / p  # a stage's, over its repeats
+        self.s, self.m, self.b, self.tokens_mb, self.act, self.layers, self.fwd, self.runs, self.moe_layers = (
+            s, m, b, tokens_mb, act, layers, fwd, runs, moe_layers)
+        self.p, self.d, self.z, self.e, self.y, self.x = p, d, z, e, y, x
+
+    def add(self, kind, axes, payload, count) -> None:
         group = 1
         for a in axes:
-            group *= s[a]
+            group *= self.s[a]
         if group > 1 and count:
-            out.append(Comm(kind, tuple(axes), count, moved_bytes(kind, payload, group) * count))
+            self.out.append(Comm(kind, tuple(axes), count, moved_bytes(kind, payload, group) * count))
 
+
+def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
+    """The step's collectives by formula (per device; bf16 activations, float32 gradient reductions): the
+    tensor axes', the context ring's and x's, the experts', the weights', a dropless layer's and the
+    pipeline's, in that order."""
+    k = _Counts(shape, c)
+    for part in (_tensor_comms, _context_and_x_comms, _expert_comms, _weight_comms, _dropless_comms,
+                 _pipeline_comms):
+        part(k)
+    return k.out
+
+
+def _tensor_comms(k: _Counts) -> None:
+    """Over y: the row-parallel outputs' reductions (rings under sequence parallelism), the vocabulary's."""
+    shape, c, y, m = k.shape, k.c, k.y, k.m
+    act, layers, fwd, runs, moe_layers = k.act, k.layers, k.fwd, k.runs, k.moe_layers
     # Tensor axes. Over y (Megatron's row-parallel outputs, d_model wide, split over x): two all-reduces per
     # layer and pass. Over x (d_model split, AxoNN's column group): what contracts d_model is reduced over it,
     # at its own width split over y: forward the q, k, v and FFN-in projections; backward the input gradients
@@ -114,15 +140,21 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
         # latency. The backward gathers the two column-parallel inputs again for their weight gradients.
         rings = 2 * 2 * (fwd + 1) * layers * runs
         if y > 1:
-            out.append(Comm("collective-permute", ("y",), rings * 2 * (y - 1),
-                            moved_bytes("all-gather", act, y) * rings))
-        add("all-gather", ("y",), act, 2 * (c.remat != "full") * layers * runs)
+            k.out.append(Comm("collective-permute", ("y",), rings * 2 * (y - 1),
+                              moved_bytes("all-gather", act, y) * rings))
+        k.add("all-gather", ("y",), act, 2 * (c.remat != "full") * layers * runs)
     else:
-        add("all-reduce", ("y",), act, 2 * (fwd + 1) * layers * runs)
+        k.add("all-reduce", ("y",), act, 2 * (fwd + 1) * layers * runs)
         if shape.experts and not shape.dropless:  # an MoE layer's FFN reduces its k x capacity slots per token
-            add("all-reduce", ("y",), act * (shape.k * shape.capacity_factor - 1), (fwd + 1) * moe_layers * runs)
+            k.add("all-reduce", ("y",), act * (shape.k * shape.capacity_factor - 1), (fwd + 1) * moe_layers * runs)
     # The vocabulary over y: the embedding lookup's output and the head's input gradient, per microbatch.
-    add("all-reduce", ("y",), act, 2 * m)
+    k.add("all-reduce", ("y",), act, 2 * m)
+
+
+def _context_and_x_comms(k: _Counts) -> None:
+    """The context ring's K and V blocks, and what contracts d_model over x."""
+    shape, s, y, m, b = k.shape, k.s, k.y, k.m, k.b
+    tokens_mb, layers, fwd, runs, moe_layers = k.tokens_mb, k.layers, k.fwd, k.runs, k.moe_layers
     attn = shape.heads * shape.head_dim
     # Context: each attention layer's K and V blocks go round the ring (ring attention), c - 1 hops each
     # forward; the custom backward, starting from the block the forward received first, sends K, V c - 2 hops
@@ -130,29 +162,39 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     cx = s["context"]
     if cx > 1:
         kv = tokens_mb * attn / y * b  # one K or V block per device
-        add("collective-permute", ("context",), kv, 2 * (cx - 1) * fwd * layers * runs)
-        add("collective-permute", ("context",), kv, 2 * (cx - 2) * layers * runs)
-        add("collective-permute", ("context",), kv * 4 / b, 2 * cx * layers * runs)
+        k.add("collective-permute", ("context",), kv, 2 * (cx - 1) * fwd * layers * runs)
+        k.add("collective-permute", ("context",), kv, 2 * (cx - 2) * layers * runs)
+        k.add("collective-permute", ("context",), kv * 4 / b, 2 * cx * layers * runs)
     ffn = fwd * shape.ffn_inputs * shape.d_ff + shape.d_ff  # an FFN's widths reduced over x, both passes
-    add("all-reduce", ("x",), tokens_mb * (fwd * 3 * attn + attn + ffn) / y * b, layers * runs)
+    k.add("all-reduce", ("x",), tokens_mb * (fwd * 3 * attn + attn + ffn) / y * b, layers * runs)
     if shape.experts and not shape.dropless:  # an MoE layer's FFN runs on k x capacity slots per token
-        add("all-reduce", ("x",), tokens_mb * ffn * (shape.k * shape.capacity_factor - 1) / y * b, moe_layers * runs)
-    add("all-reduce", ("x",), tokens_mb * shape.vocab / y * b, m)  # the head's logits contract d_model
+        k.add("all-reduce", ("x",), tokens_mb * ffn * (shape.k * shape.capacity_factor - 1) / y * b, moe_layers * runs)
+    k.add("all-reduce", ("x",), tokens_mb * shape.vocab / y * b, m)  # the head's logits contract d_model
+
+
+def _expert_comms(k: _Counts) -> None:
+    """The experts' dispatch and combine, per MoE layer and pass."""
+    shape, e, x, act, layers, fwd, runs = k.shape, k.e, k.x, k.act, k.layers, k.fwd, k.runs
     # Experts: dispatch and combine all-to-alls per MoE layer and pass. GShard's einsum dispatch sends
     # capacity_factor x k rows per token; a dropless all-to-all sends each peer a buffer that holds every
     # local row (or peer_bound x rows / peers), its all-gather exchange gathers the tokens.
     if shape.experts and e > 1:
         if not shape.dropless:
-            add("all-to-all", ("expert",), act * shape.k * shape.capacity_factor, 2 * (fwd + 1) * layers * runs)
+            k.add("all-to-all", ("expert",), act * shape.k * shape.capacity_factor, 2 * (fwd + 1) * layers * runs)
         else:
             if shape.exchange == "all_gather":
-                add("all-gather", ("expert",), act * e, (fwd + 1) * layers * runs)
-                add("reduce-scatter", ("expert",), act * e, (fwd + 1) * layers * runs)
+                k.add("all-gather", ("expert",), act * e, (fwd + 1) * layers * runs)
+                k.add("reduce-scatter", ("expert",), act * e, (fwd + 1) * layers * runs)
             else:
                 rows = act * x * shape.k  # the region holds whole rows: x gathers them
                 dense = shape.exchange == "all_to_all"
                 per_peer = e if dense and not shape.peer_bound else (min(e, shape.peer_bound) if dense else 1)
-                add("all-to-all", ("expert",), rows * per_peer, 2 * (fwd + 1) * layers * runs)
+                k.add("all-to-all", ("expert",), rows * per_peer, 2 * (fwd + 1) * layers * runs)
+
+
+def _weight_comms(k: _Counts) -> None:
+    """The weights' gathers and their gradients' reductions, per class, as the layout stores them."""
+    shape, c, p, z, e, y, x, m, b, fwd = k.shape, k.c, k.p, k.z, k.e, k.y, k.x, k.m, k.b, k.fwd
     # Weights per device as the layout stores them (before the storage axes), per class.
     split_e, split_l, split_v = e * y * x * p, y * x * p, y * x
     w = {"expert": shape.expert_params / split_e, "layer": shape.layer_params / split_l,
@@ -163,17 +205,22 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     for cls, n in w.items():
         # FSDP (z) and ZeRO-3 gather the weights per microbatch and pass, and reduce-scatter the gradients.
         gather = ("z",) + (dp_axes[cls] if c.zero_stage == 3 else ())
-        add("all-gather", gather, n * b, (fwd + 1) * m)
-        add("reduce-scatter", gather, n * b, m)  # the gradients of gathered weights, in their dtype
+        k.add("all-gather", gather, n * b, (fwd + 1) * m)
+        k.add("reduce-scatter", gather, n * b, m)  # the gradients of gathered weights, in their dtype
         if c.zero_stage == 3:
             continue
         store = n / (z if z > 1 else 1)
         if c.zero_stage == 0:
-            add("all-reduce", dp_axes[cls], store * 4, 1)
+            k.add("all-reduce", dp_axes[cls], store * 4, 1)
         else:
             axes = dp_axes[cls] if c.epso or cls == "expert" else ("data",)
-            add("reduce-scatter", axes, store * 4, m if c.zero_stage == 2 else 1)
-            add("all-gather", axes, store * b, 1)
+            k.add("reduce-scatter", axes, store * 4, m if c.zero_stage == 2 else 1)
+            k.add("all-gather", axes, store * b, 1)
+
+
+def _dropless_comms(k: _Counts) -> None:
+    """A dropless MoE layer's manual region along x."""
+    shape, e, y, x, b, act, fwd, runs, moe_layers = k.shape, k.e, k.y, k.x, k.b, k.act, k.fwd, k.runs, k.moe_layers
     # A dropless MoE layer is a manual region over the token (data, z), expert and FFN (y) axes, run once per
     # microbatch (per tick in a pipeline, bubbles included). Its expert weights enter as one copy per token
     # shard, so their gradients leave it partial over data and z and are reduced once per step with the
@@ -181,26 +228,31 @@ def collectives(shape: ModelShape, c: Candidate) -> list[Comm]:
     # dtype) and its output.
     if shape.dropless:
         per_layer = shape.expert_params / max(shape.periods, 1) / (e * y)
-        add("all-reduce", ("x",), per_layer * b, moe_layers * runs)
-        add("all-gather", ("x",), act * x, (fwd + 1) * moe_layers * runs)
-        add("all-gather", ("x",), per_layer * b, (fwd + 1) * moe_layers * runs)
-        add("all-reduce", ("x",), act * x, (fwd + 1) * moe_layers * runs)
+        k.add("all-reduce", ("x",), per_layer * b, moe_layers * runs)
+        k.add("all-gather", ("x",), act * x, (fwd + 1) * moe_layers * runs)
+        k.add("all-gather", ("x",), per_layer * b, (fwd + 1) * moe_layers * runs)
+        k.add("all-reduce", ("x",), act * x, (fwd + 1) * moe_layers * runs)
+
+
+def _pipeline_comms(k: _Counts) -> None:
+    """The pipeline's permutes per tick, and its ends once per step."""
+    shape, c, p, d, y, x, m, b, act = k.shape, k.c, k.p, k.d, k.y, k.x, k.m, k.b, k.act
     # Pipeline: one permute of the activations per tick and direction (split over y too under sequence
     # parallelism, as the residual stream between layers is).
     if p > 1:
+        split_v = y * x  # (the vocabulary's weights, as _weight_comms stores them)
         sched = schedule(c.schedule, p, m, c.repeats)
         act = act / y if c.sequence_parallel else act
-        add("collective-permute", ("stage",), act, sched.rolls)
+        k.add("collective-permute", ("stage",), act, sched.rolls)
         # Its ends, once per step: what one stage makes is summed over `stage`. The first stage's input
         # gradient (the step's residual stream; float32 where the 1F1B schedules make it), and the last
         # stage's outputs (GPipe, circular) or its head's float32 gradient (1F1B, which runs the head there).
         # With stage-owned ends (every schedule) the head and loss run on the last stage: nothing crosses.
         own = c.schedule in ("1f1b", "interleaved_1f1b")
         if not (shape.owned_ends and not c.offload):  # an offloaded run keeps its ends replicated
-            add("all-reduce", ("stage",), act * m * (4 / b if own else 1), 1)
+            k.add("all-reduce", ("stage",), act * m * (4 / b if own else 1), 1)
             head = shape.vocab * shape.d_model / split_v * 4 / (d if c.zero_stage else 1)
-            add("all-reduce", ("stage",), head if own else act * m, 1)
-    return out
+            k.add("all-reduce", ("stage",), head if own else act * m, 1)
 
 
 def model_flops_per_token(shape: ModelShape) -> float:
@@ -278,7 +330,7 @@ def compute_time(shape: ModelShape, c: Candidate, hw: Hardware, devices: int) ->
 def combine(hw: Hardware, c: Candidate, compute: float, comms: Sequence[Comm], mem: dict,
             source: str = "formula", exposed: Optional[float] = None) -> Estimate:
     """An Estimate from compute seconds, the step's collectives and memory, on `c`'s axis order. exposed: the
-    seconds of communication the planned program leaves exposed (partitioner/overlap.py); None (the screen):
+    seconds of communication the planned program leaves exposed (partitioner/costs/overlap.py); None (the screen):
     all of it."""
     by: dict = {}
     sizes = c.sizes

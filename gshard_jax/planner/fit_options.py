@@ -14,7 +14,7 @@ from typing import Any
 
 import ml_collections
 
-from ..partitioner.hardware import Hardware
+from ..partitioner.costs.hardware import Hardware
 from ..training.fit import size
 from . import estimate as E, search, space as SP
 

@@ -1,5 +1,5 @@
 """A candidate's memory three ways: the screen's formula (estimate.memory), explain()'s prediction (the planned
-program's arguments, outputs not donated and temporaries at their peak: partitioner/liveness.py), and the
+program's arguments, outputs not donated and temporaries at their peak: partitioner/costs/liveness.py), and the
 compiled train step's memory_analysis() (training/fit.py) on this process's devices. The grid benchmark
 (benchmarks/memory_grid.py), its test and `gshard-jax plan --check-memory` read them from here.
 """
@@ -13,7 +13,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from ..partitioner.hardware import Hardware
+from ..partitioner.costs.hardware import Hardware
 from . import estimate as E, predict, space as SP
 
 MiB = 2 ** 20

@@ -4,7 +4,7 @@ every candidate the screen costs. Each term is what the per-device program keeps
 
 - params and optimizer state as the layout stores them (ZeRO, EPSO, FSDP / z, tensor, expert and stage splits);
 - gradients: float32, at the layout's size before any ZeRO or FSDP split. A step reduces its gradients once,
-  after the microbatch loop or the scanned stack (partitioner/deferral.py), so each device holds the whole
+  after the microbatch loop or the scanned stack (partitioner/strategies/deferral.py), so each device holds the whole
   local gradient (the accumulator of a microbatched step) until then, whatever the ZeRO stage; but a
   prefetched stack (FSDP / ZeRO-3, scanned, one microbatch) reduces each trip's as it writes it;
 - activations: each layer's residuals for the backward under the remat policy (per token: d-model-wide

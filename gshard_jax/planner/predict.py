@@ -17,8 +17,8 @@ import ml_collections
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
-from ..partitioner import overlap as OV
-from ..partitioner.hardware import Hardware, default_for
+from ..partitioner.costs import overlap as OV
+from ..partitioner.costs.hardware import Hardware, default_for
 from . import estimate as E, space as SP
 from .estimate import Comm
 from .space import AXES, Candidate
@@ -143,7 +143,7 @@ def plan_one(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware,
 
 def exposed(report: Any, hw: Hardware, order: tuple, compute: float) -> float:
     """Seconds of communication a planned step leaves exposed on hw with its axes in `order`: the report's rows
-    list-scheduled (partitioner/overlap.py) with each collective at the bandwidth of its axes there and the
+    list-scheduled (partitioner/costs/overlap.py) with each collective at the bandwidth of its axes there and the
     rows' compute scaled to the step's compute seconds."""
     sizes = dict(order)
     total = report.compute_time

@@ -54,7 +54,7 @@ class ModelShape:
     ffn_inputs: int = 1  # the FFN's input matrices: 2 under SwiGLU (gate and up), else 1
     fused_attention: bool = False  # attention by a fused kernel (cuDNN's): no [heads, S] scores kept per token
     scan: bool = False  # the layer periods run as one scan: stored split, the next layer's weights are gathered
-    # during the current one's (partitioner/prefetch.py)
+    # during the current one's (partitioner/strategies/prefetch.py)
     # under a 1F1B schedule the end stages own the embedding and head (configs.end_stages_of): an untied decoder
     # LM with pipeline.owned_ends (a candidate with its optimizer state offloaded keeps them replicated)
     owned_ends: bool = False

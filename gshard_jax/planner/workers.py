@@ -8,7 +8,7 @@ import multiprocessing
 import os
 import threading
 
-from ..partitioner.hardware import Hardware
+from ..partitioner.costs.hardware import Hardware
 from ..training.faults import die_with_parent
 from . import predict as PR
 

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 import gshard_jax as gs
-from gshard_jax.partitioner.hlo import summary
+from gshard_jax.partitioner.reporting.hlo import summary
 
 from .. import configs
 from . import train

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ..partitioner import hardware
+from ..partitioner.costs import hardware
 from . import data
 
 log = logging.getLogger(__name__)

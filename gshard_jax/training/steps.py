@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from .. import configs
 from ..models import layers, pipelined
 from ..models.transformer import loss_fn
-from ..partitioner import jax_compat
+from ..partitioner.representation import jax_compat
 from . import faults, layout as state_layout, optim
 
 METRICS = ("cross_entropy", "aux_loss", "z_loss", "dropped", "router_confidence")  # per step, from loss_fn

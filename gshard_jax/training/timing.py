@@ -12,7 +12,7 @@ from typing import Callable, Mapping
 import jax
 
 from .. import configs
-from ..partitioner import hardware
+from ..partitioner.costs import hardware
 
 
 def median_times(fns: Mapping[str, Callable[[], object]], steps: int, warmup: int = 0) -> dict[str, float]:

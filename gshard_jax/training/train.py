@@ -1,4 +1,5 @@
-"""Training and evaluation of an experiment config, partitioned by our partitioner.
+"""The Trainer: an experiment config's models, state layout and steps, partitioned by our partitioner (the
+loop that runs them: loop.py).
 
 One train step is one ``gs.partition``-ed function of (state, batch) (steps.train_step, its static
 config bound by Trainer): loss and gradients, a finiteness check of the loss and the gradient norm, the
@@ -30,10 +31,7 @@ import gshard_jax as gs
 from .. import configs
 from ..models import pipelined
 from ..models.logical import DEFAULT_RULES, axes_of, mesh_spec
-from . import checkpoints, cluster, data, faults, fit, layout as state_layout, metrics, optim, steps, timing
-from .checkpoints import Checkpoints
-from .faults import Faults, Preempted
-from .settle import Settler
+from . import cluster, data, faults, layout as state_layout, optim, steps
 
 log = logging.getLogger("gshard_jax")
 NAN_POLICIES = ("halt", "skip")
@@ -42,7 +40,7 @@ NAN_POLICIES = ("halt", "skip")
 # XLA:GPU flags that let a step's collectives run beside its compute, as MaxText sets them: the latency-hiding
 # scheduler, a high-priority stream for asynchronous collectives, collectives combined up to these sizes, and
 # XLA's own pipelining of all-gathers, reduce-scatters and all-reduces across loop trips. Only GPU compilation
-# reads them; partitioner/overlap.py predicts what they hide.
+# reads them; partitioner/costs/overlap.py predicts what they hide.
 OVERLAP_FLAGS = (
     "--xla_gpu_enable_latency_hiding_scheduler=true",
     "--xla_gpu_enable_highest_priority_async_stream=true",
@@ -112,6 +110,18 @@ def mesh_for(cfg: configs.Config | ml_collections.ConfigDict) -> jax.sharding.Me
     return gs.make_mesh(kept)
 
 
+def _check_intervals(t) -> None:
+    """train.nan_policy is one the loop knows; log_every and eval_every are positive step counts."""
+    if t.nan_policy not in NAN_POLICIES:
+        raise ValueError(f"train.nan_policy={t.nan_policy!r}; expected one of {NAN_POLICIES}")
+    for name in ("log_every", "eval_every"):
+        value = getattr(t, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"train.{name}={value!r}: expected a positive number of steps (the last step "
+                             f"is always logged and evaluated, so --config.train.{name}=<num_steps> does "
+                             f"it once)")
+
+
 @dataclasses.dataclass
 class Trainer:
     """A config's model, optimiser, mesh, data and partitioned step functions: what the step functions
@@ -125,19 +135,23 @@ class Trainer:
     def __post_init__(self):
         cfg = self.cfg = configs.typed(self.cfg)
         t = cfg.train
-        if t.nan_policy not in NAN_POLICIES:
-            raise ValueError(f"train.nan_policy={t.nan_policy!r}; expected one of {NAN_POLICIES}")
-        for name in ("log_every", "eval_every"):
-            value = getattr(t, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"train.{name}={value!r}: expected a positive number of steps (the last step "
-                                 f"is always logged and evaluated, so --config.train.{name}=<num_steps> does "
-                                 f"it once)")
+        _check_intervals(t)
         if self.mesh is None:
             self.mesh = mesh_for(cfg)
         self.auto = bool(cfg.mesh.auto)
         if self.auto or cfg.mesh.memory_budget:
             cfg = self.cfg = state_layout.automatic(cfg, dict(self.mesh.shape))
+        layout_model = self._models(cfg)
+        self.opt = optim.optimizer(t)
+        self.schedule = optim.schedule(t)
+        self.length = data.window_length(cfg.model.kind, t.seq_len)
+        batch_spec, shards = self._batch(t)
+        self._state(t, layout_model)
+        self._steps(cfg, t, batch_spec, shards)
+
+    def _models(self, cfg):
+        """The train and eval models, the unpipelined one init reads, and the layers' orders; returns the model
+        the state's layout is read from (the unpipelined one with the pipeline's end stages)."""
         self.pipeline = configs.pipeline_config(cfg, dict(self.mesh.shape).get("stage", 1))
         ends = self.end_stages = configs.end_stages_of(cfg, self.pipeline)
         self.model = configs.build_model(cfg.model, train=True, pipeline=self.pipeline, end_stages=ends)
@@ -151,9 +165,10 @@ class Trainer:
         # ends lead with [stages]. Checkpoints hold the stack in that order and each end as its owner's slice.
         self.layer_order = pipelined.order_key(self.pipeline, ends)
         self.saved_order = pipelined.order_key(self.pipeline)
-        self.opt = optim.optimizer(t)
-        self.schedule = optim.schedule(t)
-        self.length = data.window_length(cfg.model.kind, t.seq_len)
+        return layout_model
+
+    def _batch(self, t) -> tuple:
+        """(the batch's spec, its shards): split over the data-parallel axes, checked against the batch size."""
         # the batch as the input pipeline loads it: split over the data-parallel axes (under mesh.auto too)
         batch_spec = mesh_spec(("batch", None), DEFAULT_RULES if self.auto else self.model.cfg.rules,
                                self.mesh.axis_names)
@@ -166,9 +181,14 @@ class Trainer:
             raise ValueError(f"train.batch_size={t.batch_size} over train.microbatches={t.microbatches} must "
                              f"divide by the {shards} batch shards of mesh {dict(self.mesh.shape)}, and the "
                              f"batch by the {jax.process_count()} processes")
-        example = configs.example_inputs(cfg.model, 1, t.seq_len)
+        return batch_spec, shards
+
+    def _state(self, t, layout_model) -> None:
+        """The state's layout and shardings: the params', and the optimizer state's (master weights, a delayed
+        update's pending gradients, offloaded to host memory)."""
+        example = configs.example_inputs(self.cfg.model, 1, t.seq_len)
         self.layout, self.param_shapes = state_layout.of_model(layout_model, example, dict(self.mesh.shape),
-                                                          t.zero_stage, t.epso)
+                                                               t.zero_stage, t.epso)
         # bf16 models keep bf16 params (forward, backward and gradient collectives in bf16) and float32
         # master weights beside AdamW's moments in the optimizer state (seed 001's 16 bytes per parameter);
         # an offloaded update keeps them too, so the host never needs the device's params.
@@ -195,6 +215,10 @@ class Trainer:
                                      is_leaf=lambda x: isinstance(x, P))
         # As partition takes them: PartitionSpecs, and the offloaded optimizer state's NamedShardings in host memory.
         self.state_specs = {"params": self.layout.stored, "opt_state": opt_specs, "step": P()}
+
+    def _steps(self, cfg, t, batch_spec, shards) -> None:
+        """The step functions with their static config bound, partitioned on the mesh (mesh.auto: the state's
+        shardings chosen first)."""
         self.batch_spec = P(*batch_spec)
         self.shards = shards  # the batch's shards: soft failures are counted per shard
         self.step_config = steps.StepConfig(
@@ -373,86 +397,3 @@ def _sync(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
-
-
-def train(cfg: configs.Config | ml_collections.ConfigDict, workdir: str, progress: bool = True) -> dict:
-    """Train from the newest valid checkpoint in workdir (or from scratch) to train.num_steps."""
-    cfg = configs.typed(cfg)
-    t = cfg.train
-    trainer = Trainer(cfg, workdir)  # checks the config against the devices before anything is written
-    if t.memory_check:  # and the compiled step against their memory (fit.DoesNotFit), before the first step
-        fit.check(trainer)
-    os.makedirs(workdir, exist_ok=True)
-    if jax.process_index() == 0:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(cfg.to_json(indent=1))
-    tokens = prepare_data(cfg, workdir)
-    ckpt = Checkpoints(workdir, t.checkpoint_every, t.model_checkpoint_every, async_save=t.async_checkpoints,
-                       replica_parallel=t.checkpoint_replica_parallel, single_read=t.checkpoint_single_read,
-                       metadata={"layer_order": trainer.saved_order})
-    state = trainer.fresh_state()
-    read = checkpoints.bytes_read()
-    restored = ckpt.restore_latest(trainer.to_checkpoint(state), adapt=trainer.from_checkpoint)
-    start = 0
-    if restored is not None:
-        start, state = restored
-        log.info("resumed from %s at step %d (process %d read %d bytes)", ckpt.full.directory, start,
-                 jax.process_index(), checkpoints.bytes_read() - read)
-    main = jax.process_index() == 0
-    writer = metrics.MetricsWriter(workdir, resume_step=start, enabled=main)
-    bar = None
-    if progress and main:
-        from tqdm import tqdm
-        bar = tqdm(total=t.num_steps, initial=start, unit="step", dynamic_ncols=True)
-    clock = timing.Clock(t, jax.device_count(), timing.peak_flops(cfg), timing.model_flops_per_token(cfg))
-    settler = Settler(t, start, writer, clock, bar, lambda params: trainer.evaluate(tokens, params),
-                      trainer.batch_sharding, (t.batch_size, trainer.length))
-    node_faults = Faults(cfg.debug)
-    try:
-        for step in range(start + 1, t.num_steps + 1):
-            node_faults.before(step)
-            with clock.waiting("data_wait_s"):
-                batch = trainer.batch(tokens, "train", step)
-            state, m = trainer.step_fn(state, batch)
-            settler.flush(state["params"])  # the previous step's metrics, while this one runs on the device
-            # A step whose state is evaluated or saved is settled first: its metrics are written before its
-            # checkpoint (a resume never loses a row) and a NaN halts before it is saved.
-            if (step % t.eval_every == 0 or step == t.num_steps or ckpt.should_save(step)):
-                settler.settle(step, m, state["params"])
-            else:
-                settler.defer(step, m)
-            with clock.waiting("checkpoint_s"):
-                if ckpt.should_save(step) or step == t.num_steps:  # the ends' owner slices only when written
-                    ckpt.save(step, trainer.to_checkpoint(state), force=step == t.num_steps)
-            if step < t.num_steps and node_faults.preempted(step):
-                settler.flush(state["params"])
-                ckpt.save_now(step, trainer.to_checkpoint(state))
-                raise Preempted(step)
-        settler.flush(state["params"])
-    finally:
-        node_faults.close()
-        ckpt.wait()
-        ckpt.close()
-        writer.close()
-        if bar is not None:
-            bar.close()
-    summary = dict(settler.summary, skipped_steps=settler.skipped)
-    if main:
-        summary["plot"] = metrics.plot([workdir], os.path.join(workdir, "loss.png"))
-    return summary
-
-
-def evaluate(cfg: configs.Config | ml_collections.ConfigDict, workdir: str) -> dict:
-    """Held-out loss of the newest checkpoint (full or model-only) in workdir."""
-    cfg = configs.typed(cfg)
-    trainer = Trainer(cfg, workdir)  # checks the config against the devices before anything is written
-    tokens = prepare_data(cfg, workdir)
-    ckpt = Checkpoints(workdir, cfg.train.checkpoint_every, cfg.train.model_checkpoint_every, async_save=False,
-                       single_read=cfg.train.checkpoint_single_read)
-    restored = ckpt.restore_params(trainer.to_checkpoint({"params": trainer.fresh_state()["params"]})["params"],
-                                   adapt=trainer.from_checkpoint)
-    ckpt.close()
-    if restored is None:
-        raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints or {workdir}/model_checkpoints; train first")
-    step, params = restored
-    return {"step": step, "eval_loss": trainer.evaluate(tokens, params)}

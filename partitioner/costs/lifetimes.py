@@ -1,0 +1,244 @@
+"""The step's temporaries: which values an op makes are alive at each point of the program (their peak per
+device: liveness.py).
+
+A value is alive from the op that makes it to its last reader, in program order (the order the per-device
+program is emitted in). The points are the ops, with a body's ops (a scan's, a while loop's, a branch's) as
+points of their own nested in the op that runs them: a value of the caller read by the loop is alive through
+all of them, a body's values only within it, one trip's at a time (its buffers are reused from trip to
+trip). A checkpointed region's ops are the caller's. Arguments and outputs are not temporaries (the report's
+arguments and outputs count them, as memory_analysis() does). An operand resharded to what its reader
+needs is a copy (`Copy`, from what the lowering did), alive from its first reader's first point to its last
+reader's last: a loop's operand copied at its entry through all of the loop's points, a copy a later op
+reuses until that op runs.
+
+Where XLA's buffers are known to differ from the program's values, this follows XLA (measured against
+memory_analysis() on benchmarks/memory_grid.py, tests/test_liveness_grid.py): a loop's carry is one buffer
+(its first value, the loop's result and each trip's new value, where the old one is read no more), as a
+branch's result is its op's; XLA:CPU schedules an op as early as its operands allow, so an unrolled
+checkpointed region's recomputation (what the rest of the region reads and XLA does not fuse into it) is
+made where its operands are, as if there were no remat (in a loop's body, within the trip), and a constant
+an update writes into is made at its body's start; a manual region (shard_map) holds its body's
+temporaries (_manual_peak); a scan pipelined by prefetch.py, where the caller names it (lifetimes' `ahead`),
+holds the weights it gathers a trip ahead and its peeled trip's recomputation through the loop (the lowering
+names the scans it pipelined; the automatic sharding's rows, auto/memory.py, name every scan it may).
+
+What this is: the program's own values, each in the sharding the plan gives it, at their per-device size.
+What it is not: XLA's buffer assignment. XLA fuses elementwise ops (their results are never stored) and may
+schedule ops in another order; a collective's own scratch is not counted. explain() reports this peak
+beside memory_analysis()'s temp_size (tests/test_liveness.py compares them), and the automatic sharding
+bounds it under a memory budget.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Optional
+
+import numpy as np
+from jax.extend import core
+
+from ..representation.jax_compat import scan_counts
+from ..representation.program import Eqn, Program, Value, from_jaxpr
+from ..rules.factor_rules import POINTWISE
+
+
+@dataclasses.dataclass
+class Lifetimes:
+    """The program's points (its ops, bodies nested) and each temporary's first and last point."""
+    ops: list[Eqn]  # per point, the op running there
+    values: list[Value]  # the temporaries: values ops make that are not the program's outputs
+    start: np.ndarray  # per value, the point its op makes it at
+    end: np.ndarray  # per value, the last point that reads it (or its first, where none does)
+    spans: dict = dataclasses.field(default_factory=dict)  # op -> (its first point, its last): a loop's its body's
+    scratch: list = dataclasses.field(default_factory=list)  # (first point, last, bytes, what): no value's (a
+    # manual region's own temporaries)
+    early: list = dataclasses.field(default_factory=list)  # the values made at the program's start
+    twins: list = dataclasses.field(default_factory=list)  # (value, first point, last): a second copy of it
+    fresh: list = dataclasses.field(default_factory=list)  # (an output not in a donated buffer, the point its
+    # buffer is taken from): buffer_reuse.py's
+
+    def span(self, readers) -> tuple[int, int]:
+        """The points from the first of some ops' first points to the last of their last."""
+        points = [self.spans[e] for e in readers if e in self.spans]
+        return (min(p for p, _ in points), max(q for _, q in points)) if points else (0, -1)
+
+    def bytes_at(self, sizes: np.ndarray) -> np.ndarray:
+        """Per point, the bytes of the values alive there (sizes: per value)."""
+        delta = np.zeros(len(self.ops) + 1)
+        np.add.at(delta, self.start, sizes)
+        np.add.at(delta, self.end + 1, -sizes)
+        for a, b, n, _ in self.scratch:
+            delta[a] += n
+            delta[b + 1] -= n
+        index = {id(v): k for k, v in enumerate(self.values)} if self.twins else {}
+        for v, a, b in self.twins:
+            if id(v) in index:
+                delta[a] += sizes[index[id(v)]]
+                delta[b + 1] -= sizes[index[id(v)]]
+        return np.cumsum(delta[:-1])
+
+    def alive(self, point: int) -> np.ndarray:
+        """The indices of the values alive at a point."""
+        return np.flatnonzero((self.start <= point) & (self.end >= point))
+
+
+def _carries(e: Eqn) -> tuple[list, list]:
+    """(the operands that start a loop's carries, (a body's value before the trip or None, the body's result
+    XLA writes into that one buffer with the op's result)): a scan's or while loop's carries, a branch's
+    results."""
+    if e.name == "scan":
+        nc, nk = scan_counts(e.params)
+        body = e.subs["body"]
+        return list(e.invars[nc:nc + nk]), list(zip(body.invars[nc:nc + nk], body.outvars[:nk]))
+    if e.name == "while":
+        bn, body = e.params["body_nconsts"], e.subs["body"]
+        return list(e.invars[e.params["cond_nconsts"] + bn:]), list(zip(body.invars[bn:], body.outvars))
+    if e.name == "cond":
+        return [], [(None, x) for sub in e.subs.values() for x in sub.outvars]
+    return [], []
+
+
+def lifetimes(program: Program, ahead: Mapping[Eqn, int] = {}) -> Lifetimes:
+    """Every temporary's lifetime over the program's points (see the module docstring). ahead: the scans the
+    lowering pipelined (prefetch.py) -> the bytes of the weights they gather a trip ahead, held through the
+    loop; their last trip, peeled off, runs after the loop, its recomputation made before it (_hoist)."""
+    ops: list[Eqn] = []
+    start: dict = {}
+    end: dict = {}
+    spans: dict = {}
+    last_read: dict = {}  # every value's last reader's point (a body's inputs' too)
+    in_place: list = []  # (the value before the trip or None, the body's result) of _carries
+    inits: list = []  # (loop, the operand starting a carry)
+    regions: list = []  # per checkpointed region: (it, the first point of the body it runs in, a peeled scan)
+    scratch: list = []  # Lifetimes.scratch
+    free: set = set()  # the values of ops that read none (a broadcast constant)
+    early: list = []  # (a value XLA makes as early as it can, the first point of the body it is made in)
+
+    def read(x, point: int) -> None:
+        if isinstance(x, Value):
+            last_read[x] = max(last_read.get(x, -1), point)
+            if x in start:
+                end[x] = max(end[x], point)
+
+    def walk(eqns, base: int, peeled: Optional[Eqn] = None) -> None:
+        """base: the first point of the body the ops run in (0: the program's own); peeled: the pipelined scan
+        whose body it is."""
+        for e in eqns:
+            if e.name == "remat2":  # a checkpointed region: its body's values are the caller's
+                first = len(ops)
+                walk(e.subs["body"].eqns, base, peeled)
+                spans[e] = (first, len(ops) - 1)
+                regions.append((e, base, peeled))
+                continue
+            first = len(ops)
+            for sub in e.subs.values():
+                walk(sub.eqns, first, e if e in ahead else None)
+                for x in sub.outvars:  # a body's results are read as it ends (a loop's next carry)
+                    read(x, len(ops) - 1)
+            if len(ops) == first:
+                ops.append(e)
+                if e.name == "shard_map":
+                    inside, early_bytes = _manual_peak(e)
+                    scratch.append((first, first, inside, f"the temporaries of {e.name} at {e.source}"))
+                    if early_bytes and first > base:
+                        scratch.append((base, first - 1, early_bytes, f"buffers {e.name} at {e.source} makes early"))
+            last = len(ops) - 1
+            spans[e] = (first, last)
+            for x in e.invars:
+                read(x, last)
+            for v in e.outvars:  # a loop's results are written as it runs: alive from its first point
+                start[v], end[v] = first, last
+            if not e.subs and not any(isinstance(x, Value) for x in e.invars):
+                free.update(e.outvars)
+            if e in ahead:
+                scratch.append((first, last, ahead[e], f"the weights {e.name} at {e.source} gathers a trip ahead"))
+            init, into = _carries(e)
+            in_place.extend((a, b) for a, b in into if isinstance(b, Value))
+            inits.extend((e, x) for x in init if isinstance(x, Value) and e.invars.count(x) == 1)
+            targets = init + (e.invars[:1] if e.name.startswith("scatter") or e.name == "dynamic_update_slice"
+                              else [])
+            early.extend((x, base) for x in targets if isinstance(x, Value) and x in free)
+
+    walk(program.eqns, 0)
+    for x, base in early:  # a constant's copy an update writes into: XLA schedules it first (no operands)
+        start[x] = min(start[x], base)
+    twins = []
+    for e, base, peeled in regions:
+        stored = _hoist(e, base, spans[e], start, end)
+        twins += [(v, *spans[peeled]) for v in dict.fromkeys(stored)] if peeled is not None else []
+    for e, x in inits:  # a carry's first value the loop reads last: its buffer becomes the loop's result's
+        first, last = spans[e]
+        if x in start and end[x] == last:
+            end[x] = max(start[x], first - 1)
+    outputs = {id(v) for v in program.outvars if isinstance(v, Value)}
+    # a body's result takes its carry's buffer where the trip's value before it is no longer read
+    outputs |= {id(b) for a, b in in_place if b in start and (a is None or last_read.get(a, -1) <= start[b])}
+    values = [v for v in start if id(v) not in outputs and getattr(v.aval, "shape", None) is not None]
+    return Lifetimes(ops, values, np.array([start[v] for v in values], int),
+                     np.array([end[v] for v in values], int), spans, scratch,
+                     [x for x, base in early if base == 0 and x in values],
+                     twins)
+
+
+def _manual_peak(e: Eqn) -> tuple[int, int]:
+    """(the peak of a manual region's (shard_map's) own temporaries, the bytes of those XLA makes before the
+    region runs: Lifetimes.early): its body's values, in the per-device shapes the body is written in (a
+    partial-manual body's automatic axes not divided out: over, never under), those XLA fuses left out. The
+    per-device program inlines the body, so XLA schedules its ops among the caller's."""
+    jaxpr = e.params.get("jaxpr")
+    if jaxpr is None:
+        return 0, 0
+    body = from_jaxpr(jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else core.ClosedJaxpr(jaxpr, []))
+    lt = lifetimes(body)
+    fusing = lambda e: e.name in _FUSED or e.name in POINTWISE
+    stored = {id(x) for e in body.all_eqns() if not fusing(e) for x in e.invars}  # what an unfused op reads
+    stored |= {id(v) for e in body.all_eqns() if not fusing(e) for v in e.outvars}
+    stored |= {id(x) for x in lt.early}  # (an update's constant buffer)
+    # what XLA fuses (a pointwise op's value only pointwise ops read) is never stored
+    sizes = {id(v): math.prod(v.shape) * v.aval.dtype.itemsize if id(v) in stored else 0 for v in lt.values}
+    at = lt.bytes_at(np.array([sizes[id(v)] for v in lt.values], float))
+    return int(at.max(initial=0)), sum(sizes[id(v)] for v in lt.early)
+
+
+_FUSED = frozenset({"broadcast_in_dim", "sharding_annotation", "reshape", "iota"})  # besides the pointwise ops
+
+
+def _flat(eqns):
+    """A checkpointed region's ops, nested regions' inlined (a loop is one op)."""
+    for e in eqns:
+        yield from (_flat(e.subs["body"].eqns) if e.name == "remat2" else (e,))
+
+
+def _hoist(region: Eqn, base: int, span: tuple, start: dict, end: dict) -> list:
+    """Make a checkpointed region's recomputation as early as its operands allow, as XLA schedules it: the
+    region's ops that do not wait for its latest operand (the cotangent it transposes against) run where
+    their operands are made, and what they make that the rest reads is alive from there (base: the first
+    point of the body the region runs in, where the values no op makes are)."""
+    first, last = span
+    made_at = lambda x: start[x] if x in start else base
+    outside = [made_at(x) for x in region.invars if isinstance(x, Value) and made_at(x) < first]
+    latest = max(outside, default=base)
+    ready: dict = {}  # value -> the point its hoisted maker's operands are all made at
+    ops = list(_flat(region.subs["body"].eqns))
+    for e in ops:
+        points = [ready.get(x, made_at(x) if made_at(x) < first else None) for x in e.invars if isinstance(x, Value)]
+        if None not in points and max(points, default=base) < latest:
+            ready.update((v, max(points, default=base)) for v in e.outvars)
+    fused = lambda e: e.name in _FUSED or e.name in POINTWISE
+    # (value, whether the reader that needs it fuses): what the rest of the region and the caller read
+    held = [(x, fused(e)) for e in ops if not all(v in ready for v in e.outvars) for x in e.invars if x in ready]
+    held += [(v, False) for v in ready if v in start and end[v] > last]
+    maker = {v: e for e in ops for v in e.outvars}
+    seen: set = set()
+    stored: list = []  # (returned: what it stores early)
+    while held:  # a pointwise value a fusing reader needs, XLA recomputes there from its operands
+        v, into = held.pop()
+        if (v, into) in seen:
+            continue
+        seen.add((v, into))
+        if into and fused(maker[v]):
+            held += [(x, True) for x in maker[v].invars if x in ready]
+        elif v in start:
+            start[v] = min(start[v], ready[v] + 1)
+            stored.append(v)
+    return stored

@@ -1,0 +1,82 @@
+"""The temporaries' peak per device: each value alive over its lifetime (lifetimes.py) as XLA holds it
+(fusion.py), with the operands' copies the lowering made and what the fresh outputs' buffers hold before
+the outputs are written (buffer_reuse.py). explain() reports it; the automatic sharding bounds the same
+counts under a memory budget (auto/memory.py)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from ..representation.program import Eqn, Program, Value
+from .buffer_reuse import less_held
+from .fusion import fusion_aware
+from .lifetimes import Lifetimes, lifetimes
+
+
+def nbytes(v: Value, local_shape: tuple) -> int:
+    """Bytes of a value's local shard (a typed PRNG key's: its key data's)."""
+    return math.prod(local_shape) * v.aval.dtype.itemsize
+
+
+@dataclasses.dataclass(eq=False)
+class Copy:
+    """An operand's local copy in the sharding its readers need, as the lowering made it."""
+    local: object  # the local array (or a walk's token): what the ops that reuse the copy read
+    value: Value  # the value it copies
+    bytes: int  # per device
+    readers: list = dataclasses.field(default_factory=list)  # the ops that read it, the first the one it was made for
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """The most bytes per device the temporaries hold at once, where, and the largest of them there."""
+    bytes: int
+    op: str  # the op running at the peak, and where the user wrote it
+    largest: tuple = ()  # ((what made it, bytes), ...) the largest values alive there, largest first
+
+    def to_dict(self) -> dict:
+        return {"bytes": self.bytes, "op": self.op, "largest": [list(x) for x in self.largest]}
+
+
+def peak(program: Program, local_bytes: Callable[[Value], int], lt: Optional[Lifetimes] = None,
+         named: int = 3, copies: Sequence[Copy] = (), names: Mapping[Value, str] = {},
+         ahead: Mapping[Eqn, int] = {}, exits: Sequence[Value] = (), fresh: set = frozenset()) -> Peak:
+    """The temporaries' peak (as XLA holds them: fusion_aware) with each value at local_bytes(value) per
+    device, and the operands' copies (each alive from its first reader's first point to its last reader's
+    last); named: how many to name, names: what to call the program's inputs, ahead: as lifetimes(), exits:
+    the outputs that leave resharded, each held as made from its op to the program's end (the output is
+    another buffer), fresh: as fusion_aware's. What the fresh outputs' buffers hold before the outputs are made
+    is not counted (buffer_reuse.py)."""
+    lt = lt or fusion_aware(program, lifetimes(program, ahead), fresh)
+    if not lt.ops:
+        return Peak(0, "")
+    sizes = np.array([local_bytes(v) for v in lt.values], float)
+    at = lt.bytes_at(sizes)
+    spans = [lt.span(c.readers) for c in copies]
+    for c, (a, b) in zip(copies, spans):
+        at[a: b + 1] += c.bytes
+    made = {id(v): e for e in program.all_eqns() for v in e.outvars}
+    held_out = [(lt.spans[made[id(v)]][0], local_bytes(v), v) for v in exits if made.get(id(v)) in lt.spans]
+    for a, n, _ in held_out:
+        at[a:] += n
+    items = [(float(n), int(a), int(b)) for n, a, b in zip(sizes, lt.start, lt.end)]
+    items += [(float(c.bytes), a, b) for c, (a, b) in zip(copies, spans)]
+    at, in_outputs = less_held(at, items, [(local_bytes(o), made) for o, made in lt.fresh])
+    p = int(np.argmax(at))
+
+    def made_by(v: Value) -> str:
+        e = made.get(id(v))
+        return f"the result of {e.name}" if e is not None else str(v)
+
+    held = [(int(sizes[i]), f"{made[id(lt.values[i])].name} at {made[id(lt.values[i])].source}")
+            for i in lt.alive(p) if i not in in_outputs]
+    held += [(c.bytes, f"{names.get(c.value) or made_by(c.value)} resharded for {c.readers[0].name} at "
+                       f"{c.readers[0].source}") for k, (c, (a, b)) in enumerate(zip(copies, spans))
+             if a <= p <= b and len(sizes) + k not in in_outputs]
+    held += [(int(n), what) for a, b, n, what in lt.scratch if a <= p <= b]
+    held += [(n, f"{made_by(v)}, before it leaves resharded") for a, n, v in held_out if a <= p]
+    largest = tuple((what, n) for n, what in sorted(held, key=lambda t: -t[0])[:named])
+    return Peak(int(at[p]), f"{lt.ops[p].name} at {lt.ops[p].source}", largest)
