@@ -166,7 +166,7 @@ def test_metrics_are_read_one_step_late(data_dir, tmp_path, monkeypatch):
     dispatched, except where step N is evaluated or checkpointed (its row comes before its checkpoint, and
     a NaN halts before it is saved)."""
     from gshard_jax import configs
-    from gshard_jax.training import overrides, train as T
+    from gshard_jax.training import loop, overrides, train as T
     cfg = overrides.apply(configs.load(CONFIG), overrides.split_args(
         SMALL + [f"--config.data.dir={data_dir}", "--config.train.num_steps=10"])[1])
     events = []
@@ -195,7 +195,7 @@ def test_metrics_are_read_one_step_late(data_dir, tmp_path, monkeypatch):
             return state, {k: Read(float(v), step) if v.ndim == 0 else v for k, v in m.items()}  # scalars
         self.step_fn = step_fn
     monkeypatch.setattr(T.Trainer, "__post_init__", instrumented)
-    T.train(cfg, str(tmp_path / "run"), progress=False)
+    loop.train(cfg, str(tmp_path / "run"), progress=False)
     settled_at_once = {4, 8, 10}  # checkpoint_every=4, model_checkpoint_every=8, eval_every=10, the last step
     for n in range(1, 11):
         read = events.index(("read", n))
