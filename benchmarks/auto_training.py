@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 import gshard_jax as gs  # noqa: E402
 from gshard_jax import configs  # noqa: E402
-from gshard_jax.partitioner import hardware  # noqa: E402
+from gshard_jax.partitioner.costs import hardware  # noqa: E402
 from gshard_jax.planner import predict, search  # noqa: E402
 from gshard_jax.training import data, train  # noqa: E402
 

@@ -29,7 +29,7 @@ jax.config.update("jax_num_cpu_devices", ARGS.devices)
 
 import gshard_jax as gs  # noqa: E402
 from gshard_jax import configs  # noqa: E402
-from gshard_jax.partitioner import deferral  # noqa: E402
+from gshard_jax.partitioner.strategies import deferral  # noqa: E402
 from gshard_jax.training import train  # noqa: E402
 
 # (name, mesh, train overrides, pipeline overrides, layers multiple)

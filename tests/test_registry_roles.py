@@ -11,7 +11,8 @@ from gshard_jax.partitioner.representation.program import from_jaxpr
 from gshard_jax.partitioner.strategies import control_flow as CF, registry as REG
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-READERS = ["propagation/propagate.py", "lower.py", "local_shards.py", "lower_regions.py", "lower_rows.py", "fold.py"]
+READERS = ["propagation/propagate.py", "lowering/lower.py", "lowering/local_shards.py", "lowering/lower_regions.py",
+           "lowering/lower_rows.py", "propagation/fold.py"]
 
 
 def test_the_passes_never_test_an_op_name():
