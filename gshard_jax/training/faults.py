@@ -131,13 +131,21 @@ def watch_rows(x_B: jax.Array, probe_B: jax.Array, fault_B: Optional[jax.Array] 
     return x_B if fault_B is None else _scale_cotangent(x_B, fault_B)
 
 
+# the methods whose output rows are watched, and the dim the rows are on: the embedding's lookup, and its
+# per-stage lookup under a pipeline with stage-owned ends ([stages, B, ...]: each stage's rows)
+WATCHED = {"__call__": 0, "per_stage": 1}
+
+
 def row_watcher(module_type: type, probe_B: jax.Array, fault_B: Optional[jax.Array] = None):
-    """A flax method interceptor that watches the rows of every `module_type.__call__` output (the embedding:
-    below it every row's whole backward has been computed)."""
+    """A flax method interceptor that watches the rows of every output of `module_type`'s WATCHED methods (the
+    embedding: below it every row's whole backward has been computed)."""
     def intercept(next_fun, args, kwargs, context):
         out = next_fun(*args, **kwargs)
-        if isinstance(context.module, module_type) and context.method_name == "__call__":
+        dim = WATCHED.get(context.method_name) if isinstance(context.module, module_type) else None
+        if dim == 0:
             out = watch_rows(out, probe_B, fault_B)
+        elif dim is not None:
+            out = jax.vmap(lambda x: watch_rows(x, probe_B, fault_B), in_axes=0)(out)
         return out
     return intercept
 
