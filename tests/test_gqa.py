@@ -213,7 +213,6 @@ def test_train_step_every_case(hq, hkv, mesh, rope):
         check_no_more_than_xla(m)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("hq,hkv,mesh", shared())
 def test_train_step_heads_shared_moves_no_more_than_xla(hq, hkv, mesh):
     check_no_more_than_xla(measure(train_case, hq, hkv, False, mesh))
