@@ -49,14 +49,22 @@ def test_hierarchical_bandwidth_is_the_table_inside_a_node_and_eq7_across():
     assert hardware.axes_bandwidth(hw, (("x", 2), ("data", 8)), ("data",)) == 100e9 / 1  # ip 1 across nodes
 
 
-def _moved_by_formula_and_plan(cfg, c: SP.Candidate) -> tuple[collections.Counter, collections.Counter]:
-    """Bytes moved per device by (kind, axes of size > 1): the formula's, and the planned program's."""
-    def moved(comms):
-        out = collections.Counter()
-        for cm in comms:
-            out[(cm.kind, tuple(sorted(a for a in cm.axes if c.size(a) > 1)))] += cm.moved
-        return out
-    return moved(E.collectives(SP.model_shape(cfg), c)), moved(PR.comms(PR.explain(cfg, c, CPU)))
+def _moved(comms, c: SP.Candidate) -> collections.Counter:
+    """Bytes moved per device by (kind, axes of size > 1)."""
+    out = collections.Counter()
+    for cm in comms:
+        out[(cm.kind, tuple(sorted(a for a in cm.axes if c.size(a) > 1)))] += cm.moved
+    return out
+
+
+def _moved_by_formula_and_plan(cfg, c: SP.Candidate, planned_comms=None) -> tuple[collections.Counter,
+                                                                                   collections.Counter]:
+    """Bytes moved per device by (kind, axes of size > 1): the formula's, and the planned program's (its
+    collectives appended to `planned_comms` where given)."""
+    comms = PR.comms(PR.explain(cfg, c, CPU))
+    if planned_comms is not None:
+        planned_comms.extend(comms)
+    return _moved(E.collectives(SP.model_shape(cfg), c), c), _moved(comms, c)
 
 
 @pytest.mark.parametrize("mesh", [(("data", 2), ("expert", 4)), (("data", 2), ("expert", 2), ("x", 2))])
@@ -69,12 +77,7 @@ def test_the_screen_follows_the_dropless_region(mesh):
     c = SP.Candidate(mesh, zero_stage=0, microbatches=1)
     shape = SP.model_shape(cfg)
 
-    def moved(comms):
-        out = collections.Counter()
-        for cm in comms:
-            out[(cm.kind, tuple(sorted(a for a in cm.axes if c.size(a) > 1)))] += cm.moved
-        return out
-    formula, planned = moved(E.collectives(shape, c)), moved(PR.comms(PR.explain(cfg, c, CPU)))
+    formula, planned = _moved(E.collectives(shape, c), c), _moved(PR.comms(PR.explain(cfg, c, CPU)), c)
     for key in (("all-to-all", ("expert",)), ("all-reduce", ("data",))):
         assert formula[key] == pytest.approx(planned[key], rel=0.01), key
 
@@ -164,14 +167,19 @@ def test_what_crosses_stages_once_a_step(schedule, owned):
     """docs/pipeline.md's per-step bytes over `stage` besides the permutes: with replicated ends the first
     stage's input gradient and the last stage's outputs (GPipe) or its head's gradient (1F1B), each
     all-reduced, as the formula counts them; nothing else of size. With stage-owned ends (the default, every
-    schedule) the formula counts nothing and the program moves the scalar loss and metrics alone."""
+    schedule) the formula counts nothing and the program moves the scalar loss and metrics and the fault
+    watcher's probe gradient (one float a row of the device's batch, made on the first stage) alone."""
     cfg = _config("tiny_dense_lm")
     cfg.pipeline.owned_ends = owned
     c = SP.Candidate((("stage", 4), ("data", 2)), zero_stage=0, microbatches=8, schedule=schedule)
-    formula, planned = _moved_by_formula_and_plan(cfg, c)
+    comms = []
+    formula, planned = _moved_by_formula_and_plan(cfg, c, comms)
     ends = ("all-reduce", ("stage",))
     if owned:
-        assert formula[ends] == 0 and planned[ends] < 100
+        probe = 4 * cfg.train.batch_size // c.size("data") * 2 * (c.size("stage") - 1) / c.size("stage")
+        over_stage = [cm.moved for cm in comms if _moved([cm], c)[ends]]
+        assert formula[ends] == 0 and max(over_stage) == probe
+        assert sum(over_stage) - probe < 100
     else:
         assert planned[ends] == pytest.approx(formula[ends], rel=1e-2) and formula[ends] > 1e4
 
