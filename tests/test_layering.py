@@ -96,20 +96,27 @@ def _imports(module: str, path: str):
                 yield f"{base}.{a.name}", node.lineno
 
 
+def _upward(modules: dict, rank, name) -> list[str]:
+    """Every import, function-level ones included, of a module ranked lower (rank: module -> its rank or None)
+    than the module it imports; name: a rank's name, for the message."""
+    upward = set()
+    for module, path in sorted(modules.items()):
+        mine = rank(module)
+        for target, line in _imports(module, path):
+            theirs = rank(target) if target in modules else None
+            if mine is not None and theirs is not None and theirs > mine:
+                upward.add(f"{module} ({name(mine)}) imports {target} ({name(theirs)}), line {line}")
+    return sorted(upward)
+
+
 def test_every_layer_imports_only_from_the_layers_before_it():
     """partitioner -> API -> pipeline -> models -> configs -> training -> planner -> cli, read from every
     import in the sources, function-level ones included (none dodges the order)."""
     modules = _modules()
     assert all(_layer(m) is not None for m in modules if m != "gshard_jax"), \
         [m for m in modules if m != "gshard_jax" and _layer(m) is None]
-    upward = []
-    for module, path in sorted(modules.items()):
-        mine = _layer(module)
-        for target, line in _imports(module, path):
-            theirs = _layer(target) if target in modules else None
-            if mine is not None and theirs is not None and theirs > mine:
-                upward.append(f"{module} ({LAYERS[mine][0]}) imports {target} ({LAYERS[theirs][0]}), line {line}")
-    assert not sorted(set(upward)), "\n".join(sorted(set(upward)))
+    upward = _upward(modules, _layer, lambda k: LAYERS[k][0])
+    assert not upward, "\n".join(upward)
 
 
 def test_the_layering_check_sees_an_upward_import(tmp_path):
@@ -198,17 +205,9 @@ def test_each_partitioner_phase_imports_only_from_itself_and_the_phases_before_i
     representation imports no rule, no strategy a propagation, nothing below the automatic sharding imports
     it."""
     from gshard_jax.partitioner import PHASES
-    modules = _modules()
-    upward = []
-    for module, path in sorted(modules.items()):
-        mine = _phase(module)
-        if mine is None:
-            continue
-        for target, line in _imports(module, path):
-            theirs = _phase(target) if target in modules else None
-            if theirs is not None and PHASES.index(theirs) > PHASES.index(mine):
-                upward.append(f"{module} ({mine}) imports {target} ({theirs}), line {line}")
-    assert not sorted(set(upward)), "\n".join(sorted(set(upward)))
+    rank = lambda m: None if _phase(m) is None else PHASES.index(_phase(m))
+    upward = _upward(_modules(), rank, lambda k: PHASES[k])
+    assert not upward, "\n".join(upward)
 
 
 def test_the_phase_check_sees_an_upward_import(tmp_path):

@@ -120,3 +120,69 @@ def test_a_copy_counts_against_a_budget_of_many_gigabytes():
     assert picks[0] == picks[1]
     auto_solve._integer_program(unary, {}, [0, 1], [row], budget + copy, None, picks)
     assert picks == [0, 1]  # with room for the copy, the cheaper pair
+
+
+def _sunk_program(region: bool):
+    """A scan over 12 layers reading a constant made outside it: pointwise in the body, or as a dot's operand
+    in a manual region the body runs."""
+    mesh = jax.make_mesh((8,), ("data",))
+
+    def f(x, ws):
+        z = jnp.full((D, D), 0.5)
+
+        def body(c, w):
+            h = jnp.tanh(c @ w)
+            if region:
+                return jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(P(), P()), out_specs=P())(h, z), None
+            return h * z[0], None
+        return jax.lax.scan(body, x, ws)[0]
+
+    r = np.random.default_rng(0)
+    x, ws = (jnp.asarray(r.standard_normal(s), jnp.float32) for s in ((B, D), (12, D, D)))
+    return from_jaxpr(jax.make_jaxpr(f)(x, ws))
+
+
+def test_a_constant_a_loop_reads_is_made_in_its_body_where_it_is_read():
+    """XLA sinks a loop's constant operands into its body: the constant is not held outside the loop, and in
+    the body it is made where the op that reads it runs."""
+    program = _sunk_program(region=False)
+    lt = lifetimes.lifetimes(program)
+    const = program.eqns[0].outvars[0]  # the broadcast, before the loop
+    assert const.shape == (D, D) and const not in lt.values
+    scan = next(e for e in program.eqns if e.name == "scan")
+    inside = scan.subs["body"].invars[0]
+    k = next(k for k, v in enumerate(lt.values) if v is inside)
+    reader = next(e for e in scan.subs["body"].eqns if inside in e.invars)
+    assert lt.start[k] == lt.end[k] == lt.spans[reader][0]
+
+
+def test_a_constant_sunk_into_a_manual_region_is_the_regions_own():
+    """A constant the loop sinks and a manual region in its body reads with a dot: held by the region while
+    it runs (its temporaries), never through the loop."""
+    program = _sunk_program(region=True)
+    lt = lifetimes.lifetimes(program)
+    assert program.eqns[0].outvars[0] not in lt.values
+    (_, _, inside, what), = lt.scratch
+    assert inside == D * D * F32 and what.startswith("the temporaries of shard_map")
+
+
+def test_a_relayout_of_a_value_loops_read_is_made_where_the_value_is():
+    """A loop body's transpose of a value every trip reads unchanged is hoisted out of the loop, and a
+    transpose of it after the loop runs where it is made (XLA reads the value in the layout it is made in once,
+    with every reader that changes the layout): both alive from the value's op through the loop."""
+    def f(x, w):
+        v = jnp.tanh(w)
+
+        def body(c, _):
+            return jnp.tanh(jnp.einsum("sbd,sde->sbe", c, jnp.transpose(v, (1, 0, 2)))), None
+        y = jax.lax.scan(body, x, None, length=3)[0]
+        return jnp.einsum("sbd,sde->sbe", y, jnp.transpose(v, (1, 2, 0)))
+
+    program = from_jaxpr(jax.make_jaxpr(f)(jnp.ones((2, 8, D)), jnp.ones((D, 2, D))))
+    lt = lifetimes.lifetimes(program)
+    tanh, scan, after = (next(e for e in program.eqns if e.name == n) for n in ("tanh", "scan", "transpose"))
+    life = {id(v): (a, b) for v, a, b in zip(lt.values, lt.start, lt.end)}
+    made = lt.spans[tanh][0]
+    inside = next(e for e in scan.subs["body"].eqns if e.name == "transpose").outvars[0]
+    assert life[id(inside)] == (made, lt.spans[scan][1])
+    assert life[id(after.outvars[0])][0] == made

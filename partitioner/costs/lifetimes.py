@@ -20,7 +20,10 @@ made where its operands are, as if there were no remat (in a loop's body, within
 an update writes into is made at its body's start; a manual region (shard_map) holds its body's
 temporaries (_manual_peak); a scan pipelined by prefetch.py, where the caller names it (lifetimes' `ahead`),
 holds the weights it gathers a trip ahead and its peeled trip's recomputation through the loop (the lowering
-names the scans it pipelined; the automatic sharding's rows, auto/memory.py, name every scan it may).
+names the scans it pipelined; the automatic sharding's rows, auto/memory.py, name every scan it may); a
+constant loops alone read unchanged is sunk into their bodies, made where read (`sink`); and a relayout of
+a value loops read is made where the value is, hoisted out of a loop whose every trip makes it
+(`_relaid_early`).
 
 What this is: the program's own values, each in the sharding the plan gives it, at their per-device size.
 What it is not: XLA's buffer assignment. XLA fuses elementwise ops (their results are never stored) and may
@@ -35,6 +38,7 @@ import math
 from typing import Mapping, Optional
 
 import numpy as np
+from jax import lax
 from jax.extend import core
 
 from ..representation.jax_compat import scan_counts
@@ -113,12 +117,27 @@ def lifetimes(program: Program, ahead: Mapping[Eqn, int] = {}) -> Lifetimes:
     scratch: list = []  # Lifetimes.scratch
     free: set = set()  # the values of ops that read none (a broadcast constant)
     early: list = []  # (a value XLA makes as early as it can, the first point of the body it is made in)
+    users = _users(program)
+    sunk: set = set()  # a body's inputs that are constants XLA sinks into the loop: made where first read
+    dropped: set = set()  # the constants sunk into the loops that read them: never held outside
 
     def read(x, point: int) -> None:
-        if isinstance(x, Value):
+        if isinstance(x, Value) and x not in dropped:
             last_read[x] = max(last_read.get(x, -1), point)
+            if x in sunk and x not in start:
+                start[x] = end[x] = point
             if x in start:
                 end[x] = max(end[x], point)
+
+    def sink(e: Eqn) -> None:
+        """A loop's invariant operands that are constants (made from no operand) read by loops alone: XLA
+        sinks them into the bodies (while-loop constant sinking), where they are made as they are read."""
+        for k, name, j in _invariants(e):
+            x = e.invars[k]
+            if (isinstance(x, Value) and (x in free or x in sunk) and id(x) not in outputs
+                    and all(k2 in {a for a, _, _ in _invariants(r)} for r, k2 in users[id(x)])):
+                dropped.add(x)
+                sunk.add(e.subs[name].invars[j])
 
     def walk(eqns, base: int, peeled: Optional[Eqn] = None) -> None:
         """base: the first point of the body the ops run in (0: the program's own); peeled: the pipelined scan
@@ -131,6 +150,7 @@ def lifetimes(program: Program, ahead: Mapping[Eqn, int] = {}) -> Lifetimes:
                 regions.append((e, base, peeled))
                 continue
             first = len(ops)
+            sink(e)
             for sub in e.subs.values():
                 walk(sub.eqns, first, e if e in ahead else None)
                 for x in sub.outvars:  # a body's results are read as it ends (a loop's next carry)
@@ -138,14 +158,15 @@ def lifetimes(program: Program, ahead: Mapping[Eqn, int] = {}) -> Lifetimes:
             if len(ops) == first:
                 ops.append(e)
                 if e.name == "shard_map":
-                    inside, early_bytes = _manual_peak(e)
+                    inside, early_bytes = _manual_peak(e, {k for k, x in enumerate(e.invars) if x in sunk})
                     scratch.append((first, first, inside, f"the temporaries of {e.name} at {e.source}"))
                     if early_bytes and first > base:
                         scratch.append((base, first - 1, early_bytes, f"buffers {e.name} at {e.source} makes early"))
             last = len(ops) - 1
             spans[e] = (first, last)
-            for x in e.invars:
-                read(x, last)
+            for x in e.invars:  # (a sunk constant a manual region reads is the region's own)
+                if not (e.name == "shard_map" and x in sunk):
+                    read(x, last)
             for v in e.outvars:  # a loop's results are written as it runs: alive from its first point
                 start[v], end[v] = first, last
             if not e.subs and not any(isinstance(x, Value) for x in e.invars):
@@ -159,6 +180,7 @@ def lifetimes(program: Program, ahead: Mapping[Eqn, int] = {}) -> Lifetimes:
                               else [])
             early.extend((x, base) for x in targets if isinstance(x, Value) and x in free)
 
+    outputs = {id(v) for v in program.outvars if isinstance(v, Value)}
     walk(program.eqns, 0)
     for x, base in early:  # a constant's copy an update writes into: XLA schedules it first (no operands)
         start[x] = min(start[x], base)
@@ -166,29 +188,67 @@ def lifetimes(program: Program, ahead: Mapping[Eqn, int] = {}) -> Lifetimes:
     for e, base, peeled in regions:
         stored = _hoist(e, base, spans[e], start, end)
         twins += [(v, *spans[peeled]) for v in dict.fromkeys(stored)] if peeled is not None else []
+    _relaid_early(program, start, end, spans, users)
     for e, x in inits:  # a carry's first value the loop reads last: its buffer becomes the loop's result's
         first, last = spans[e]
         if x in start and end[x] == last:
             end[x] = max(start[x], first - 1)
-    outputs = {id(v) for v in program.outvars if isinstance(v, Value)}
     # a body's result takes its carry's buffer where the trip's value before it is no longer read
     outputs |= {id(b) for a, b in in_place if b in start and (a is None or last_read.get(a, -1) <= start[b])}
-    values = [v for v in start if id(v) not in outputs and getattr(v.aval, "shape", None) is not None]
+    values = [v for v in start if id(v) not in outputs and v not in dropped
+              and getattr(v.aval, "shape", None) is not None]
     return Lifetimes(ops, values, np.array([start[v] for v in values], int),
                      np.array([end[v] for v in values], int), spans, scratch,
                      [x for x, base in early if base == 0 and x in values],
                      twins)
 
 
-def _manual_peak(e: Eqn) -> tuple[int, int]:
+def _users(program: Program) -> dict:
+    """id() of every value -> (an op reading it, the operand's position), bodies included."""
+    users: dict = {}
+    for e in program.all_eqns():
+        for k, x in enumerate(e.invars):
+            users.setdefault(id(x), []).append((e, k))
+    return users
+
+
+def _invariants(e: Eqn) -> list[tuple[int, str, int]]:
+    """A loop's operands every trip reads unchanged: (operand position, body name, the body's input)."""
+    if e.name == "scan":
+        return [(k, "body", k) for k in range(scan_counts(e.params)[0])]
+    if e.name == "while":
+        cn, bn = e.params["cond_nconsts"], e.params["body_nconsts"]
+        return [(k, "cond", k) for k in range(cn)] + [(cn + k, "body", k) for k in range(bn)]
+    return []
+
+
+def _made_inside(body: Program, constants: set, where) -> Program:
+    """The region's body with its inputs at positions `constants` made inside it by an operand-free
+    broadcast, each just before the first op that reads it (a constant the loop around the region sank)."""
+    made = {id(body.invars[k]): body.invars[k] for k in constants}
+    eqns: list = []
+    for e in body.eqns:
+        inner = [x for sub in e.subs.values() for q in sub.all_eqns() for x in q.invars]
+        for x in [*e.invars, *inner]:
+            if id(x) in made:
+                eqns.append(Eqn(lax.broadcast_in_dim_p, [], [made.pop(id(x))], {}, where))
+        eqns.append(e)
+    return dataclasses.replace(body, invars=[v for k, v in enumerate(body.invars) if k not in constants],
+                               eqns=eqns)
+
+
+def _manual_peak(e: Eqn, constants: set = frozenset()) -> tuple[int, int]:
     """(the peak of a manual region's (shard_map's) own temporaries, the bytes of those XLA makes before the
     region runs: Lifetimes.early): its body's values, in the per-device shapes the body is written in (a
-    partial-manual body's automatic axes not divided out: over, never under), those XLA fuses left out. The
+    partial-manual body's automatic axes not divided out: over, never under), those XLA fuses left out, and the
+    inputs at positions `constants` (constants sunk into the loop the region runs in) made inside it. The
     per-device program inlines the body, so XLA schedules its ops among the caller's."""
     jaxpr = e.params.get("jaxpr")
     if jaxpr is None:
         return 0, 0
     body = from_jaxpr(jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else core.ClosedJaxpr(jaxpr, []))
+    if constants:
+        body = _made_inside(body, constants, e.where)
     lt = lifetimes(body)
     fusing = lambda e: e.name in _FUSED or e.name in POINTWISE
     stored = {id(x) for e in body.all_eqns() if not fusing(e) for x in e.invars}  # what an unfused op reads
@@ -242,3 +302,55 @@ def _hoist(region: Eqn, base: int, span: tuple, start: dict, end: dict) -> list:
             start[v] = min(start[v], ready[v] + 1)
             stored.append(v)
     return stored
+
+
+
+RELAYOUT = frozenset({"transpose", "squeeze", "reshape", "expand_dims"})
+
+
+def _relaid_early(program: Program, start: dict, end: dict, spans: dict, users: dict) -> None:
+    """Relayouts (transpose, squeeze, reshape) of a value loops read, made where the value is made, as XLA
+    makes them: a loop body's relayout of an input every trip reads unchanged is hoisted out of the loop
+    (loop-invariant code motion) and alive through it, and it and a top-level relayout of a value a loop
+    reads run with the loop's own copy of the value, where the value is made (the value is read in the layout
+    it is made in once, by every reader that changes that layout)."""
+    maker = {id(v): e for e in program.all_eqns() for v in e.outvars}
+
+    def root(x):  # the value a chain of relayouts starts from
+        while isinstance(x, Value) and id(x) in maker and maker[id(x)].name in RELAYOUT:
+            x = maker[id(x)].invars[0]
+        return x
+
+    def last_of_chain(v) -> bool:  # read by something other than a relayout
+        return any(r.name not in RELAYOUT for r, _ in users.get(id(v), ()))
+
+    loops = [e for e in program.all_eqns() if e.name in ("scan", "while") and e in spans]
+    done: dict = {}  # id() of a value -> the ops that read it no more (they read its relayouts, made early)
+    for e in loops:
+        for k, name, j in _invariants(e):
+            inside, x = e.subs[name].invars[j], e.invars[k]
+            made = start.get(x, spans[e][0])
+            for q in e.subs[name].eqns:
+                v = q.outvars[0] if q.name in RELAYOUT and len(q.outvars) == 1 else None
+                if v is not None and v in start and root(q.invars[0]) is inside and last_of_chain(v):
+                    start[v], end[v] = min(start[v], made), max(end[v], spans[e][1])
+            if all(q.name in RELAYOUT for q, _ in users.get(id(inside), ())):  # the loop reads the relayouts
+                done.setdefault(id(x), set()).add(id(e))
+    read_by_loops = {id(x) for e in loops if e in program.eqns for x in e.invars}
+    for e in program.eqns:
+        v = e.outvars[0] if e.name in RELAYOUT and len(e.outvars) == 1 else None
+        x = root(e.invars[0]) if v is not None else None
+        if isinstance(x, Value) and x in start and id(x) in read_by_loops and v in start:
+            start[v] = min(start[v], start[x])
+            done.setdefault(id(x), set()).add(id(e))
+    inputs = {id(v) for v in program.invars}
+
+    def relaid_input(x) -> bool:  # a relayout of the program's input: XLA composes the relayouts reading it
+        seen = 0
+        while isinstance(x, Value) and id(x) in maker and maker[id(x)].name in RELAYOUT | {"sharding_annotation"}:
+            x, seen = maker[id(x)].invars[0], seen + (maker[id(x)].name in RELAYOUT)
+        return seen > 0 and id(x) in inputs
+
+    for x in [x for x in start if id(x) in done and relaid_input(x)]:  # read by the rest alone
+        rest = [spans[r][1] for r, _ in users.get(id(x), ()) if id(r) not in done[id(x)] and r in spans]
+        end[x] = max([start[x], *rest])
