@@ -6,7 +6,8 @@ and the relaxation turns fractional: its integer program (tens of thousands of o
 its root relaxation within minutes. Instead:
 - start: every node restricted to its leanest options (the fewest bytes of the arguments, outputs and
   temporaries its option sets) and its whole ones (the most), solved exactly under the budget in
-  START_SHARE of the time; if that finds nothing, the leanest alone;
+  START_SHARE of the time; if that finds nothing, the leanest alone, given at least the whole time limit
+  whatever the first took (the answer of last resort, on a loaded machine too);
 - then windows: a run of consecutive nodes (the program's order) of WINDOW_OPTIONS options, with the
   argument nodes its ops read, gets all its options back, every other node keeps its pick, and the window
   is solved exactly under the budget; a cheaper choice is kept. Each window starts halfway through the
@@ -45,7 +46,8 @@ def choose(g: Graph, mesh_shape: dict, budget: Optional[float], temps: Optional[
     if near is not None:
         window = _window(g, _neighbours(g), [i for i, _ in exclude], WINDOW_OPTIONS)
         return _within(g, mesh_shape, budget, temps, near.picks, window, exclude, points, deadline, slack)
-    return search(g, mesh_shape, budget, temps, deadline, exclude, points, slack)
+    return search(g, mesh_shape, budget, temps, deadline, exclude, points, slack,
+                  floor=time_limit)
 
 
 def searched(g: Graph, budget: Optional[float], temps: Optional[Temporaries]) -> bool:
@@ -54,14 +56,17 @@ def searched(g: Graph, budget: Optional[float], temps: Optional[Temporaries]) ->
 
 
 def search(g: Graph, mesh_shape: dict, budget: float, temps: Temporaries, deadline: Optional[float],
-           exclude: Sequence[tuple[int, int]] = (), points: Sequence[int] = (), slack: float = SLACK) -> Solution:
-    """The neighbourhood search (the module docstring): the best choice found by the deadline."""
-    for pool, share in ((_ends(g, temps, whole=True), START_SHARE), (_ends(g, temps, whole=False), 1.0)):
+           exclude: Sequence[tuple[int, int]] = (), points: Sequence[int] = (), slack: float = SLACK,
+           floor: Optional[float] = None) -> Solution:
+    """The neighbourhood search (the module docstring): the best choice found by the deadline (floor: the
+    seconds the leanest start gets at least)."""
+    for pool, share, least in ((_ends(g, temps, whole=True), START_SHARE, 0.0),
+                               (_ends(g, temps, whole=False), 1.0, floor or 0.0)):
         try:
             best = solve(g, mesh_shape, budget, exclude=[*exclude, *((i, s) for i, keep in enumerate(pool)
                                                                     for s in np.flatnonzero(~keep))],
-                         time_limit=None if deadline is None else _left(deadline) * share, temps=temps,
-                         points=points, slack=slack)
+                         time_limit=None if deadline is None else max(_left(deadline) * share, least),
+                         temps=temps, points=points, slack=slack)
             break
         except Unsolved:  # none found in its share of the time: the leanest options alone, a smaller program
             continue
