@@ -10,7 +10,7 @@ import numpy as np
 
 from ..representation.program import Eqn, Program
 from ..rules.factor_rules import POINTWISE
-from .lifetimes import Lifetimes
+from .lifetimes import RELAYOUT, Lifetimes
 
 # ops XLA fuses into a reader that fuses too (a loop fusion), besides the pointwise ones
 FUSED = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "iota",
@@ -94,9 +94,6 @@ def _sinks(program: Program, gone: set, readers: dict) -> set:
                 id(v), ()))) for v in e.outvars):
             sinks.add(id(e))
     return sinks
-
-
-RELAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims"})  # a value's layout, not its values
 
 
 def _hosted(program: Program, values: list, gone: set, fresh: set) -> dict:

@@ -304,8 +304,7 @@ def _hoist(region: Eqn, base: int, span: tuple, start: dict, end: dict) -> list:
     return stored
 
 
-
-RELAYOUT = frozenset({"transpose", "squeeze", "reshape", "expand_dims"})
+RELAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims"})  # a value's layout, not its values
 
 
 def _relaid_early(program: Program, start: dict, end: dict, spans: dict, users: dict) -> None:
@@ -313,7 +312,8 @@ def _relaid_early(program: Program, start: dict, end: dict, spans: dict, users: 
     makes them: a loop body's relayout of an input every trip reads unchanged is hoisted out of the loop
     (loop-invariant code motion) and alive through it, and it and a top-level relayout of a value a loop
     reads run with the loop's own copy of the value, where the value is made (the value is read in the layout
-    it is made in once, by every reader that changes that layout)."""
+    it is made in once, by every reader that changes that layout). A relayout of the program's input that
+    only such relayouts read is alive no longer than its other readers need: XLA composes the relayouts."""
     maker = {id(v): e for e in program.all_eqns() for v in e.outvars}
 
     def root(x):  # the value a chain of relayouts starts from
