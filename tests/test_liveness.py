@@ -7,6 +7,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import gshard_jax as gs
@@ -142,6 +143,7 @@ def _sunk_program(region: bool):
     return from_jaxpr(jax.make_jaxpr(f)(x, ws))
 
 
+@pytest.mark.newest_jax
 def test_a_constant_a_loop_reads_is_made_in_its_body_where_it_is_read():
     """XLA sinks a loop's constant operands into its body: the constant is not held outside the loop, and in
     the body it is made where the op that reads it runs."""
@@ -156,6 +158,7 @@ def test_a_constant_a_loop_reads_is_made_in_its_body_where_it_is_read():
     assert lt.start[k] == lt.end[k] == lt.spans[reader][0]
 
 
+@pytest.mark.newest_jax
 def test_a_constant_sunk_into_a_manual_region_is_the_regions_own():
     """A constant the loop sinks and a manual region in its body reads with a dot: held by the region while
     it runs (its temporaries), never through the loop."""
@@ -166,6 +169,7 @@ def test_a_constant_sunk_into_a_manual_region_is_the_regions_own():
     assert inside == D * D * F32 and what.startswith("the temporaries of shard_map")
 
 
+@pytest.mark.newest_jax
 def test_a_relayout_of_a_value_loops_read_is_made_where_the_value_is():
     """A loop body's transpose of a value every trip reads unchanged is hoisted out of the loop, and a
     transpose of it after the loop runs where it is made (XLA reads the value in the layout it is made in once,
