@@ -150,12 +150,14 @@ def test_a_constant_a_loop_reads_is_made_in_its_body_where_it_is_read():
     program = _sunk_program(region=False)
     lt = lifetimes.lifetimes(program)
     const = program.eqns[0].outvars[0]  # the broadcast, before the loop
-    assert const.shape == (D, D) and const not in lt.values
     scan = next(e for e in program.eqns if e.name == "scan")
     inside = scan.subs["body"].invars[0]
-    k = next(k for k, v in enumerate(lt.values) if v is inside)
+    k = next(k for k, v in enumerate(lt.values) if v is const)
     reader = next(e for e in scan.subs["body"].eqns if inside in e.invars)
+    assert const.shape == (D, D) and not any(v is inside for v in lt.values)
     assert lt.start[k] == lt.end[k] == lt.spans[reader][0]
+    named = liveness.peak(program, lambda v: liveness.nbytes(v, v.shape), named=20).largest  # (by its op)
+    assert named and all(isinstance(what, str) for what, _ in named)
 
 
 @pytest.mark.newest_jax

@@ -118,16 +118,18 @@ def lifetimes(program: Program, ahead: Mapping[Eqn, int] = {}) -> Lifetimes:
     free: set = set()  # the values of ops that read none (a broadcast constant)
     early: list = []  # (a value XLA makes as early as it can, the first point of the body it is made in)
     users = _users(program)
-    sunk: set = set()  # a body's inputs that are constants XLA sinks into the loop: made where first read
-    dropped: set = set()  # the constants sunk into the loops that read them: never held outside
+    sunk: dict = {}  # a body's input that is a constant XLA sinks into the loop -> that constant (made where read)
+    constants: set = set()  # the constants sunk
+    passed: set = set()  # (id() of a loop, id() of a constant it sinks): the loop does not read it
 
     def read(x, point: int) -> None:
-        if isinstance(x, Value) and x not in dropped:
+        if isinstance(x, Value):
             last_read[x] = max(last_read.get(x, -1), point)
-            if x in sunk and x not in start:
-                start[x] = end[x] = point
+            x = sunk.get(x, x)
             if x in start:
                 end[x] = max(end[x], point)
+            elif x in constants:
+                start[x] = end[x] = point
 
     def sink(e: Eqn) -> None:
         """A loop's invariant operands that are constants (made from no operand) read by loops alone: XLA
@@ -136,8 +138,13 @@ def lifetimes(program: Program, ahead: Mapping[Eqn, int] = {}) -> Lifetimes:
             x = e.invars[k]
             if (isinstance(x, Value) and (x in free or x in sunk) and id(x) not in outputs
                     and all(k2 in {a for a, _, _ in _invariants(r)} for r, k2 in users[id(x)])):
-                dropped.add(x)
-                sunk.add(e.subs[name].invars[j])
+                constant = sunk.get(x, x)
+                if constant not in constants:  # made where a body first reads it
+                    constants.add(constant)
+                    start.pop(constant, None)
+                    end.pop(constant, None)
+                sunk[e.subs[name].invars[j]] = constant
+                passed.add((id(e), id(x)))
 
     def walk(eqns, base: int, peeled: Optional[Eqn] = None) -> None:
         """base: the first point of the body the ops run in (0: the program's own); peeled: the pipelined scan
@@ -165,7 +172,7 @@ def lifetimes(program: Program, ahead: Mapping[Eqn, int] = {}) -> Lifetimes:
             last = len(ops) - 1
             spans[e] = (first, last)
             for x in e.invars:  # (a sunk constant a manual region reads is the region's own)
-                if not (e.name == "shard_map" and x in sunk):
+                if not (e.name == "shard_map" and x in sunk) and (id(e), id(x)) not in passed:
                     read(x, last)
             for v in e.outvars:  # a loop's results are written as it runs: alive from its first point
                 start[v], end[v] = first, last
@@ -195,8 +202,7 @@ def lifetimes(program: Program, ahead: Mapping[Eqn, int] = {}) -> Lifetimes:
             end[x] = max(start[x], first - 1)
     # a body's result takes its carry's buffer where the trip's value before it is no longer read
     outputs |= {id(b) for a, b in in_place if b in start and (a is None or last_read.get(a, -1) <= start[b])}
-    values = [v for v in start if id(v) not in outputs and v not in dropped
-              and getattr(v.aval, "shape", None) is not None]
+    values = [v for v in start if id(v) not in outputs and getattr(v.aval, "shape", None) is not None]
     return Lifetimes(ops, values, np.array([start[v] for v in values], int),
                      np.array([end[v] for v in values], int), spans, scratch,
                      [x for x, base in early if base == 0 and x in values],
