@@ -192,3 +192,20 @@ def test_a_relayout_of_a_value_loops_read_is_made_where_the_value_is():
     inside = next(e for e in scan.subs["body"].eqns if e.name == "transpose").outvars[0]
     assert life[id(inside)] == (made, lt.spans[scan][1])
     assert life[id(after.outvars[0])][0] == made
+
+
+@pytest.mark.newest_jax
+def test_xla_holds_no_constant_a_loop_reads_outside_it():
+    """The premise of sinking: a scan reading two 4 MiB constants pointwise compiles to the carry's 4 MiB of
+    temporaries (the constants never held); the liveness is not under it."""
+    n = 1 << 20
+
+    def f(x):
+        z, u = jnp.full((n,), 0.5), jax.lax.broadcasted_iota(jnp.uint32, (n,), 0) + 3
+        return jax.lax.scan(lambda c, _: (jnp.tanh(c) * z + u.astype(jnp.float32), None), x, None, length=4)[0]
+
+    x = jnp.ones((n,))
+    temp = jax.jit(f).lower(x).compile().memory_analysis().temp_size_in_bytes
+    assert temp < 2 * n * F32
+    peak = liveness.peak(from_jaxpr(jax.make_jaxpr(f)(x)), lambda v: liveness.nbytes(v, v.shape))
+    assert temp <= peak.bytes
