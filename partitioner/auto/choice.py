@@ -22,7 +22,8 @@ from .solve import Infeasible, Solution, Unsolved, memory_of, solve
 
 EXPLAINED_ARGUMENTS = 6  # the largest arguments explain() names with their runner-up (each a solve of its own)
 EXPLAINED_ACTIVATIONS = 3  # and the largest values the ops make
-BUDGETED_SECONDS = 120.0  # the most a choice under a memory budget may take; past it, the best found is taken
+BUDGETED_SECONDS = 120.0  # the time a choice under a memory budget may take; past it, the best found is taken
+# (a search's leanest start, its answer of last resort, may take this much again: auto/search.py)
 RUNNER_UP_SECONDS = 2.0  # the least each runner-up's solve may take
 RUNNER_UP_SHARE = 0.25  # and its most, as a share of the choice's own (under a budget, a runner-up's proof is slow)
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..representation.program import Eqn, Program
 from ..rules.factor_rules import POINTWISE
-from .lifetimes import RELAYOUT, Lifetimes
+from .lifetimes import RELAYOUT, Lifetimes, _users
 
 # ops XLA fuses into a reader that fuses too (a loop fusion), besides the pointwise ones
 FUSED = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "iota",
@@ -18,12 +18,8 @@ FUSED = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "tra
 
 
 def _readers(program: Program) -> dict:
-    """id() of every value -> the ops that read it, bodies included."""
-    readers: dict = {}
-    for e in program.all_eqns():
-        for x in e.invars:
-            readers.setdefault(id(x), []).append(e)
-    return readers
+    """id() of every value -> the ops that read it, bodies included (lifetimes._users without positions)."""
+    return {k: [e for e, _ in users] for k, users in _users(program).items()}
 
 
 def _fuses(e: Eqn) -> bool:
