@@ -284,3 +284,29 @@ def test_a_flax_scanned_stacks_prefetch_holds_xlas_temporaries_and_one_layer_at_
     # Twelve layers more cost ours what they cost XLA's, within less than one layer's weights (joining the peeled
     # trip's results to the loop's copied them all: 12 layers' saved activations and gradients more).
     assert (ours16 - ours4) - (xla16 - xla4) < layer, temps
+
+
+def _invariant_loops(w, x):
+    """Every trip scales the batch-split carry by the same w (a scan const): its gradient's loop reads w again."""
+    def body(h, _):
+        return jnp.tanh(h * w), None
+    return jnp.sum(jax.lax.scan(body, x, None, length=L)[0] ** 2)
+
+
+def test_an_invariant_gathered_by_every_trip_is_gathered_once_before_the_loops():
+    """A scan const every trip needs gathered is gathered before the loop (as XLA's loop-invariant code motion
+    hoists it), and the backward loop reads the same gather (as XLA's CSE merges them): one all-gather in the
+    step, counted by explain() where the HLO has it, the numbers those of jax.jit."""
+    r = np.random.default_rng(1)
+    w, x = jnp.asarray(r.standard_normal(D), jnp.float32), jnp.asarray(r.standard_normal((B, D)), jnp.float32)
+    fn, ins, outs = jax.value_and_grad(_invariant_loops), (P("z"), P("z", None)), (P(), P("z"))
+    got, want = gs.partition(fn, MESH, in_shardings=ins, out_shardings=outs)(w, x), jax.jit(fn)(w, x)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-5)
+    compiled = gs.partition(fn, MESH, in_shardings=ins, out_shardings=outs).lower(w, x).compile()
+    report = gs.explain(fn, MESH, w, x, in_shardings=ins, out_shardings=outs)
+    assert_report_matches_hlo(report, gs.collective_stats(compiled))
+    assert_per_step_matches_hlo(report, compiled)
+    gathers = [(r.primitive, r.trips, c.shape) for r in report.rows for c in r.collectives
+               if c.kind == "all-gather"]
+    assert gathers == [("scan", 1, (1, D))], gathers  # (w as broadcast against the carry)

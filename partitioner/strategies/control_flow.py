@@ -74,18 +74,20 @@ def _scan_lower(lo, eqn, env, log):
     (nc, nk), length = scan_counts(eqn.params), eqn.params["length"]
     deferred = lo.deferrals(eqn)
     carry_sh = [deferred.get(k) or plan(b) for k, b in enumerate(body.invars[nc: nc + nk])]
-    ins = [(lo._read(env, x, plan(b), log), plan(b)) for x, b in zip(eqn.invars[:nc], body.invars)]
+    up = PF.hoisted(lo, eqn)  # invariants gathered before the loop, as their readers need them
+    const_sh = [up.get(i) or plan(b) for i, b in enumerate(body.invars[:nc])]
+    ins = [(lo._read(env, x, s, log), s) for x, s in zip(eqn.invars[:nc], const_sh)]
     ins += [(lo._read_sum(env, x, s, log), s) for x, s in zip(eqn.invars[nc: nc + nk], carry_sh)]
     x_sh = [plan(b) for b in body.invars[nc + nk:]]
     xs = [lo._read(env, x, stacked(s), log) for x, s in zip(eqn.invars[nc + nk:], x_sh)]
     y_sh = [lo.deferred_ys.get((id(eqn), j)) or plan(b) for j, b in enumerate(body.outvars[nk:])]
     ahead = PF.targets(lo, eqn)
     if ahead:
-        return _pipelined(lo, eqn, env, log, ins, carry_sh, xs, x_sh, y_sh, ahead, deferred)
+        return _pipelined(lo, eqn, env, log, ins, carry_sh, xs, x_sh, y_sh, ahead, deferred, sorted(up))
 
     def step(carry, x):
         outs = lo._body(body, env, ins[:nc] + list(zip(carry, carry_sh)) + list(zip(x, x_sh)),
-                        carry_sh + y_sh, log, "scan", length, outer=(eqn.invars, eqn.outvars))
+                        carry_sh + y_sh, log, "scan", length, sorted(up), outer=(eqn.invars, eqn.outvars))
         return tuple(outs[:nk]), tuple(outs[nk:])
 
     carry, ys = lo.scan(step, tuple(a for a, _ in ins[nc:]), tuple(xs), length, eqn.params["reverse"],
@@ -94,14 +96,15 @@ def _scan_lower(lo, eqn, env, log):
     return results, f"scan x{length}: carry {' '.join(map(str, carry_sh)) or '-'}" + _deferred(deferred, length)
 
 
-def _pipelined(lo, eqn, env, log, ins, carry_sh, xs, x_sh, y_sh, ahead: dict, deferred: dict):
+def _pipelined(lo, eqn, env, log, ins, carry_sh, xs, x_sh, y_sh, ahead: dict, deferred: dict, hoisted: list):
     """The scan with stacked inputs `ahead` (j -> the sharding its body gathers it to) gathered a trip ahead
-    (prefetch.py): the first trip's before the loop, the next trip's in each trip, the last trip peeled."""
+    (prefetch.py): the first trip's before the loop, the next trip's in each trip, the last trip peeled.
+    hoisted: the consts already gathered before the loop (given to the body as they are)."""
     body = eqn.subs["body"]
     (nc, nk), n = scan_counts(eqn.params), eqn.params["length"]
     reverse, js = eqn.params["reverse"], sorted(ahead)
     xvars = body.invars[nc + nk:]
-    keep = [nc + nk + j for j in js]
+    keep = hoisted + [nc + nk + j for j in js]
     first, last = (n - 1, 0) if reverse else (0, n - 1)
     ahead_by = -1 if reverse else 1  # the next trip's index, from this trip's
     dry = lo.dry

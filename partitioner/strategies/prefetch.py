@@ -37,41 +37,68 @@ def disabled():
     return DF.switched_off(ENABLED)
 
 
-def targets(lo, eqn: "Eqn") -> dict[int, Sharding]:
-    """Stacked input j of scan `eqn` -> the sharding every reader in its body needs it in, where that is an
-    all-gather of the slice as planned (and nothing else): the gathers a pipelined loop issues a trip ahead."""
-    from . import manual_regions as M
-    if not ENABLED.get() or eqn.params["length"] < 2:
-        return {}
-    body = eqn.subs["body"]
-    nc, nk = scan_counts(eqn.params)
+def _readers(body) -> dict:
+    """Value -> [(equation, operand index)] of the body's readers (checkpointed regions' bodies inlined)."""
     readers: dict = {}
     for e in DF._flat(body.eqns):
         for i, x in enumerate(e.invars):
             readers.setdefault(x, []).append((e, i))
-    made_by = lo.producers()
+    return readers
+
+
+def _gathered(lo, body, b, readers: dict):
+    """The sharding every reader of body input b needs it in, where that is an all-gather of b as planned (and
+    nothing else); else None."""
+    from . import manual_regions as M
+    planned = lo.plan.sharding(b)
+    if not planned.axes or not len(b.shape) or b in body.outvars:
+        return None
+    needs = set()
+    for e, i in readers.get(b, ()):
+        if e.name in RELAYOUTS:  # an annotation asking for the gathered weight (a rules table's FSDP spec)
+            needs.add(lo.plan.sharding(e.outvars[0]))
+            continue
+        rule = lo.plan.rules.get(e)
+        if rule is None or e.subs or M.is_region(e) or e.name in DF.CHAIN_OPS:
+            return None
+        needs.add(lo.choose(e, rule, lo.planned_operands(e)).need[i])
+    if len(needs) != 1:
+        return None
+    (need,) = needs
+    steps = lo.reshard_steps(planned, need, b.shape) if need != planned else ()
+    if steps and all(st.kind in ("all-gather", "all-slice") for st in steps) and any(
+            st.kind == "all-gather" for st in steps):
+        return need
+    return None
+
+
+def targets(lo, eqn: "Eqn") -> dict[int, Sharding]:
+    """Stacked input j of scan `eqn` -> the sharding every reader in its body needs it in, where that is an
+    all-gather of the slice as planned (and nothing else): the gathers a pipelined loop issues a trip ahead."""
+    if not ENABLED.get() or eqn.params["length"] < 2:
+        return {}
+    body = eqn.subs["body"]
+    nc, nk = scan_counts(eqn.params)
+    readers, made_by = _readers(body), lo.producers()
     out = {}
     for j, b in enumerate(body.invars[nc + nk:]):
-        planned = lo.plan.sharding(b)
-        if not planned.axes or not len(b.shape) or b in body.outvars:
-            continue
         if getattr(made_by.get(eqn.invars[nc + nk + j]), "name", None) in DF.LOOPS:
             continue  # another loop's stacked results (a backward pass's residuals): not weights stored split
-        needs = set()
-        for e, i in readers.get(b, ()):
-            if e.name in RELAYOUTS:  # an annotation asking for the gathered weight (a rules table's FSDP spec)
-                needs.add(lo.plan.sharding(e.outvars[0]))
-                continue
-            rule = lo.plan.rules.get(e)
-            if rule is None or e.subs or M.is_region(e) or e.name in DF.CHAIN_OPS:
-                needs = None
-                break
-            needs.add(lo.choose(e, rule, lo.planned_operands(e)).need[i])
-        if not needs or len(needs) != 1:
-            continue
-        (need,) = needs
-        steps = lo.reshard_steps(planned, need, b.shape) if need != planned else ()
-        if steps and all(st.kind in ("all-gather", "all-slice") for st in steps) and any(
-                st.kind == "all-gather" for st in steps):
+        need = _gathered(lo, body, b, readers)
+        if need is not None:
             out[j] = need
+    return out
+
+
+def hoisted(lo, eqn: "Eqn") -> dict[int, Sharding]:
+    """Invariant input i of scan `eqn` (a const, read unchanged every trip) -> the sharding it is gathered to
+    before the loop, where every reader in the body needs it so (loop-invariant code motion, as XLA hoists the
+    gather out of the loop; two loops reading one value then share one gather, as XLA's CSE merges them)."""
+    body = eqn.subs["body"]
+    readers = _readers(body)
+    out = {}
+    for i, b in enumerate(body.invars[:scan_counts(eqn.params)[0]]):
+        need = _gathered(lo, body, b, readers)
+        if need is not None:
+            out[i] = need
     return out
