@@ -53,10 +53,11 @@ def explained(cfg: ml_collections.ConfigDict, c: SP.Candidate, hw: Hardware) -> 
 
 def outputs_bytes(report: Any, donated: set) -> int:
     """Bytes per device of a report's outputs not written into a donated argument's buffer (donated: their
-    indices)."""
+    indices), and the table of their pointers XLA returns several outputs in (8 bytes an output)."""
     sizes = dict(report.mesh)
-    return int(sum(math.prod(o.boundary.local_shape(o.shape, sizes)) * np.dtype(o.dtype).itemsize
-                   for k, o in enumerate(report.outputs) if k not in donated))
+    table = 8 * len(report.outputs) if len(report.outputs) > 1 else 0
+    return table + int(sum(math.prod(o.boundary.local_shape(o.shape, sizes)) * np.dtype(o.dtype).itemsize
+                           for k, o in enumerate(report.outputs) if k not in donated))
 
 
 def compiled(cfg: ml_collections.ConfigDict, c: SP.Candidate, platform: str = "") -> Any:

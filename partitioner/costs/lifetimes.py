@@ -21,9 +21,13 @@ an update writes into is made at its body's start; a manual region (shard_map) h
 temporaries (_manual_peak); a scan pipelined by prefetch.py, where the caller names it (lifetimes' `ahead`),
 holds the weights it gathers a trip ahead and its peeled trip's recomputation through the loop (the lowering
 names the scans it pipelined; the automatic sharding's rows, auto/memory.py, name every scan it may); a
-constant loops alone read unchanged is sunk into their bodies, made where read (`sink`); and a relayout of
+constant loops alone read unchanged is sunk into their bodies, made where read (`sink`); a relayout of
 a value loops read is made where the value is, hoisted out of a loop whose every trip makes it
-(`_relaid_early`).
+(`_relaid_early`). A scan's stacked results are buffers made where the body it runs in starts (constants
+its trips write into), each trip's result written into them as it is made; a stacked result that is a
+stacked input, unchanged or annotated with its own sharding, is that input (`_forwarded`); and where the
+plan's shardings are known, an annotation asking for the sharding its operand has is that operand's buffer
+(`merge_identities`).
 
 What this is: the program's own values, each in the sharding the plan gives it, at their per-device size.
 What it is not: XLA's buffer assignment. XLA fuses elementwise ops (their results are never stored) and may
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 from jax import lax
@@ -60,11 +64,17 @@ class Lifetimes:
     twins: list = dataclasses.field(default_factory=list)  # (value, first point, last): a second copy of it
     fresh: list = dataclasses.field(default_factory=list)  # (an output not in a donated buffer, the point its
     # buffer is taken from): buffer_reuse.py's
+    ready: dict = dataclasses.field(default_factory=dict)  # an op of a checkpointed region's recomputation ->
+    # the point it runs at (its operands' latest, as XLA schedules it): the operands copied for it are made there
 
     def span(self, readers) -> tuple[int, int]:
-        """The points from the first of some ops' first points to the last of their last."""
-        points = [self.spans[e] for e in readers if e in self.spans]
-        return (min(p for p, _ in points), max(q for _, q in points)) if points else (0, -1)
+        """The points from the first of some ops' first points (or where a recomputation runs) to the last of
+        their last."""
+        known = [e for e in readers if e in self.spans]
+        if not known:
+            return (0, -1)
+        return min(min(self.ready.get(e, self.spans[e][0]), self.spans[e][0]) for e in known), \
+            max(self.spans[e][1] for e in known)
 
     def bytes_at(self, sizes: np.ndarray) -> np.ndarray:
         """Per point, the bytes of the values alive there (sizes: per value)."""
@@ -102,10 +112,13 @@ def _carries(e: Eqn) -> tuple[list, list]:
     return [], []
 
 
-def lifetimes(program: Program, ahead: Mapping[Eqn, int] = {}) -> Lifetimes:
+def lifetimes(program: Program, ahead: Mapping[Eqn, int] = {},
+              sharding: Optional[Callable[[Value], Any]] = None) -> Lifetimes:
     """Every temporary's lifetime over the program's points (see the module docstring). ahead: the scans the
     lowering pipelined (prefetch.py) -> the bytes of the weights they gather a trip ahead, held through the
-    loop; their last trip, peeled off, runs after the loop, its recomputation made before it (_hoist)."""
+    loop; their last trip, peeled off, runs after the loop, its recomputation made before it (_hoist).
+    sharding: each value's in the plan, where known (an annotation keeping it is then the identity, and a
+    stacked result that is a stacked input so annotated is that input: `_forwarded`)."""
     ops: list[Eqn] = []
     start: dict = {}
     end: dict = {}
@@ -121,10 +134,12 @@ def lifetimes(program: Program, ahead: Mapping[Eqn, int] = {}) -> Lifetimes:
     sunk: dict = {}  # a body's input that is a constant XLA sinks into the loop -> that constant (made where read)
     constants: set = set()  # the constants sunk
     passed: set = set()  # (id() of a loop, id() of a constant it sinks): the loop does not read it
+    forwarded: dict = {}  # a scan's stacked result that is its stacked input -> that input (no buffer of its own)
 
     def read(x, point: int) -> None:
         if isinstance(x, Value):
             last_read[x] = max(last_read.get(x, -1), point)
+            x = forwarded.get(x, x)
             x = sunk.get(x, x)
             if x in start:
                 end[x] = max(end[x], point)
@@ -160,8 +175,10 @@ def lifetimes(program: Program, ahead: Mapping[Eqn, int] = {}) -> Lifetimes:
             sink(e)
             for sub in e.subs.values():
                 walk(sub.eqns, first, e if e in ahead else None)
-                for x in sub.outvars:  # a body's results are read as it ends (a loop's next carry)
-                    read(x, len(ops) - 1)
+                ys = set(sub.outvars[scan_counts(e.params)[1]:]) if e.name == "scan" else set()
+                for x in sub.outvars:  # a body's results are read as it ends (a loop's next carry); a scan's
+                    # per-trip results are written into its stacked results as they are made (in place)
+                    read(x, start[x] if x in ys and x in start else len(ops) - 1)
             if len(ops) == first:
                 ops.append(e)
                 if e.name == "shard_map":
@@ -174,8 +191,11 @@ def lifetimes(program: Program, ahead: Mapping[Eqn, int] = {}) -> Lifetimes:
             for x in e.invars:  # (a sunk constant a manual region reads is the region's own)
                 if not (e.name == "shard_map" and x in sunk) and (id(e), id(x)) not in passed:
                     read(x, last)
+            if sharding is not None and e.name == "scan":
+                forwarded.update(_forwarded(e, sharding))
             for v in e.outvars:  # a loop's results are written as it runs: alive from its first point
-                start[v], end[v] = first, last
+                if v not in forwarded:
+                    start[v], end[v] = first, last
             if not e.subs and not any(isinstance(x, Value) for x in e.invars):
                 free.update(e.outvars)
             if e in ahead:
@@ -186,14 +206,17 @@ def lifetimes(program: Program, ahead: Mapping[Eqn, int] = {}) -> Lifetimes:
             targets = init + (e.invars[:1] if e.name.startswith("scatter") or e.name == "dynamic_update_slice"
                               else [])
             early.extend((x, base) for x in targets if isinstance(x, Value) and x in free)
+            if e.name == "scan":  # its stacked results' buffers: constants each trip writes its results into
+                early.extend((v, base) for v in e.outvars[scan_counts(e.params)[1]:] if v not in forwarded)
 
     outputs = {id(v) for v in program.outvars if isinstance(v, Value)}
     walk(program.eqns, 0)
     for x, base in early:  # a constant's copy an update writes into: XLA schedules it first (no operands)
         start[x] = min(start[x], base)
     twins = []
+    ready_ops: dict = {}
     for e, base, peeled in regions:
-        stored = _hoist(e, base, spans[e], start, end)
+        stored = _hoist(e, base, spans[e], start, end, ready_ops)
         twins += [(v, *spans[peeled]) for v in dict.fromkeys(stored)] if peeled is not None else []
     _relaid_early(program, start, end, spans, users)
     for e, x in inits:  # a carry's first value the loop reads last: its buffer becomes the loop's result's
@@ -206,7 +229,54 @@ def lifetimes(program: Program, ahead: Mapping[Eqn, int] = {}) -> Lifetimes:
     return Lifetimes(ops, values, np.array([start[v] for v in values], int),
                      np.array([end[v] for v in values], int), spans, scratch,
                      [x for x, base in early if base == 0 and x in values],
-                     twins)
+                     twins, ready=ready_ops)
+
+
+def identity(e: Eqn, sharding: Callable[[Value], Any]) -> bool:
+    """An annotation asking for the sharding its operand has: the lowering emits nothing for it."""
+    return e.name == "sharding_annotation" and isinstance(e.invars[0], Value) and \
+        sharding(e.invars[0]) == sharding(e.outvars[0])
+
+
+def _forwarded(e: Eqn, sharding: Callable[[Value], Any]) -> dict:
+    """A scan's stacked results whose per-trip value is the trip's slice of a stacked input, unchanged or
+    annotated with its own sharding (JAX's partial evaluation saves a weight a layer annotates as a residual):
+    the lowered body returns its input as it got it, and JAX's scan forwards the stacked input in their place,
+    so they hold no buffer of their own."""
+    body, (nc, nk) = e.subs["body"], scan_counts(e.params)
+    xs = {id(b): x for b, x in zip(body.invars[nc + nk:], e.invars[nc + nk:])}
+    made = {id(v): q for q in body.eqns for v in q.outvars}
+    out = {}
+    for y, v in zip(body.outvars[nk:], e.outvars[nk:]):
+        while id(y) not in xs and id(y) in made and identity(made[id(y)], sharding):
+            y = made[id(y)].invars[0]
+        x = xs.get(id(y))
+        if isinstance(x, Value) and sharding(v) == sharding(x):
+            out[v] = x
+    return out
+
+
+def merge_identities(program: Program, lt: Lifetimes, sharding: Callable[[Value], Any]) -> Lifetimes:
+    """An identity annotation's value stored beside its operand's is one buffer (XLA sees no op): the
+    operand's lifetime runs to the later of the two ends and the annotation's is dropped; an argument's (or a
+    body's input's) is the argument. Where the operand is never stored (fused into its reader), the
+    annotation's value is the buffer, as counted."""
+    index = {id(v): k for k, v in enumerate(lt.values)}
+    made = {id(v) for e in program.all_eqns() for v in e.outvars}
+    drop: set = set()
+    for e in program.all_eqns():  # (program order: an annotation of a merged annotation joins its operand)
+        if identity(e, sharding):
+            a, b = index.get(id(e.invars[0])), index.get(id(e.outvars[0]))
+            if b is not None and id(e.invars[0]) not in made:  # an argument's, or a body's input's: that buffer
+                drop.add(b)
+            elif a is not None and b is not None:
+                lt.end[a] = max(lt.end[a], lt.end[b])
+                drop.add(b)
+                index[id(e.outvars[0])] = a
+    keep = [k for k in range(len(lt.values)) if k not in drop]
+    gone = {id(lt.values[k]) for k in drop}
+    return dataclasses.replace(lt, values=[lt.values[k] for k in keep], start=lt.start[keep], end=lt.end[keep],
+                               early=[v for v in lt.early if id(v) not in gone])
 
 
 def _users(program: Program) -> dict:
@@ -275,11 +345,12 @@ def _flat(eqns):
         yield from (_flat(e.subs["body"].eqns) if e.name == "remat2" else (e,))
 
 
-def _hoist(region: Eqn, base: int, span: tuple, start: dict, end: dict) -> list:
+def _hoist(region: Eqn, base: int, span: tuple, start: dict, end: dict, ops_at: dict) -> list:
     """Make a checkpointed region's recomputation as early as its operands allow, as XLA schedules it: the
     region's ops that do not wait for its latest operand (the cotangent it transposes against) run where
-    their operands are made, and what they make that the rest reads is alive from there (base: the first
-    point of the body the region runs in, where the values no op makes are)."""
+    their operands are made (ops_at: each such op -> that point, filled in), and what they make that the rest
+    reads is alive from there (base: the first point of the body the region runs in, where the values no op
+    makes are)."""
     first, last = span
     made_at = lambda x: start[x] if x in start else base
     outside = [made_at(x) for x in region.invars if isinstance(x, Value) and made_at(x) < first]
@@ -290,6 +361,7 @@ def _hoist(region: Eqn, base: int, span: tuple, start: dict, end: dict) -> list:
         points = [ready.get(x, made_at(x) if made_at(x) < first else None) for x in e.invars if isinstance(x, Value)]
         if None not in points and max(points, default=base) < latest:
             ready.update((v, max(points, default=base)) for v in e.outvars)
+            ops_at[e] = max(points, default=base) + 1
     fused = lambda e: e.name in _FUSED or e.name in POINTWISE
     # (value, whether the reader that needs it fuses): what the rest of the region and the caller read
     held = [(x, fused(e)) for e in ops if not all(v in ready for v in e.outvars) for x in e.invars if x in ready]

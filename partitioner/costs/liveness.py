@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
 from ..representation.program import Eqn, Program, Value
 from .buffer_reuse import less_held
 from .fusion import fusion_aware
-from .lifetimes import Lifetimes, lifetimes
+from .lifetimes import Lifetimes, identity, lifetimes, merge_identities
+
+# XLA:CPU's temporaries hold, for each result it makes a tuple (a collective's over several operands: an
+# all-to-all's pieces, all-reduces it combines), a table of the elements' pointers in a slot of its 64-byte
+# aligned heap, outside the values: one slot a collective the lowering issues bounds them.
+TUPLE_SLOT = 64
 
 
 def nbytes(v: Value, local_shape: tuple) -> int:
@@ -24,7 +29,8 @@ def nbytes(v: Value, local_shape: tuple) -> int:
 @dataclasses.dataclass(eq=False)
 class Copy:
     """An operand's local copy in the sharding its readers need, as the lowering made it."""
-    local: object  # the local array (or a walk's token): what the ops that reuse the copy read
+    local: object  # the local array (or a walk's token): what the ops that reuse the copy read; None: a copy
+    # XLA makes in another layout (dot_operand_copies)
     value: Value  # the value it copies
     bytes: int  # per device
     readers: list = dataclasses.field(default_factory=list)  # the ops that read it, the first the one it was made for
@@ -43,14 +49,18 @@ class Peak:
 
 def peak(program: Program, local_bytes: Callable[[Value], int], lt: Optional[Lifetimes] = None,
          named: int = 3, copies: Sequence[Copy] = (), names: Mapping[Value, str] = {},
-         ahead: Mapping[Eqn, int] = {}, exits: Sequence[Value] = (), fresh: set = frozenset()) -> Peak:
+         ahead: Mapping[Eqn, int] = {}, exits: Sequence[Value] = (), fresh: set = frozenset(),
+         sharding: Optional[Callable[[Value], Any]] = None, throughout: int = 0) -> Peak:
     """The temporaries' peak (as XLA holds them: fusion_aware) with each value at local_bytes(value) per
     device, and the operands' copies (each alive from its first reader's first point to its last reader's
     last); named: how many to name, names: what to call the program's inputs, ahead: as lifetimes(), exits:
     the outputs that leave resharded, each held as made from its op to the program's end (the output is
-    another buffer), fresh: as fusion_aware's. What the fresh outputs' buffers hold before the outputs are made
-    is not counted (buffer_reuse.py)."""
-    lt = lt or fusion_aware(program, lifetimes(program, ahead), fresh)
+    another buffer), fresh: as fusion_aware's, sharding: the plan's, as lifetimes(), throughout: bytes held at
+    every point beside the values (TUPLE_SLOT's). What the fresh outputs' buffers hold before the outputs are
+    made is not counted (buffer_reuse.py)."""
+    if lt is None:
+        lt = fusion_aware(program, lifetimes(program, ahead, sharding), fresh)
+        lt = merge_identities(program, lt, sharding) if sharding is not None else lt
     if not lt.ops:
         return Peak(0, "")
     sizes = np.array([local_bytes(v) for v in lt.values], float)
@@ -65,6 +75,7 @@ def peak(program: Program, local_bytes: Callable[[Value], int], lt: Optional[Lif
     items = [(float(n), int(a), int(b)) for n, a, b in zip(sizes, lt.start, lt.end)]
     items += [(float(c.bytes), a, b) for c, (a, b) in zip(copies, spans)]
     at, in_outputs = less_held(at, items, [(local_bytes(o), made) for o, made in lt.fresh])
+    at = at + throughout
     p = int(np.argmax(at))
 
     def made_by(v: Value) -> str:
@@ -73,10 +84,44 @@ def peak(program: Program, local_bytes: Callable[[Value], int], lt: Optional[Lif
 
     held = [(int(sizes[i]), f"{made[id(lt.values[i])].name} at {made[id(lt.values[i])].source}")
             for i in lt.alive(p) if i not in in_outputs]
-    held += [(c.bytes, f"{names.get(c.value) or made_by(c.value)} resharded for {c.readers[0].name} at "
+    how = lambda c: "relaid" if c.local is None else "resharded"  # noqa: E731
+    held += [(c.bytes, f"{names.get(c.value) or made_by(c.value)} {how(c)} for {c.readers[0].name} at "
                        f"{c.readers[0].source}") for k, (c, (a, b)) in enumerate(zip(copies, spans))
              if a <= p <= b and len(sizes) + k not in in_outputs]
     held += [(int(n), what) for a, b, n, what in lt.scratch if a <= p <= b]
     held += [(n, f"{made_by(v)}, before it leaves resharded") for a, n, v in held_out if a <= p]
+    held += [(throughout, "the tables of the collectives' tuple-shaped results")] if throughout else []
     largest = tuple((what, n) for n, what in sorted(held, key=lambda t: -t[0])[:named])
     return Peak(int(at[p]), f"{lt.ops[p].name} at {lt.ops[p].source}", largest)
+
+
+def dot_operand_copies(program: Program, local_bytes: Callable[[Value], int],
+                       sharding: Callable[[Value], Any]) -> list[Copy]:
+    """The operands XLA:CPU copies before a dot: it computes every dot_general on operands laid out (batch,
+    free, contracting) for the left, (batch, contracting, free) for the right (DotDecomposer), and an operand
+    in another order (dims of size 1 aside) is transposed into a buffer of its own, alive while the dot runs
+    (a weight read transposed by a backward pass, an activation contracted over its batch for a weight's
+    gradient); a copy of the program's argument is made where the program starts (XLA:CPU runs an op as
+    early as its operands allow)."""
+    out = []
+    inputs = {id(v) for v in program.invars} | {id(v) for v, _ in program.consts}
+    maker = {id(v): e for e in program.all_eqns() for v in e.outvars}
+
+    def root(x):  # through annotations asking for the sharding it has (the lowering emits nothing for them)
+        while id(x) in maker and identity(maker[id(x)], sharding):
+            x = maker[id(x)].invars[0]
+        return x
+
+    for e in program.all_eqns():
+        if e.name != "dot_general":
+            continue
+        (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+        for x, batch, contract, left in ((e.invars[0], lb, lc, True), (e.invars[1], rb, rc, False)):
+            if not isinstance(x, Value):
+                continue
+            free = [d for d in range(len(x.shape)) if d not in batch and d not in contract]
+            order = [d for d in [*batch, *(free + list(contract) if left else list(contract) + free)]
+                     if x.shape[d] > 1]
+            if order != sorted(order):  # (an argument's made where the program starts)
+                out.append(Copy(None, x, local_bytes(x), [e] + ([program.eqns[0]] if id(root(x)) in inputs else [])))
+    return out

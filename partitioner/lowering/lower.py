@@ -85,6 +85,7 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
         self._deferred: dict[int, dict[int, Sharding]] = {}  # id(loop eqn) -> carry index -> sharding in the loop
         # (id(scan eqn), index among its stacked results) -> a per-trip result kept a partial sum for an outer loop
         self.deferred_ys: dict[tuple[int, int], Sharding] = {}
+        self._held_after: dict[Value, Sharding] = {}  # a loop's result or stacked results held partial sums
         # the operands' copies in the shardings their readers need: id(local) -> Copy (one per copy, its readers
         # every op that reuses it), and the op whose operands are being read (None: a reshard is no reader's copy)
         self.copies: dict[int, LV.Copy] = {}
@@ -119,10 +120,14 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
                 exits.append(v)
         if self.report is not None:  # the temporaries at their peak, as this program holds them
             wide = 2 if self.platform == "cpu" else 1  # XLA:CPU computes and keeps bfloat16 values in float32
-            self.report.temporaries = LV.peak(self.program, lambda v: LV.nbytes(v, self.plan.sharding(v).local_shape(
-                v.shape, self.mesh_shape)) * (wide if v.aval.dtype == jnp.bfloat16 else 1),
-                copies=list(self.copies.values()), names=dict(zip(values, self.in_names)), ahead=self.ahead,
-                exits=exits, fresh={id(self.program.outvars[k]) for k in self.fresh})
+            local = lambda v: LV.nbytes(v, self.held(v).local_shape(v.shape, self.mesh_shape)) * (
+                wide if v.aval.dtype == jnp.bfloat16 else 1)
+            relaid = LV.dot_operand_copies(self.program, local, self.plan.sharding) if self.platform == "cpu" else []
+            self.report.temporaries = LV.peak(
+                self.program, local, copies=list(self.copies.values()) + relaid, names=dict(zip(values, self.in_names)),
+                ahead=self.ahead, exits=exits, fresh={id(self.program.outvars[k]) for k in self.fresh},
+                sharding=self.plan.sharding, throughout=LV.TUPLE_SLOT * sum(
+                    len(r.collectives) for r in self.report.rows) if self.platform == "cpu" else 0)
         return outs
 
     def cost(self) -> None:

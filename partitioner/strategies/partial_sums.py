@@ -50,10 +50,16 @@ class PartialSums:
                 self._lazy[v] = DF.in_loop(inside, dims)
             self._sums.add(id(acc.add))
         for k, inside in out.items():  # a later loop that goes on accumulating this one's result
+            self._held_after[eqn.outvars[k]] = inside
             after = self._next_loop(eqn.outvars[k])
             if after is not None and self.deferrals(after[0]).get(after[1]) == inside:
                 self._lazy[eqn.outvars[k]] = inside  # handed over partial: the last loop reduces once
         return out
+
+    def held(self, v: Value) -> Sharding:
+        """The sharding the lowering holds v in: a loop's accumulator kept a partial sum (deferral.py) is the
+        unreduced sums in the loop's carry (reduced after it), and a scan's stacked partial sums so too."""
+        return self._held_after.get(v) or self.plan.sharding(v)
 
     def _next_loop(self, v: Value) -> Optional[tuple[Eqn, int]]:
         """(loop, carry index) where v's one use is the initial value of a loop's carry (1F1B's or an
@@ -140,6 +146,7 @@ class PartialSums:
         if not partial or planned.partial or planned.padded:
             return None
         inside = self.deferred_ys[(id(eqn), j)] = DF.deferred_sharding(planned, partial)
+        self._held_after[v] = CF.stacked(inside)
         for x, dims in acc.chain:
             self._lazy[x] = DF.in_loop(inside, dims)
         return CF.stacked(inside)
