@@ -2,6 +2,7 @@
 explain()'s predicted peak of them per device. On 8 simulated CPU devices."""
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
@@ -209,3 +210,86 @@ def test_xla_holds_no_constant_a_loop_reads_outside_it():
     assert temp < 2 * n * F32
     peak = liveness.peak(from_jaxpr(jax.make_jaxpr(f)(x)), lambda v: liveness.nbytes(v, v.shape))
     assert temp <= peak.bytes
+
+
+def test_a_scans_results_are_buffers_made_where_its_body_starts_each_trips_written_as_made():
+    """A scan's stacked results are constants each trip writes into (XLA makes them where the body the scan
+    runs in starts: here the program's start, before the op ahead of the scan), and a trip's result is
+    written into them as it is made, not held to the trip's end."""
+    def f(x, ws):
+        h = jnp.tanh(x)
+
+        def body(c, w):
+            y = jnp.tanh(c @ w)
+            return jnp.sin(c) @ w, y
+        return jax.lax.scan(body, h, ws)
+
+    program = from_jaxpr(jax.make_jaxpr(f)(jnp.ones((B, D)), jnp.ones((4, D, D))))
+    lt = lifetimes.lifetimes(program)
+    scan = next(e for e in program.eqns if e.name == "scan")
+    life = {id(v): (a, b) for v, a, b in zip(lt.values, lt.start, lt.end)}
+    y = scan.subs["body"].outvars[1]
+    assert life[id(y)][0] == life[id(y)][1] < lt.spans[scan][1]  # written as made
+    # (the stacked ys are an output here: what the body's next op reads is alive as usual)
+    program = from_jaxpr(jax.make_jaxpr(lambda x, ws: f(x, ws)[1].sum(0))(jnp.ones((B, D)), jnp.ones((4, D, D))))
+    lt = lifetimes.lifetimes(program)
+    scan = next(e for e in program.eqns if e.name == "scan")
+    life = {id(v): (a, b) for v, a, b in zip(lt.values, lt.start, lt.end)}
+    assert life[id(scan.outvars[1])][0] == 0 < lt.spans[scan][0]
+
+
+@pytest.mark.newest_jax
+def test_a_stacked_input_a_scan_returns_annotated_holds_no_buffer_of_its_own():
+    """JAX's partial evaluation saves a weight a layer annotates (with the sharding it has) as a residual: the
+    forward scan returns the stacked weights, which the lowered body returns as it got them and JAX's scan
+    forwards. Neither the compiled step nor explain() holds a stacked copy."""
+    L, N = 8, 256
+
+    def f(ws, x):
+        def body(c, w):
+            return jnp.tanh(c @ gs.replicate(w)), None
+        return jnp.sum(jax.lax.scan(body, x, ws)[0])
+
+    mesh = gs.make_mesh({"data": 8})
+    args = (jnp.ones((L, N, N)) / N, jnp.ones((64, N)))
+    step, ins = jax.grad(f), (P(), P("data"))
+    stack = L * N * N * F32
+    temp = gs.partition(step, mesh, in_shardings=ins).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    report = gs.explain(step, mesh, *args, in_shardings=ins)
+    assert temp < stack / 2 and report.temporaries.bytes < stack / 2, (temp, report.temporaries)
+
+
+def test_an_annotation_asking_for_the_sharding_its_operand_has_is_the_operands_buffer():
+    """The lowering emits nothing for it: a value annotated so and read beside its annotation is one buffer,
+    and an annotated argument is the argument."""
+    N = 256
+
+    def f(a, b):
+        x = jnp.tanh(a)
+        return jnp.sum(x @ gs.replicate(x) @ gs.replicate(b))
+
+    mesh = gs.make_mesh({"data": 8})
+    report = gs.explain(f, mesh, jnp.ones((N, N)), jnp.ones((N, N)), in_shardings=(P(), P()))
+    # tanh's result and the first product, alive while the second is made (no copy of x or b)
+    assert report.temporaries.bytes == 2 * N * N * F32, report.temporaries
+
+
+@pytest.mark.newest_jax
+def test_xla_cpu_copies_a_dot_operand_contracted_over_its_leading_dim_and_explain_counts_it():
+    """A weight's gradient x^T dy contracts x over its leading (batch, length) dims: XLA:CPU transposes x into
+    a buffer of its own before the dot (its dots take (batch, free, contracting) on the left), as it does a
+    weight a backward pass contracts over two dims. explain() counts those copies exactly. A lone matrix
+    read transposed (x^T dy over one dim, dy w^T) XLA reads in place; explain() counts a copy of it (over:
+    in whole train steps such copies are there, benchmarks/memory_grid.py's steps under without them)."""
+    mesh, ins = gs.make_mesh({"data": 8}), (P(), P())
+    cases = [("bld,blf->df", (8, 64, 512), (8, 64, 256), 8 * 64 * 512 * F32, True),  # x copied
+             ("blhk,dhk->bld", (8, 64, 4, 32), (128, 4, 32), 128 * 4 * 32 * F32, True),  # the weight copied
+             ("bd,bf->df", (512, 512), (512, 512), 512 * 512 * F32, False),
+             ("blf,df->bld", (8, 64, 512), (128, 512), 128 * 512 * F32, False)]
+    for spec, a, b, copied, exact in cases:
+        f = functools.partial(jnp.einsum, spec)
+        args = (jnp.ones(a), jnp.ones(b))
+        temp = gs.partition(f, mesh, in_shardings=ins).lower(*args).compile().memory_analysis().temp_size_in_bytes
+        report = gs.explain(f, mesh, *args, in_shardings=ins)
+        assert report.temporaries.bytes == copied and (temp == copied if exact else temp == 0), \
+            (spec, temp, report.temporaries)

@@ -1,6 +1,6 @@
 """explain()'s predicted memory per device (arguments in device memory, outputs not donated, the temporaries'
 peak: partitioner/costs/liveness.py) against the compiled train step's memory_analysis() (argument + output - alias +
-temp), on every step of benchmarks/memory_grid.py but the one NOT_YET names. Within [0.90, 1.15], never under
+temp), on every step of benchmarks/memory_grid.py (but those NOT_YET names). Within [0.90, 1.15], never under
 by more than 10%."""
 import os
 import sys
@@ -14,12 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import memory_grid as G  # noqa: E402
 
 LOW, HIGH = 0.90, 1.15
-# The grid's steps explain() does not yet predict within the bounds (docs/partitioner.md, "Liveness"): an
-# interleaved 1F1B step over {stage 2, data 4} at 1.1503 (over, the safe side; the excess not yet traced to values).
-NOT_YET = [
-    (G.D, "stage=2,data=4", G.STAGED + ["pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2",
-                                         "train.microbatches=4"]),
-]
+NOT_YET: list = []  # the grid's steps explain() does not yet predict within the bounds: none
 STEPS = [i for i, row in enumerate(G.GRID) if row not in NOT_YET]
 
 
