@@ -50,7 +50,7 @@ def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_s
     output index -> the input (flat index) whose donated buffer it reuses (donated_outputs)."""
     start = time.perf_counter()
     g = Builder(program, seeds, mesh_shape, mesh_axes, profile, names, out_fixed, out_names, ties).build()
-    temps = temporaries(g, program, mesh_shape)
+    temps = temporaries(g, program, mesh_shape, profile.platform == "cpu")
     limit = BUDGETED_SECONDS if auto.memory_budget is not None else None
     try:
         try:

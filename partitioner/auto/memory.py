@@ -22,6 +22,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..costs import liveness as LV
 from ..costs.buffer_reuse import less_held
 from ..costs.fusion import fusion_aware
 from ..costs.lifetimes import Lifetimes, lifetimes
@@ -103,10 +104,12 @@ class Temporaries:
     lt: Lifetimes
     node: np.ndarray  # per temporary, the node whose option sets its bytes (-1: none does)
     sizes: list  # per temporary, its bytes per option of that node (one entry where none does)
-    makers: list  # per temporary, the op that makes it
+    makers: list  # per temporary, the op that makes it (or what it is: XLA:CPU's own buffers)
     copies: list = dataclasses.field(default_factory=list)  # Copy: the operands' copies ops may make
     outputs: list = dataclasses.field(default_factory=list)  # (node, its bytes per option, the point it is made
     # at) per output not in a donated buffer: what it holds before (buffer_reuse.py)
+    own: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))  # per temporary: XLA:CPU's
+    # own buffer (_xla_cpu), not a value of the program
 
     def at(self, picks) -> np.ndarray:
         """Per point, the bytes alive under a choice of one option per node, less what the outputs' buffers
@@ -169,26 +172,80 @@ class Temporaries:
         return list(dict.fromkeys(int(np.argmax(self.bound(b))) for b in (True, False)))
 
 
-def _result_of(e: Eqn) -> str:
+def _result_of(e) -> str:
+    if isinstance(e, str):  # (XLA:CPU's own buffer, named as made)
+        return e
     return f"the result of {e.name}" + (f" at {e.source}" if e.source else "")
 
 
-def temporaries(g: Graph, program: Program, mesh_shape: dict) -> Temporaries:
+def temporaries(g: Graph, program: Program, mesh_shape: dict, cpu: bool = False) -> Temporaries:
     """The temporaries of the program the graph was built from, over its nodes' options, as explain() counts
     them (fusion.fusion_aware: the values XLA fuses away left out, its sinks run early; and the outputs held
-    as made until they leave)."""
+    as made until they leave; cpu: and XLA:CPU's copies of dot operands and shared broadcasts, `_xla_cpu`)."""
     fresh = {id(v): j for j, v, _, _ in g.outputs if g.nodes[j].value is None}  # (not in a donated buffer)
     lt = fusion_aware(program, lifetimes(program, {e: 0 for e in _prefetchable(program)}), set(fresh))
     made = {id(v): e for e in program.all_eqns() for v in e.outvars}
-    node, sizes = [], []
+    node, sizes, makers = [], [], [made[id(v)] for v in lt.values]
+    made_values = list(lt.values)
     for v in lt.values:
         i, per = _per_option(g, v, mesh_shape)
         node.append(i)
         sizes.append(per)
+    copies = _copies(g, program, lt, mesh_shape)
+    if cpu:  # (after the copies: their readers' points are the values')
+        lt, extra = _xla_cpu(g, program, lt, mesh_shape)
+        for i, per, e in extra:
+            node.append(i)
+            sizes.append(per)
+            makers.append(e)
     outputs = [(fresh[id(o)], np.array([p.memory for p in g.nodes[fresh[id(o)]].options], float), at)
                for o, at in lt.fresh]
-    return Temporaries(lt, np.array(node, int), sizes, [made[id(v)] for v in lt.values],
-                       _copies(g, program, lt, mesh_shape), outputs)
+    own = np.arange(len(node)) >= len(made_values)
+    return Temporaries(lt, np.array(node, int), sizes, makers, copies, outputs, own)
+
+
+def _xla_cpu(g: Graph, program: Program, lt: Lifetimes, mesh_shape: dict) -> tuple[Lifetimes, list]:
+    """lt with XLA:CPU's own buffers added as temporaries, each alive over its readers' points: a dot's
+    operand it relays (liveness.relaid, on the local shapes the dot's option reads), and a shared broadcast
+    at its reader's result's sharding (liveness.broadcast_copies); and per buffer (node, bytes per its
+    option, what it is)."""
+    need: dict = {}  # (id(reader), id(value)) -> (node, per option of it: the sharding it needs of the value)
+    for edge in g.edges:
+        if edge.reader is not None:
+            options = g.nodes[edge.dst].options
+            per = edge.needs if edge.operand < 0 else [o.need[edge.operand] if edge.operand < len(o.need) else None
+                                                      for o in options]
+            if None not in per:
+                need.setdefault((id(edge.reader), id(edge.value)), (edge.dst, per))
+    where = lambda e: f" at {e.source}" if e.source else ""  # noqa: E731
+    extra, spans = [], []
+    for e in program.all_eqns():
+        if e.name != "dot_general":
+            continue
+        reads = [need.get((id(e), id(x))) if isinstance(x, Value) else None for x in e.invars[:2]]
+        for k, x in enumerate(e.invars[:2]):
+            if not isinstance(x, Value):
+                continue
+            if reads[0] is not None and reads[1] is not None and reads[0][0] == reads[1][0]:  # per option of the dot
+                i, sh = reads[0][0], list(zip(reads[0][1], reads[1][1]))
+                per = np.array([_local_bytes(x, s[k], mesh_shape) if k in LV.relaid(e, [
+                    s[j].local_shape(y.shape, mesh_shape) for j, y in enumerate(e.invars[:2])]) else 0.0
+                    for s in sh], float)
+            elif k in LV.relaid(e, [getattr(y, "shape", ()) for y in e.invars[:2]]):
+                i, per = _per_option(g, x, mesh_shape)  # (as it is made: no option of the dot's reads it)
+            else:
+                continue
+            if per.any():
+                extra.append((i, per, f"an operand of {e.name}{where(e)}, relaid"))
+                spans.append(lt.span([e] + ([program.eqns[0]] if LV.from_start(program, x) else [])))
+    for c in LV.broadcast_copies(program, lambda e, x: 0):
+        extra.append((*_per_option(g, c.readers[0].outvars[0], mesh_shape), f"a broadcast for {c.readers[0].name}"
+                      f"{where(c.readers[0])}"))
+        spans.append(lt.span(c.readers))
+    lt = dataclasses.replace(lt, values=lt.values + [None] * len(extra),
+                             start=np.concatenate([lt.start, np.array([a for a, _ in spans], int)]),
+                             end=np.concatenate([lt.end, np.array([b for _, b in spans], int)]))
+    return lt, extra
 
 
 def _prefetchable(program: Program) -> list[Eqn]:

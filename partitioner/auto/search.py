@@ -127,11 +127,12 @@ def _within(g: Graph, mesh_shape: dict, budget: float, temps: Temporaries, picks
 
 
 def _ends(g: Graph, temps: Temporaries, whole: bool) -> list[np.ndarray]:
-    """Per node, which options hold its fewest bytes (its arguments', outputs' and temporaries'), and with whole
-    its most: the leanest choice, and the whole values a small model's cheapest choice holds."""
+    """Per node, which options hold its fewest bytes (its arguments', outputs' and temporaries', XLA:CPU's own
+    buffers aside: a dot's relaid operand is as much its operands' choice), and with whole its most: the
+    leanest choice, and the whole values a small model's cheapest choice holds."""
     held = memory_of(g)
-    for i, sizes in zip(temps.node, temps.sizes):
-        if i >= 0:
+    for i, sizes, own in zip(temps.node, temps.sizes, temps.own):
+        if i >= 0 and not own:
             held[i] = held[i] + sizes
     return [(b <= b.min() * (1 + 1e-9)) | (whole & (b >= b.max() * (1 - 1e-9))) for b in held]
 

@@ -5,10 +5,11 @@ benchmarks/memory_grid.py)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
-from ..representation.program import Eqn, Program
+from ..representation.program import Eqn, Program, Value
 from ..rules.factor_rules import POINTWISE
 from .lifetimes import RELAYOUT, Lifetimes, _users
 
@@ -41,8 +42,15 @@ def fused(program: Program) -> set:
             stored.update(id(v) for v in sub.outvars)
     top = {id(e) for e in program.eqns}
     return {id(v) for e in program.eqns if _fuses(e) for v in e.outvars
-            if id(v) not in stored and len(readers.get(id(v), ())) == 1 and id(readers[id(v)][0]) in top
-            and _fuses(readers[id(v)][0])}
+            if id(v) not in stored and (len(readers.get(id(v), ())) == 1 or _outer(e)) and readers.get(id(v))
+            and all(id(r) in top and _fuses(r) for r in readers[id(v)])}
+
+
+def _outer(e: Eqn) -> bool:
+    """A product of operands each broadcast to its shape (an RMSNorm's rsqrt times its scale): XLA's fusion
+    duplicates the multiply into each of its readers, which read the broadcasts (liveness.broadcast_copies)."""
+    n = math.prod(e.outvars[0].shape) if len(e.outvars) == 1 else 0
+    return e.name == "mul" and all(not isinstance(x, Value) or math.prod(x.shape) < n for x in e.invars)
 
 
 def _sinks_early(program: Program, lt: Lifetimes, gone: set) -> tuple[np.ndarray, dict]:

@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from ..representation.program import Eqn, Program, Value
+from ..rules.factor_rules import POINTWISE
 from .buffer_reuse import less_held
 from .fusion import fusion_aware
 from .lifetimes import Lifetimes, identity, lifetimes, merge_identities
@@ -95,33 +96,69 @@ def peak(program: Program, local_bytes: Callable[[Value], int], lt: Optional[Lif
     return Peak(int(at[p]), f"{lt.ops[p].name} at {lt.ops[p].source}", largest)
 
 
-def dot_operand_copies(program: Program, local_bytes: Callable[[Value], int],
-                       sharding: Callable[[Value], Any]) -> list[Copy]:
-    """The operands XLA:CPU copies before a dot: it computes every dot_general on operands laid out (batch,
-    free, contracting) for the left, (batch, contracting, free) for the right (DotDecomposer), and an operand
-    in another order (dims of size 1 aside) is transposed into a buffer of its own, alive while the dot runs
-    (a weight read transposed by a backward pass, an activation contracted over its batch for a weight's
-    gradient); a copy of the program's argument is made where the program starts (XLA:CPU runs an op as
-    early as its operands allow)."""
-    out = []
+def relaid(e: Eqn, shapes: Sequence[tuple]) -> list[int]:
+    """The operands (0: left, 1: right) XLA:CPU copies into another layout before a dot_general, given their
+    local shapes: it computes a dot on operands laid out (batch, free, contracting) for the left, (batch,
+    contracting, free) for the right (DotDecomposer), and transposes one in another order (dims of size 1
+    aside) into a buffer of its own (an activation contracted over two dims for a weight's gradient, a
+    weight with two contracting dims read by a backward pass), except a matrix read transposed (batch dims
+    leading, then one free and one contracting dim), which its GEMM reads in place, unless the dot has a
+    batch of one and its other operand is copied."""
+    (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+    unsorted, matrix, single = [], [], False
+    for k, (x, batch, contract) in enumerate(((e.invars[0], lb, lc), (e.invars[1], rb, rc))):
+        shape = shapes[k] if isinstance(x, Value) else ()
+        big = lambda ds: [d for d in ds if shape[d] > 1]  # noqa: E731
+        free = big(d for d in range(len(shape)) if d not in batch and d not in contract)
+        order = big(batch) + (free + big(contract) if k == 0 else big(contract) + free)
+        unsorted.append(isinstance(x, Value) and order != sorted(order))
+        matrix.append(len(free) == 1 and len(big(contract)) == 1 and list(batch) == sorted(batch)
+                      and max(batch, default=-1) < min(order[-2:]))
+        single = single or (isinstance(x, Value) and len(big(batch)) < len(batch))
+    copied = [unsorted[k] and not matrix[k] for k in (0, 1)]
+    return [k for k in (0, 1) if copied[k] or (unsorted[k] and single and copied[1 - k])]
+
+
+def from_start(program: Program, x: Value, sharding: Optional[Callable[[Value], Any]] = None) -> bool:
+    """Whether a copy of x is made where the program starts (XLA:CPU runs an op as early as its operands
+    allow): x is an argument, or an annotation asking for its argument's sharding (where the plan's shardings
+    are known)."""
     inputs = {id(v) for v in program.invars} | {id(v) for v, _ in program.consts}
     maker = {id(v): e for e in program.all_eqns() for v in e.outvars}
+    while sharding is not None and id(x) in maker and identity(maker[id(x)], sharding):
+        x = maker[id(x)].invars[0]
+    return id(x) in inputs
 
-    def root(x):  # through annotations asking for the sharding it has (the lowering emits nothing for them)
-        while id(x) in maker and identity(maker[id(x)], sharding):
-            x = maker[id(x)].invars[0]
-        return x
 
+def dot_operand_copies(program: Program, local_shape: Callable[[Value], tuple], local_bytes: Callable[[Value], int],
+                       sharding: Optional[Callable[[Value], Any]] = None) -> list[Copy]:
+    """The operands XLA:CPU copies before a dot (`relaid`, on their local shapes), each alive while the dot
+    runs, or from the program's start (`from_start`)."""
+    out = []
     for e in program.all_eqns():
-        if e.name != "dot_general":
-            continue
-        (lc, rc), (lb, rb) = e.params["dimension_numbers"]
-        for x, batch, contract, left in ((e.invars[0], lb, lc, True), (e.invars[1], rb, rc, False)):
-            if not isinstance(x, Value):
-                continue
-            free = [d for d in range(len(x.shape)) if d not in batch and d not in contract]
-            order = [d for d in [*batch, *(free + list(contract) if left else list(contract) + free)]
-                     if x.shape[d] > 1]
-            if order != sorted(order):  # (an argument's made where the program starts)
-                out.append(Copy(None, x, local_bytes(x), [e] + ([program.eqns[0]] if id(root(x)) in inputs else [])))
+        if e.name == "dot_general":
+            for k in relaid(e, [local_shape(x) if isinstance(x, Value) else () for x in e.invars]):
+                x = e.invars[k]
+                out.append(Copy(None, x, local_bytes(x), [e] + ([program.eqns[0]] if from_start(program, x, sharding)
+                                                                 else [])))
+    return out
+
+
+def broadcast_copies(program: Program, local_bytes: Callable[[Value], int]) -> list[Copy]:
+    """The broadcasts XLA:CPU stores: an operand several pointwise ops broadcast to the same larger shape
+    (an RMSNorm's rsqrt and scale, read by its forward product and by its backward's), one of them summed
+    by a reduction, is one broadcast XLA's CSE shares and its reduction fusion reads stored, alive from the
+    first of those ops to the last (its forward to its backward). local_bytes(reader, operand value): the
+    broadcast's bytes per device (its reader's result's)."""
+    out = []
+    readers: dict = {}
+    for e in program.all_eqns():
+        if e.name in POINTWISE and len(e.outvars) == 1:
+            for x in {id(x): x for x in e.invars if isinstance(x, Value)}.values():
+                if math.prod(x.shape) < math.prod(e.outvars[0].shape):
+                    readers.setdefault((id(x), tuple(e.outvars[0].shape)), (x, []))[1].append(e)
+    summed = {id(x) for e in program.all_eqns() if e.name == "reduce_sum" for x in e.invars}
+    for x, ops in readers.values():
+        if len(ops) > 1 and any(id(e.outvars[0]) in summed for e in ops):
+            out.append(Copy(None, x, local_bytes(ops[0], x), ops))
     return out

@@ -120,9 +120,10 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
                 exits.append(v)
         if self.report is not None:  # the temporaries at their peak, as this program holds them
             wide = 2 if self.platform == "cpu" else 1  # XLA:CPU computes and keeps bfloat16 values in float32
-            local = lambda v: LV.nbytes(v, self.held(v).local_shape(v.shape, self.mesh_shape)) * (
-                wide if v.aval.dtype == jnp.bfloat16 else 1)
-            relaid = LV.dot_operand_copies(self.program, local, self.plan.sharding) if self.platform == "cpu" else []
+            shape = lambda v: self.held(v).local_shape(v.shape, self.mesh_shape)  # noqa: E731
+            local = lambda v: LV.nbytes(v, shape(v)) * (wide if v.aval.dtype == jnp.bfloat16 else 1)  # noqa: E731
+            relaid = LV.dot_operand_copies(self.program, shape, local, self.plan.sharding) + LV.broadcast_copies(
+                self.program, lambda e, x: local(e.outvars[0])) if self.platform == "cpu" else []
             self.report.temporaries = LV.peak(
                 self.program, local, copies=list(self.copies.values()) + relaid, names=dict(zip(values, self.in_names)),
                 ahead=self.ahead, exits=exits, fresh={id(self.program.outvars[k]) for k in self.fresh},
