@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 import json
 
-import jax
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -286,8 +286,8 @@ def test_xla_cpu_copies_a_dot_operand_contracted_over_its_leading_dim_and_explai
     mesh, ins = gs.make_mesh({"data": 8}), (P(), P())
     cases = [("bld,blf->df", (8, 64, 512), (8, 64, 256), 8 * 64 * 512 * F32),  # x copied
              ("blhk,dhk->bld", (8, 64, 4, 32), (128, 4, 32), 128 * 4 * 32 * F32),  # the weight copied
-             ("egch,ehm->gecm", (4, 4, 16, 256), (4, 256, 64), (4 * 4 * 16 * 256 + 4 * 4 * 16 * 64) * F32),  # the tokens
-             # copied, and the dot's result before its transpose
+             # the tokens copied, and the dot's result before its transpose
+             ("egch,ehm->gecm", (4, 4, 16, 256), (4, 256, 64), (4 * 4 * 16 * 256 + 4 * 4 * 16 * 64) * F32),
              ("bd,bf->df", (512, 512), (512, 512), 0),
              ("blf,df->bld", (8, 64, 512), (128, 512), 0),
              ("bji,bjk->bik", (8, 256, 128), (8, 256, 64), 0),
