@@ -25,9 +25,9 @@ constant loops alone read unchanged is sunk into their bodies, made where read (
 a value loops read is made where the value is, hoisted out of a loop whose every trip makes it
 (`_relaid_early`). A scan's stacked results are buffers made where the body it runs in starts (constants
 its trips write into), each trip's result written into them as it is made; a stacked result that is a
-stacked input, unchanged or annotated with its own sharding, is that input (`_forwarded`); and where the
+stacked input, unchanged or annotated with its own sharding, is that input (`identities.forwarded`); and where the
 plan's shardings are known, an annotation asking for the sharding its operand has is that operand's buffer
-(`merge_identities`).
+(`liveness.merge_identities`).
 
 What this is: the program's own values, each in the sharding the plan gives it, at their per-device size.
 What it is not: XLA's buffer assignment. XLA fuses elementwise ops (their results are never stored) and may
@@ -48,6 +48,7 @@ from jax.extend import core
 from ..representation.jax_compat import scan_counts
 from ..representation.program import Eqn, Program, Value, from_jaxpr
 from ..rules.factor_rules import POINTWISE
+from .identities import forwarded
 
 
 @dataclasses.dataclass
@@ -118,165 +119,137 @@ def lifetimes(program: Program, ahead: Mapping[Eqn, int] = {},
     lowering pipelined (prefetch.py) -> the bytes of the weights they gather a trip ahead, held through the
     loop; their last trip, peeled off, runs after the loop, its recomputation made before it (_hoist).
     sharding: each value's in the plan, where known (an annotation keeping it is then the identity, and a
-    stacked result that is a stacked input so annotated is that input: `_forwarded`)."""
-    ops: list[Eqn] = []
-    start: dict = {}
-    end: dict = {}
-    spans: dict = {}
-    last_read: dict = {}  # every value's last reader's point (a body's inputs' too)
-    in_place: list = []  # (the value before the trip or None, the body's result) of _carries
-    inits: list = []  # (loop, the operand starting a carry)
-    regions: list = []  # per checkpointed region: (it, the first point of the body it runs in, a peeled scan)
-    scratch: list = []  # Lifetimes.scratch
-    free: set = set()  # the values of ops that read none (a broadcast constant)
-    early: list = []  # (a value XLA makes as early as it can, the first point of the body it is made in)
-    users = _users(program)
-    sunk: dict = {}  # a body's input that is a constant XLA sinks into the loop -> that constant (made where read)
-    constants: set = set()  # the constants sunk
-    passed: set = set()  # (id() of a loop, id() of a constant it sinks): the loop does not read it
-    forwarded: dict = {}  # a scan's stacked result that is its stacked input -> that input (no buffer of its own)
+    stacked result that is a stacked input so annotated is that input: `identities.forwarded`)."""
+    w = _Walk(program, ahead, sharding)
+    w.walk(program.eqns, 0)
+    return w.finish()
 
-    def read(x, point: int) -> None:
+
+class _Walk:
+    """The walk over the program's ops in order: each op's points, and each value's first and last."""
+
+    def __init__(self, program: Program, ahead: Mapping[Eqn, int], sharding: Optional[Callable[[Value], Any]]):
+        self.program, self.ahead, self.sharding = program, ahead, sharding
+        self.ops: list[Eqn] = []
+        self.start: dict = {}
+        self.end: dict = {}
+        self.spans: dict = {}
+        self.last_read: dict = {}  # every value's last reader's point (a body's inputs' too)
+        self.in_place: list = []  # (the value before the trip or None, the body's result) of _carries
+        self.inits: list = []  # (loop, the operand starting a carry)
+        self.regions: list = []  # per checkpointed region: (it, the first point of the body it runs in, a peeled scan)
+        self.scratch: list = []  # Lifetimes.scratch
+        self.free: set = set()  # the values of ops that read none (a broadcast constant)
+        self.early: list = []  # (a value XLA makes as early as it can, the first point of the body it is made in)
+        self.users = _users(program)
+        self.sunk: dict = {}  # a body's input that is a constant XLA sinks into the loop -> that constant
+        self.constants: set = set()  # the constants sunk (made where read)
+        self.passed: set = set()  # (id() of a loop, id() of a constant it sinks): the loop does not read it
+        self.forwarded: dict = {}  # a scan's stacked result that is its stacked input -> that input (no buffer)
+        self.outputs = {id(v) for v in program.outvars if isinstance(v, Value)}
+
+    def read(self, x, point: int) -> None:
         if isinstance(x, Value):
-            last_read[x] = max(last_read.get(x, -1), point)
-            x = forwarded.get(x, x)
-            x = sunk.get(x, x)
-            if x in start:
-                end[x] = max(end[x], point)
-            elif x in constants:
-                start[x] = end[x] = point
+            self.last_read[x] = max(self.last_read.get(x, -1), point)
+            x = self.forwarded.get(x, x)
+            x = self.sunk.get(x, x)
+            if x in self.start:
+                self.end[x] = max(self.end[x], point)
+            elif x in self.constants:
+                self.start[x] = self.end[x] = point
 
-    def sink(e: Eqn) -> None:
+    def sink(self, e: Eqn) -> None:
         """A loop's invariant operands that are constants (made from no operand) read by loops alone: XLA
         sinks them into the bodies (while-loop constant sinking), where they are made as they are read."""
         for k, name, j in _invariants(e):
             x = e.invars[k]
-            if (isinstance(x, Value) and (x in free or x in sunk) and id(x) not in outputs
-                    and all(k2 in {a for a, _, _ in _invariants(r)} for r, k2 in users[id(x)])):
-                constant = sunk.get(x, x)
-                if constant not in constants:  # made where a body first reads it
-                    constants.add(constant)
-                    start.pop(constant, None)
-                    end.pop(constant, None)
-                sunk[e.subs[name].invars[j]] = constant
-                passed.add((id(e), id(x)))
+            if (isinstance(x, Value) and (x in self.free or x in self.sunk) and id(x) not in self.outputs
+                    and all(k2 in {a for a, _, _ in _invariants(r)} for r, k2 in self.users[id(x)])):
+                constant = self.sunk.get(x, x)
+                if constant not in self.constants:  # made where a body first reads it
+                    self.constants.add(constant)
+                    self.start.pop(constant, None)
+                    self.end.pop(constant, None)
+                self.sunk[e.subs[name].invars[j]] = constant
+                self.passed.add((id(e), id(x)))
 
-    def walk(eqns, base: int, peeled: Optional[Eqn] = None) -> None:
+    def walk(self, eqns, base: int, peeled: Optional[Eqn] = None) -> None:
         """base: the first point of the body the ops run in (0: the program's own); peeled: the pipelined scan
         whose body it is."""
         for e in eqns:
+            first = len(self.ops)
             if e.name == "remat2":  # a checkpointed region: its body's values are the caller's
-                first = len(ops)
-                walk(e.subs["body"].eqns, base, peeled)
-                spans[e] = (first, len(ops) - 1)
-                regions.append((e, base, peeled))
+                self.walk(e.subs["body"].eqns, base, peeled)
+                self.spans[e] = (first, len(self.ops) - 1)
+                self.regions.append((e, base, peeled))
                 continue
-            first = len(ops)
-            sink(e)
+            self.sink(e)
             for sub in e.subs.values():
-                walk(sub.eqns, first, e if e in ahead else None)
+                self.walk(sub.eqns, first, e if e in self.ahead else None)
                 ys = set(sub.outvars[scan_counts(e.params)[1]:]) if e.name == "scan" else set()
                 for x in sub.outvars:  # a body's results are read as it ends (a loop's next carry); a scan's
                     # per-trip results are written into its stacked results as they are made (in place)
-                    read(x, start[x] if x in ys and x in start else len(ops) - 1)
-            if len(ops) == first:
-                ops.append(e)
+                    self.read(x, self.start[x] if x in ys and x in self.start else len(self.ops) - 1)
+            if len(self.ops) == first:
+                self.ops.append(e)
                 if e.name == "shard_map":
-                    inside, early_bytes = _manual_peak(e, {k for k, x in enumerate(e.invars) if x in sunk})
-                    scratch.append((first, first, inside, f"the temporaries of {e.name} at {e.source}"))
-                    if early_bytes and first > base:
-                        scratch.append((base, first - 1, early_bytes, f"buffers {e.name} at {e.source} makes early"))
-            last = len(ops) - 1
-            spans[e] = (first, last)
-            for x in e.invars:  # (a sunk constant a manual region reads is the region's own)
-                if not (e.name == "shard_map" and x in sunk) and (id(e), id(x)) not in passed:
-                    read(x, last)
-            if sharding is not None and e.name == "scan":
-                forwarded.update(_forwarded(e, sharding))
-            for v in e.outvars:  # a loop's results are written as it runs: alive from its first point
-                if v not in forwarded:
-                    start[v], end[v] = first, last
-            if not e.subs and not any(isinstance(x, Value) for x in e.invars):
-                free.update(e.outvars)
-            if e in ahead:
-                scratch.append((first, last, ahead[e], f"the weights {e.name} at {e.source} gathers a trip ahead"))
-            init, into = _carries(e)
-            in_place.extend((a, b) for a, b in into if isinstance(b, Value))
-            inits.extend((e, x) for x in init if isinstance(x, Value) and e.invars.count(x) == 1)
-            targets = init + (e.invars[:1] if e.name.startswith("scatter") or e.name == "dynamic_update_slice"
-                              else [])
-            early.extend((x, base) for x in targets if isinstance(x, Value) and x in free)
-            if e.name == "scan":  # its stacked results' buffers: constants each trip writes its results into
-                early.extend((v, base) for v in e.outvars[scan_counts(e.params)[1]:] if v not in forwarded)
+                    self.manual(e, first, base)
+            self.op(e, first, base)
 
-    outputs = {id(v) for v in program.outvars if isinstance(v, Value)}
-    walk(program.eqns, 0)
-    for x, base in early:  # a constant's copy an update writes into: XLA schedules it first (no operands)
-        start[x] = min(start[x], base)
-    twins = []
-    ready_ops: dict = {}
-    for e, base, peeled in regions:
-        stored = _hoist(e, base, spans[e], start, end, ready_ops)
-        twins += [(v, *spans[peeled]) for v in dict.fromkeys(stored)] if peeled is not None else []
-    _relaid_early(program, start, end, spans, users)
-    for e, x in inits:  # a carry's first value the loop reads last: its buffer becomes the loop's result's
-        first, last = spans[e]
-        if x in start and end[x] == last:
-            end[x] = max(start[x], first - 1)
-    # a body's result takes its carry's buffer where the trip's value before it is no longer read
-    outputs |= {id(b) for a, b in in_place if b in start and (a is None or last_read.get(a, -1) <= start[b])}
-    values = [v for v in start if id(v) not in outputs and getattr(v.aval, "shape", None) is not None]
-    return Lifetimes(ops, values, np.array([start[v] for v in values], int),
-                     np.array([end[v] for v in values], int), spans, scratch,
-                     [x for x, base in early if base == 0 and x in values],
-                     twins, ready=ready_ops)
+    def manual(self, e: Eqn, first: int, base: int) -> None:
+        """A manual region's own temporaries at its point, and the buffers it makes early before it."""
+        inside, early_bytes = _manual_peak(e, {k for k, x in enumerate(e.invars) if x in self.sunk})
+        self.scratch.append((first, first, inside, f"the temporaries of {e.name} at {e.source}"))
+        if early_bytes and first > base:
+            self.scratch.append((base, first - 1, early_bytes, f"buffers {e.name} at {e.source} makes early"))
 
+    def op(self, e: Eqn, first: int, base: int) -> None:
+        """An op's operands read at its last point, and its results alive from its first."""
+        last = len(self.ops) - 1
+        self.spans[e] = (first, last)
+        for x in e.invars:  # (a sunk constant a manual region reads is the region's own)
+            if not (e.name == "shard_map" and x in self.sunk) and (id(e), id(x)) not in self.passed:
+                self.read(x, last)
+        if self.sharding is not None and e.name == "scan":
+            self.forwarded.update(forwarded(e, self.sharding))
+        for v in e.outvars:  # a loop's results are written as it runs: alive from its first point
+            if v not in self.forwarded:
+                self.start[v], self.end[v] = first, last
+        if not e.subs and not any(isinstance(x, Value) for x in e.invars):
+            self.free.update(e.outvars)
+        if e in self.ahead:
+            self.scratch.append((first, last, self.ahead[e], f"the weights {e.name} at {e.source} gathers a trip "
+                                                               f"ahead"))
+        init, into = _carries(e)
+        self.in_place.extend((a, b) for a, b in into if isinstance(b, Value))
+        self.inits.extend((e, x) for x in init if isinstance(x, Value) and e.invars.count(x) == 1)
+        targets = init + (e.invars[:1] if e.name.startswith("scatter") or e.name == "dynamic_update_slice" else [])
+        self.early.extend((x, base) for x in targets if isinstance(x, Value) and x in self.free)
+        if e.name == "scan":  # its stacked results' buffers: constants each trip writes its results into
+            self.early.extend((v, base) for v in e.outvars[scan_counts(e.params)[1]:] if v not in self.forwarded)
 
-def identity(e: Eqn, sharding: Callable[[Value], Any]) -> bool:
-    """An annotation asking for the sharding its operand has: the lowering emits nothing for it."""
-    return e.name == "sharding_annotation" and isinstance(e.invars[0], Value) and \
-        sharding(e.invars[0]) == sharding(e.outvars[0])
-
-
-def _forwarded(e: Eqn, sharding: Callable[[Value], Any]) -> dict:
-    """A scan's stacked results whose per-trip value is the trip's slice of a stacked input, unchanged or
-    annotated with its own sharding (JAX's partial evaluation saves a weight a layer annotates as a residual):
-    the lowered body returns its input as it got it, and JAX's scan forwards the stacked input in their place,
-    so they hold no buffer of their own."""
-    body, (nc, nk) = e.subs["body"], scan_counts(e.params)
-    xs = {id(b): x for b, x in zip(body.invars[nc + nk:], e.invars[nc + nk:])}
-    made = {id(v): q for q in body.eqns for v in q.outvars}
-    out = {}
-    for y, v in zip(body.outvars[nk:], e.outvars[nk:]):
-        while id(y) not in xs and id(y) in made and identity(made[id(y)], sharding):
-            y = made[id(y)].invars[0]
-        x = xs.get(id(y))
-        if isinstance(x, Value) and sharding(v) == sharding(x):
-            out[v] = x
-    return out
-
-
-def merge_identities(program: Program, lt: Lifetimes, sharding: Callable[[Value], Any]) -> Lifetimes:
-    """An identity annotation's value stored beside its operand's is one buffer (XLA sees no op): the
-    operand's lifetime runs to the later of the two ends and the annotation's is dropped; an argument's (or a
-    body's input's) is the argument. Where the operand is never stored (fused into its reader), the
-    annotation's value is the buffer, as counted."""
-    index = {id(v): k for k, v in enumerate(lt.values)}
-    made = {id(v) for e in program.all_eqns() for v in e.outvars}
-    drop: set = set()
-    for e in program.all_eqns():  # (program order: an annotation of a merged annotation joins its operand)
-        if identity(e, sharding):
-            a, b = index.get(id(e.invars[0])), index.get(id(e.outvars[0]))
-            if b is not None and id(e.invars[0]) not in made:  # an argument's, or a body's input's: that buffer
-                drop.add(b)
-            elif a is not None and b is not None:
-                lt.end[a] = max(lt.end[a], lt.end[b])
-                drop.add(b)
-                index[id(e.outvars[0])] = a
-    keep = [k for k in range(len(lt.values)) if k not in drop]
-    gone = {id(lt.values[k]) for k in drop}
-    return dataclasses.replace(lt, values=[lt.values[k] for k in keep], start=lt.start[keep], end=lt.end[keep],
-                               early=[v for v in lt.early if id(v) not in gone])
+    def finish(self) -> Lifetimes:
+        """The lifetimes, as XLA schedules what the walk's program order does not say."""
+        start, end, spans = self.start, self.end, self.spans
+        for x, base in self.early:  # a constant's copy an update writes into: XLA schedules it first (no operands)
+            start[x] = min(start[x], base)
+        twins = []
+        ready_ops: dict = {}
+        for e, base, peeled in self.regions:
+            stored = _hoist(e, base, spans[e], start, end, ready_ops)
+            twins += [(v, *spans[peeled]) for v in dict.fromkeys(stored)] if peeled is not None else []
+        _relaid_early(self.program, start, end, spans, self.users)
+        for e, x in self.inits:  # a carry's first value the loop reads last: its buffer becomes the loop's result's
+            first, last = spans[e]
+            if x in start and end[x] == last:
+                end[x] = max(start[x], first - 1)
+        # a body's result takes its carry's buffer where the trip's value before it is no longer read
+        outputs = self.outputs | {id(b) for a, b in self.in_place
+                                  if b in start and (a is None or self.last_read.get(a, -1) <= start[b])}
+        values = [v for v in start if id(v) not in outputs and getattr(v.aval, "shape", None) is not None]
+        return Lifetimes(self.ops, values, np.array([start[v] for v in values], int),
+                         np.array([end[v] for v in values], int), spans, self.scratch,
+                         [x for x, base in self.early if base == 0 and x in values], twins, ready=ready_ops)
 
 
 def _users(program: Program) -> dict:

@@ -14,7 +14,8 @@ from ..representation.program import Eqn, Program, Value
 from ..rules.factor_rules import POINTWISE
 from .buffer_reuse import less_held
 from .fusion import fusion_aware
-from .lifetimes import Lifetimes, identity, lifetimes, merge_identities
+from .identities import identity
+from .lifetimes import Lifetimes, lifetimes
 
 # XLA:CPU's temporaries hold, for each result it makes a tuple (a collective's over several operands: an
 # all-to-all's pieces, all-reduces it combines), a table of the elements' pointers in a slot of its 64-byte
@@ -162,3 +163,26 @@ def broadcast_copies(program: Program, local_bytes: Callable[[Value], int]) -> l
         if len(ops) > 1 and any(id(e.outvars[0]) in summed for e in ops):
             out.append(Copy(None, x, local_bytes(ops[0], x), ops))
     return out
+
+
+def merge_identities(program: Program, lt: Lifetimes, sharding: Callable[[Value], Any]) -> Lifetimes:
+    """An identity annotation's value stored beside its operand's is one buffer (XLA sees no op): the
+    operand's lifetime runs to the later of the two ends and the annotation's is dropped; an argument's (or a
+    body's input's) is the argument. Where the operand is never stored (fused into its reader), the
+    annotation's value is the buffer, as counted."""
+    index = {id(v): k for k, v in enumerate(lt.values)}
+    made = {id(v) for e in program.all_eqns() for v in e.outvars}
+    drop: set = set()
+    for e in program.all_eqns():  # (program order: an annotation of a merged annotation joins its operand)
+        if identity(e, sharding):
+            a, b = index.get(id(e.invars[0])), index.get(id(e.outvars[0]))
+            if b is not None and id(e.invars[0]) not in made:  # an argument's, or a body's input's: that buffer
+                drop.add(b)
+            elif a is not None and b is not None:
+                lt.end[a] = max(lt.end[a], lt.end[b])
+                drop.add(b)
+                index[id(e.outvars[0])] = a
+    keep = [k for k in range(len(lt.values)) if k not in drop]
+    gone = {id(lt.values[k]) for k in drop}
+    return dataclasses.replace(lt, values=[lt.values[k] for k in keep], start=lt.start[keep], end=lt.end[keep],
+                               early=[v for v in lt.early if id(v) not in gone])
