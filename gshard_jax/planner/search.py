@@ -133,19 +133,9 @@ def _screen(shape: SP.ModelShape, devices: int, hardware: Hardware, budget: floa
     rejected: list[tuple] = []
     dominated = 0
     forced = pinned + (kept_meshes(shape, devices, hardware) if prune else [])
-    meshes = []
-    for sizes in SP.factorizations(devices, SP.AXES):
-        mesh_key = ".".join(f"{a}{n}" for a, n in sizes.items() if n > 1) or "one-device"
-        reason = SP.mesh_reason(shape, sizes)
-        if reason:
-            rejected.append((mesh_key, reason.split(":")[0], reason))
-        else:
-            costs: dict = {}  # the mesh's collectives' costs, shared by its floor and its option groups' floors
-            meshes.append((floor(shape, sizes, hardware, remats, zero_stages, costs) if prune else 0.0, len(meshes),
-                           sizes, costs))
-    # Meshes in the order of their floor; once a floor passes the step of the last configuration _verify may
-    # plan (the 3 x count-th distinct one), no candidate left can be planned: the rest are counted, not costed.
-    meshes.sort(key=lambda t: t[:2])
+    meshes = _meshes(shape, devices, hardware, remats, zero_stages, prune, rejected)
+    # Once a mesh's floor passes the step of the last configuration _verify may plan (the 3 x count-th
+    # distinct one), no candidate left can be planned: the rest are counted, not costed.
     cut = _Best(3 * count if prune else 0)
     pruned = pruned_groups = 0
     for low, _, sizes, costs in meshes:
@@ -202,19 +192,44 @@ def _screen(shape: SP.ModelShape, devices: int, hardware: Hardware, budget: floa
                     fit.add(same)
                     if fewer is not None:
                         fit.add(fewer)
-                compute = E.compute_time(shape, c, hardware, devices)
-                chosen = None
-                # screened as the better of the twins (both are planned); without stages the formula gives
-                # the sequence-parallel twin the same bytes at more latency (its rings), so it never is
-                for twin in twins(c) if staged else [c]:
-                    comms = E.collectives(shape, twin)
-                    cand = dataclasses.replace(twin, mesh=_heuristic_order(twin, comms))
-                    got = Ranked(cand, E.combine(hardware, cand, compute, comms, mem), 1)
-                    chosen = got if chosen is None or got.estimate.step < chosen.estimate.step else chosen
+                chosen = _costed(shape, c, hardware, devices, mem, staged)
                 screened.append(chosen)
                 cut.add(chosen)
     screened.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.order_key))
     return screened, rejected, dominated, pruned, pruned_groups, cut
+
+
+def _meshes(shape: SP.ModelShape, devices: int, hardware: Hardware, remats, zero_stages, prune: bool,
+            rejected: list) -> list[tuple]:
+    """Every mesh of the devices a model may take, as (its floor, its index, its sizes, its collectives'
+    costs shared by its floor and its option groups' floors), in the order of their floors; the others
+    rejected (appended to `rejected`)."""
+    meshes = []
+    for sizes in SP.factorizations(devices, SP.AXES):
+        mesh_key = ".".join(f"{a}{n}" for a, n in sizes.items() if n > 1) or "one-device"
+        reason = SP.mesh_reason(shape, sizes)
+        if reason:
+            rejected.append((mesh_key, reason.split(":")[0], reason))
+        else:
+            costs: dict = {}
+            meshes.append((floor(shape, sizes, hardware, remats, zero_stages, costs) if prune else 0.0, len(meshes),
+                           sizes, costs))
+    return sorted(meshes, key=lambda t: t[:2])
+
+
+def _costed(shape: SP.ModelShape, c: SP.Candidate, hardware: Hardware, devices: int, mem: dict,
+            staged: bool) -> Ranked:
+    """A candidate's formula estimate, screened as the better of its twins where it has stages (both are
+    planned); without stages the formula gives the sequence-parallel twin the same bytes at more latency (its
+    rings), so it never is."""
+    compute = E.compute_time(shape, c, hardware, devices)
+    chosen = None
+    for twin in twins(c) if staged else [c]:
+        comms = E.collectives(shape, twin)
+        cand = dataclasses.replace(twin, mesh=_heuristic_order(twin, comms))
+        got = Ranked(cand, E.combine(hardware, cand, compute, comms, mem), 1)
+        chosen = got if chosen is None or got.estimate.step < chosen.estimate.step else chosen
+    return chosen
 
 
 class _Best:

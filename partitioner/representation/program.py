@@ -151,22 +151,38 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
     Bodies of scan, while and cond become sub-programs (Eqn.subs); their
     closed-over constants are hoisted into the top-level program's consts.
     """
-    counter = [0]
-    regions = [0]  # compute_on calls seen
-    consts: list[tuple[Value, Any]] = []
+    flat = _Flatten()
+    top = flat.sub_program(to_lojax(closed))
+    return Program(top.invars, top.outvars, top.eqns, flat.consts)
 
-    def new_value(aval) -> Value:
-        counter[0] += 1
-        return Value(aval, f"%{counter[0]}")
 
-    def const_operand(val, aval):
+class _Flatten:
+    """from_jaxpr's walk: values numbered as made, constants hoisted, compute_on calls counted."""
+
+    def __init__(self):
+        self.counter = 0
+        self.regions = 0  # compute_on calls seen
+        self.consts: list[tuple[Value, Any]] = []
+
+    def new_value(self, aval) -> Value:
+        self.counter += 1
+        return Value(aval, f"%{self.counter}")
+
+    def const_operand(self, val, aval):
         if getattr(aval, "shape", None) == () or not hasattr(val, "shape"):
             return Const(val, aval)
-        v = new_value(aval)
-        consts.append((v, val))
+        v = self.new_value(aval)
+        self.consts.append((v, val))
         return v
 
-    def walk(jaxpr: core.Jaxpr, const_vals, in_operands, eqns: list, scope: str = "",
+    def sub_program(self, j, scope: str = "") -> Program:
+        jaxpr, vals = (j.jaxpr, j.consts) if isinstance(j, core.ClosedJaxpr) else (j, [])
+        invars = [self.new_value(v.aval) for v in jaxpr.invars]
+        eqns: list[Eqn] = []
+        outvars = self.walk(jaxpr, vals, invars, eqns, scope)
+        return Program(invars, outvars, eqns, [])
+
+    def walk(self, jaxpr: core.Jaxpr, const_vals, in_operands, eqns: list, scope: str = "",
              placed: Optional[tuple[str, int]] = None) -> list:
         """placed: where the ops of a compute_on body compute and which call it is (JAX 0.11+); JAX 0.10's ops
         carry the first in ctx."""
@@ -178,57 +194,48 @@ def from_jaxpr(closed: core.ClosedJaxpr) -> Program:
             return env[a]
 
         for var, val in zip(jaxpr.constvars, const_vals):
-            env[var] = const_operand(val, var.aval)
+            env[var] = self.const_operand(val, var.aval)
         for var, op in zip(jaxpr.invars, in_operands):
             env[var] = op
         for eqn in jaxpr.eqns:
             ins = [read(a) for a in eqn.invars]
-            if eqn.primitive.name == "remat2":
-                body_eqns: list[Eqn] = []
-                outs = walk(eqn.params["jaxpr"], [], ins, body_eqns, _scope(eqn.source_info, scope), placed)
-                produced = {v for e in body_eqns for v in e.outvars}
-                made = list(dict.fromkeys(o for o in outs if isinstance(o, Value) and o in produced))
-                body = Program(list(ins), outs, body_eqns, [])
-                eqns.append(Eqn(eqn.primitive, ins, made, dict(eqn.params), (eqn.source_info, scope), len(eqns),
-                                {"body": body}))
-                for var, out in zip(eqn.outvars, outs):
-                    env[var] = out
-                continue
             key = CALL_PRIMITIVES.get(eqn.primitive.name)
-            if key is not None and key in eqn.params:
-                sub = eqn.params[key]
-                inner = _scope(eqn.source_info, scope)
-                where = placed
-                if eqn.primitive.name == "compute_on":
-                    regions[0] += 1
-                    where = (eqn.params["compute_type"], regions[0])
-                if isinstance(sub, core.ClosedJaxpr):
-                    outs = walk(sub.jaxpr, sub.consts, ins, eqns, inner, where)
-                else:
-                    outs = walk(sub, [], ins, eqns, inner, where)
-                for var, out in zip(eqn.outvars, outs):
-                    env[var] = out
-                continue
-            outs = [new_value(v.aval) for v in eqn.outvars]
+            if eqn.primitive.name == "remat2":
+                outs = self.region(eqn, ins, eqns, scope, placed)
+            elif key is not None and key in eqn.params:
+                outs = self.call(eqn, eqn.params[key], ins, eqns, scope, placed)
+            else:
+                outs = [self.new_value(v.aval) for v in eqn.outvars]
+                bodies = BODIES[eqn.primitive.name](eqn.params) if eqn.primitive.name in BODIES else {}
+                inner = _scope(eqn.source_info, scope) if bodies else ""
+                subs = {name: self.sub_program(j, inner) for name, j in bodies.items()}
+                eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), (eqn.source_info, scope), len(eqns),
+                                subs, *(placed or (getattr(eqn.ctx, "compute_type", None), -1))))
             for var, out in zip(eqn.outvars, outs):
                 if not isinstance(var, core.DropVar):
                     env[var] = out
-            bodies = BODIES[eqn.primitive.name](eqn.params) if eqn.primitive.name in BODIES else {}
-            inner = _scope(eqn.source_info, scope) if bodies else ""
-            subs = {name: sub_program(j, inner) for name, j in bodies.items()}
-            eqns.append(Eqn(eqn.primitive, ins, outs, dict(eqn.params), (eqn.source_info, scope), len(eqns), subs,
-                            *(placed or (getattr(eqn.ctx, "compute_type", None), -1))))
         return [read(a) for a in jaxpr.outvars]
 
-    def sub_program(j, scope: str = "") -> Program:
-        jaxpr, vals = (j.jaxpr, j.consts) if isinstance(j, core.ClosedJaxpr) else (j, [])
-        invars = [new_value(v.aval) for v in jaxpr.invars]
-        eqns: list[Eqn] = []
-        outvars = walk(jaxpr, vals, invars, eqns, scope)
-        return Program(invars, outvars, eqns, [])
+    def region(self, eqn, ins: list, eqns: list, scope: str, placed) -> list:
+        """A checkpointed region: one Eqn whose body holds its ops (their values are the caller's)."""
+        body_eqns: list[Eqn] = []
+        outs = self.walk(eqn.params["jaxpr"], [], ins, body_eqns, _scope(eqn.source_info, scope), placed)
+        produced = {v for e in body_eqns for v in e.outvars}
+        made = list(dict.fromkeys(o for o in outs if isinstance(o, Value) and o in produced))
+        body = Program(list(ins), outs, body_eqns, [])
+        eqns.append(Eqn(eqn.primitive, ins, made, dict(eqn.params), (eqn.source_info, scope), len(eqns),
+                        {"body": body}))
+        return outs
 
-    top = sub_program(to_lojax(closed))
-    return Program(top.invars, top.outvars, top.eqns, consts)
+    def call(self, eqn, sub, ins: list, eqns: list, scope: str, placed) -> list:
+        """A call-like primitive (pjit, custom_jvp_call, compute_on, ...): its body inlined."""
+        inner = _scope(eqn.source_info, scope)
+        if eqn.primitive.name == "compute_on":
+            self.regions += 1
+            placed = (eqn.params["compute_type"], self.regions)
+        if isinstance(sub, core.ClosedJaxpr):
+            return self.walk(sub.jaxpr, sub.consts, ins, eqns, inner, placed)
+        return self.walk(sub, [], ins, eqns, inner, placed)
 
 
 def live_only(program: Program, needed: Sequence[bool]) -> Program:
