@@ -212,13 +212,11 @@ def _xla_cpu(g: Graph, program: Program, lt: Lifetimes, mesh_shape: dict) -> tup
     need: dict = {}  # (id(reader), id(value)) -> (node, per option of it: the sharding it needs of the value)
     for edge in g.edges:
         if edge.reader is not None:
-            options = g.nodes[edge.dst].options
-            per = edge.needs if edge.operand < 0 else [o.need[edge.operand] if edge.operand < len(o.need) else None
-                                                      for o in options]
+            per = _needs(g, edge)
             if None not in per:
                 need.setdefault((id(edge.reader), id(edge.value)), (edge.dst, per))
     where = lambda e: f" at {e.source}" if e.source else ""  # noqa: E731
-    extra, spans = [], []
+    extra, spans, starts = [], [], LV.from_start(program)
     for e in program.all_eqns():
         if e.name != "dot_general":
             continue
@@ -237,7 +235,7 @@ def _xla_cpu(g: Graph, program: Program, lt: Lifetimes, mesh_shape: dict) -> tup
                 continue
             if per.any():
                 extra.append((i, per, f"an operand of {e.name}{where(e)}, relaid"))
-                spans.append(lt.span([e] + ([program.eqns[0]] if LV.from_start(program, x) else [])))
+                spans.append(lt.span([e] + ([program.eqns[0]] if starts(x) else [])))
     for c in LV.broadcast_copies(program, lambda e, x: 0):
         extra.append((*_per_option(g, c.readers[0].outvars[0], mesh_shape), f"a broadcast for {c.readers[0].name}"
                       f"{where(c.readers[0])}"))
@@ -301,9 +299,7 @@ def _copies(g: Graph, program: Program, lt: Lifetimes, mesh_shape: dict) -> list
         if any(m is None for m in makes):
             continue
         makes = [m if view is None else viewed(m, view) for m in makes]
-        options = g.nodes[edge.dst].options
-        need = edge.needs if edge.operand < 0 else [o.need[edge.operand] if edge.operand < len(o.need) else None
-                                                    for o in options]
+        need = _needs(g, edge)
         for t in {n for n in need if n is not None}:
             done = np.array([m == t for m in makes], bool)
             if done.all():
@@ -317,6 +313,13 @@ def _copies(g: Graph, program: Program, lt: Lifetimes, mesh_shape: dict) -> list
                                                                                 if reader.source else ""))
             groups[key].readers.append(Reader(edge.dst, np.array([n == t for n in need], bool), first, last))
     return list(groups.values()) + _exits(g, lt, mesh_shape)
+
+
+def _needs(g: Graph, edge) -> list:
+    """Per option of an edge's reader, the sharding it needs of the edge's value (None: none it states)."""
+    if edge.operand < 0:
+        return edge.needs
+    return [o.need[edge.operand] if edge.operand < len(o.need) else None for o in g.nodes[edge.dst].options]
 
 
 def _exits(g: Graph, lt: Lifetimes, mesh_shape: dict) -> list[Copy]:

@@ -120,28 +120,30 @@ def relaid(e: Eqn, shapes: Sequence[tuple]) -> list[int]:
     return [k for k in (0, 1) if copied[k] or (unsorted[k] and single and copied[1 - k])]
 
 
-def from_start(program: Program, x: Value, sharding: Optional[Callable[[Value], Any]] = None) -> bool:
-    """Whether a copy of x is made where the program starts (XLA:CPU runs an op as early as its operands
-    allow): x is an argument, or an annotation asking for its argument's sharding (where the plan's shardings
-    are known)."""
+def from_start(program: Program, sharding: Optional[Callable[[Value], Any]] = None) -> Callable[[Value], bool]:
+    """Whether a copy of a value is made where the program starts (XLA:CPU runs an op as early as its operands
+    allow): it is an argument, or an annotation asking for its argument's sharding (where the plan's
+    shardings are known). The program's makers are read once."""
     inputs = {id(v) for v in program.invars} | {id(v) for v, _ in program.consts}
     maker = {id(v): e for e in program.all_eqns() for v in e.outvars}
-    while sharding is not None and id(x) in maker and identity(maker[id(x)], sharding):
-        x = maker[id(x)].invars[0]
-    return id(x) in inputs
+
+    def starts(x: Value) -> bool:
+        while sharding is not None and id(x) in maker and identity(maker[id(x)], sharding):
+            x = maker[id(x)].invars[0]
+        return id(x) in inputs
+    return starts
 
 
 def dot_operand_copies(program: Program, local_shape: Callable[[Value], tuple], local_bytes: Callable[[Value], int],
                        sharding: Optional[Callable[[Value], Any]] = None) -> list[Copy]:
     """The operands XLA:CPU copies before a dot (`relaid`, on their local shapes), each alive while the dot
     runs, or from the program's start (`from_start`)."""
-    out = []
+    out, starts = [], from_start(program, sharding)
     for e in program.all_eqns():
         if e.name == "dot_general":
             for k in relaid(e, [local_shape(x) if isinstance(x, Value) else () for x in e.invars]):
                 x = e.invars[k]
-                out.append(Copy(None, x, local_bytes(x), [e] + ([program.eqns[0]] if from_start(program, x, sharding)
-                                                                 else [])))
+                out.append(Copy(None, x, local_bytes(x), [e] + ([program.eqns[0]] if starts(x) else [])))
     return out
 
 
