@@ -155,6 +155,8 @@ def solve(g: Graph, mesh_shape: dict, budget: Optional[float] = None, exclude: S
         if deadline is not None and time.perf_counter() >= deadline:  # over the budget at a point no row holds yet
             raise Unsolved(f"no choice within the budget at every point found in {time_limit:.0f} s")
         points.append(worst)
+        if temps.outputs and temps.row(worst, memory, over).at(sol.picks) <= limit * (1 + 1e-6):
+            strict.add(worst)  # its row with the later outputs left out holds this choice: only strict cuts it off
 
 
 def _solve_rows(g: Graph, memory: list, rows: list, budget: Optional[float], exclude: Sequence[tuple[int, int]],
