@@ -1,9 +1,11 @@
-"""Shared test helpers: random arrays, random shardings, HLO collective counts."""
+"""Shared test helpers: random arrays, random shardings, HLO collective counts, the repository's scripts."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import math
+import os
 import re
 
 import jax
@@ -14,6 +16,17 @@ from jax.interpreters import mlir
 
 import gshard_jax as gs
 from gshard_jax.partitioner.reporting.hlo import collective_stats, summary
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_script(*path: str):
+    """A script of the repository (examples/, benchmarks/) as a module, by its path under the root: scripts
+    are not packages, and importing one runs nothing its `__main__` guard keeps."""
+    spec = importlib.util.spec_from_file_location(os.path.splitext(path[-1])[0] + "_script", os.path.join(ROOT, *path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def randn(rng, *shape, dtype=np.float32):

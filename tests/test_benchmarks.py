@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from helpers import load_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config", "experiments/tiny_dense_lm.py"]
 SMALL_MODEL = ["--set", "model.num_layers=1", "model.vocab_size=256"]
@@ -123,10 +125,7 @@ def test_the_gpu_check_script_sets_fields_the_configs_have():
 
 def test_gpu_profile_splits_a_streams_idle_time_into_launch_gaps_and_waits():
     """gpu_profile.summary on kernels as data: (name, start us, duration us) on one stream over 2 steps."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("gpu_profile", os.path.join(ROOT, "benchmarks", "gpu_profile.py"))
-    profile = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(profile)
+    profile = load_script("benchmarks", "gpu_profile.py")
     kernels = [("fusion.1", 0.0, 10.0), ("nvjet_gemm", 12.0, 100.0), ("fusion.2", 115.0, 5.0),  # step 1
                ("fusion.1", 420.0, 10.0), ("nvjet_gemm", 431.0, 100.0), ("fusion.2", 535.0, 5.0)]  # step 2
     got = profile.summary(kernels, steps=2)

@@ -8,7 +8,7 @@ import pytest
 
 import gshard_jax as gs
 from gshard_jax.models import cnn
-from helpers import assert_report_matches_hlo, get_mesh, hlo_stats
+from helpers import assert_report_matches_hlo, get_mesh, hlo_stats, load_script
 
 CASES = {"resnet": (cnn.ResNet, (8, 32, 32, 3), False), "unet3d": (cnn.UNet3D, (8, 16, 16, 16, 1), True)}
 
@@ -51,13 +51,7 @@ def test_cnn_train_step(name, rules):
 
 def test_spatial_example_runs(capsys):
     """examples/spatial_cnn.py: one spatially split U-Net step equal to the unpartitioned one, and its report."""
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).parent.parent / "examples" / "spatial_cnn.py"
-    spec = importlib.util.spec_from_file_location("spatial_cnn", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(["--depth", "16"])
+    load_script("examples", "spatial_cnn.py").main(["--depth", "16"])
     out = capsys.readouterr().out
     diff = float(out.split("max |params - unpartitioned| = ")[1].split()[0])
     assert diff < 1e-5 and "collective-permute" in out and "fallbacks: 0" in out, out

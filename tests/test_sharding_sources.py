@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import gshard_jax as gs
 from gshard_jax.models.logical import DEFAULT_RULES, for_mesh, mesh_spec
-from helpers import assert_close, assert_report_matches_hlo, get_mesh, hlo_stats
+from helpers import assert_close, assert_report_matches_hlo, get_mesh, hlo_stats, load_script
 
 MESH = get_mesh("2x4")
 HERE = "tests/test_sharding_sources.py:"  # sources are relative to the working directory (the repository)
@@ -423,7 +423,6 @@ def test_flax_optax_train_step_under_set_mesh_on_an_explicit_mesh():
 def test_readme_bring_your_own_model(capsys):
     """README's section is examples/flax_model.py: its code lines are the example's, its printed lines what
     the example prints, and the example moves no more than XLA's partitioner."""
-    import importlib.util
     import os
     import re
 
@@ -435,10 +434,7 @@ def test_readme_bring_your_own_model(capsys):
     source = open(path).read()
     for line in code.splitlines():
         assert line.strip() == "..." or line in source, line
-    spec = importlib.util.spec_from_file_location("flax_model_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    report, (ours, xla) = example.main()
+    report, (ours, xla) = load_script("examples", "flax_model.py").main()
     out = capsys.readouterr().out
     for line in printed.splitlines():
         assert line.strip() == "..." or line in out.splitlines(), line
