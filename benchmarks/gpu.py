@@ -15,7 +15,11 @@ median step ms of each backend (timed alternately in one process, each stepping 
 trainer's step donates it), ours/xla, tokens/s per device and MFU of our
 step (model flops per token, training.timing, over --hardware's peak), the compiled step's memory
 (memory_analysis(): arguments + temporaries) and the device's peak bytes in use over the process (both
-backends), and |loss ours - loss xla|. A case that fails prints its error and the script exits 1.
+backends), and |loss ours - loss xla|. The JSON rows also hold our step's memory by part (training/fit.StepMemory)
+and its first call's measured peak on the device (memory_stats(): the peak less what the process held beside the
+step's arguments); `--memory` adds the planner's formula and explain()'s prediction for the same step.
+`--backends gshard` times ours alone (XLA's columns read "-"). A case that fails prints its error and the
+script exits 1.
 The mesh is the config's where it has as many devices as are present, else every device on `data`. On one
 device no collective runs: the flags can then only change the schedule of local work.
 """
@@ -64,6 +68,10 @@ def parse_args(argv=None):
     p.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices (a smoke run without GPUs)")
     p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="config overrides for every case, e.g. model.scan=false")
+    p.add_argument("--backends", default="gshard,xla", help="partitioners to time: gshard (ours) and, for the "
+                   "ratio, xla")
+    p.add_argument("--memory", action="store_true", help="also the planner's memory for the step: its formula "
+                   "and explain()'s prediction (planner/memory_check.py), beside the compiled and measured bytes")
     p.add_argument("--json", default="", help="also write the rows to this file")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -99,30 +107,66 @@ def configure(name: str, devices: int, hardware: str, sets: list[str] = ()):
     return cfg
 
 
+def _device_bytes(tree) -> int:
+    """Bytes of a tree's arrays in this process's device memory (an offloaded state's host arrays apart)."""
+    import jax
+    return sum(s.data.nbytes for x in jax.tree.leaves(tree) if getattr(x.sharding, "memory_kind", None) !=
+               "pinned_host" for s in x.addressable_shards)
+
+
+def _stats() -> dict:
+    import jax
+    return jax.devices()[0].memory_stats() or {}
+
+
+def memory_rows(cfg, trainer, compiled, hw, explain: bool) -> dict:
+    """Our step's memory per device: the compiled step's (training/fit.StepMemory) and, with `explain`, the
+    planner's formula and explain()'s prediction for the config's own candidate (planner/memory_check.py)."""
+    import jax
+
+    from gshard_jax.planner import memory_check, space
+    from gshard_jax.training import fit
+    row = {"ours_step_memory": fit.step_memory(trainer, compiled).to_dict()}
+    if explain:
+        c = space.config_candidate(cfg, jax.device_count())
+        row["planned_bytes"] = memory_check.formula(cfg, c, hw.platform)["total"]
+        row["explained_bytes"] = memory_check.explained(cfg, c, hw)
+    return row
+
+
 def child(args) -> dict:
-    """One case under the flag setting in $GSHARD_BENCH_FLAGS: both backends compiled and timed alternately."""
+    """One case under the flag setting in $GSHARD_BENCH_FLAGS: the backends compiled and timed alternately."""
     from gshard_jax.training import train
     train.init_devices(cpu_devices=args.cpu_devices, overlap_flags=os.environ["GSHARD_BENCH_FLAGS"] == "on")
     import jax
 
+    from gshard_jax.planner import calibrate
     from gshard_jax.training.timing import median_times, model_flops_per_token, peak_flops
 
     cfg = configure(args.child, jax.device_count(), args.hardware, args.set)
+    hw = calibrate.base_profile(jax.devices()[0].device_kind, "" if args.hardware == "auto" else args.hardware)
+    backends = args.backends.split(",")
     with tempfile.TemporaryDirectory() as workdir:
         trainer, state, batch = train.step_inputs(cfg, workdir)
-    compiled, memory, losses, ops, states = {}, {}, {}, {}, {}
-    for backend in ("gshard", "xla"):  # the first steps a copy of the state, the second the state itself
-        # each backend steps its own copy of the state, donated as the trainer's step and plain JAX's do
+    compiled, memory, losses, ops, states, measured = {}, {}, {}, {}, {}, {}
+    for backend in backends:  # each steps its own copy of the state, the last the state itself
         compiled[backend] = trainer.partitioned("train", backend, donate_argnums=0).lower(state, batch).compile()
         text = compiled[backend].as_text()
         ops[backend] = {op: len(re.findall(rf"\s{op}(?:-start)?\(", text))  # instructions, not their names
                         for op in ("ragged-all-to-all", "collective-permute")}
         m = compiled[backend].memory_analysis()
         memory[backend] = int(m.argument_size_in_bytes + m.temp_size_in_bytes)
-        own = state if backend == "xla" else jax.tree.map(  # a copy keeps the memory kinds
+        own = state if backend == backends[-1] else jax.tree.map(  # a copy keeps the memory kinds
             lambda x: jax.device_put(x, x.sharding, may_alias=False), state)
+        jax.block_until_ready(own)
+        # the first call's peak on the device, less what others held (the step's own arguments are its)
+        before = _stats()
+        held = before.get("bytes_in_use", 0) - _device_bytes((own, batch))
         states[backend], metrics = compiled[backend](own, batch)
         losses[backend] = float(metrics["loss"])
+        after = _stats()
+        if after.get("peak_bytes_in_use", 0) > before.get("peak_bytes_in_use", 0):
+            measured[backend] = int(after["peak_bytes_in_use"] - held)
     del state, own
 
     def stepper(backend):
@@ -131,31 +175,39 @@ def child(args) -> dict:
             return metrics["loss"]
         return step
     median_s = median_times({b: stepper(b) for b in compiled}, args.steps, warmup=2)
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = _stats()
     n = jax.device_count()
     tokens = cfg.train.batch_size * cfg.train.seq_len
     tokens_per_s_dev = tokens / median_s["gshard"] / n
-    from gshard_jax.planner import calibrate
-    hw = calibrate.base_profile(jax.devices()[0].device_kind, "" if args.hardware == "auto" else args.hardware)
-    return {"case": args.child, "flags": os.environ["GSHARD_BENCH_FLAGS"], "devices": n,
-            "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__, "mesh": dict(trainer.mesh.shape),
-            "tokens_per_step": tokens, "ours_ms": 1e3 * median_s["gshard"], "xla_ms": 1e3 * median_s["xla"],
-            "tokens_per_s_per_device": tokens_per_s_dev,
-            "mfu": model_flops_per_token(cfg) * tokens_per_s_dev / peak_flops(cfg),
-            "ours_memory_bytes": memory["gshard"], "xla_memory_bytes": memory["xla"],
-            "peak_bytes_in_use": int(stats.get("peak_bytes_in_use", 0)), "peak_flops": peak_flops(cfg),
-            "loss_diff": abs(losses["gshard"] - losses["xla"]), "profile": hw.name, "efficiency": hw.efficiency,
-            # the planner's compute for this step (model flops over devices x peak x efficiency): on one device
-            # the whole planned step
-            "planned_compute_ms": 1e3 * calibrate.predicted_step(cfg, hw) / n,
-            "ours_ragged_all_to_all": ops["gshard"]["ragged-all-to-all"], "xla_ragged_all_to_all":
-            ops["xla"]["ragged-all-to-all"], "ours_permutes": ops["gshard"]["collective-permute"],
-            "xla_permutes": ops["xla"]["collective-permute"]}
+    row = {"case": args.child, "flags": os.environ["GSHARD_BENCH_FLAGS"], "devices": n,
+           "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__, "mesh": dict(trainer.mesh.shape),
+           "sets": list(args.set), "tokens_per_step": tokens, "ours_ms": 1e3 * median_s["gshard"],
+           "tokens_per_s_per_device": tokens_per_s_dev,
+           "mfu": model_flops_per_token(cfg) * tokens_per_s_dev / peak_flops(cfg),
+           "flops_per_token": model_flops_per_token(cfg),
+           "parameters": sum(x.size for x in jax.tree.leaves(trainer.param_shapes)),
+           "ours_memory_bytes": memory["gshard"], "peak_bytes_in_use": int(stats.get("peak_bytes_in_use", 0)),
+           # our first step's peak on the device (None where an earlier peak hides it, or no device reports it)
+           "ours_measured_peak_bytes": measured.get("gshard"), "peak_flops": peak_flops(cfg),
+           "profile": hw.name, "efficiency": hw.efficiency,
+           # the planner's compute for this step (model flops over devices x peak x efficiency): on one device
+           # the whole planned step
+           "planned_compute_ms": 1e3 * calibrate.predicted_step(cfg, hw) / n,
+           "ours_ragged_all_to_all": ops["gshard"]["ragged-all-to-all"],
+           "ours_permutes": ops["gshard"]["collective-permute"],
+           **memory_rows(cfg, trainer, compiled["gshard"], hw, args.memory)}
+    if "xla" in compiled:
+        row.update({"xla_ms": 1e3 * median_s["xla"], "xla_memory_bytes": memory["xla"],
+                    "loss_diff": abs(losses["gshard"] - losses["xla"]),
+                    "xla_ragged_all_to_all": ops["xla"]["ragged-all-to-all"],
+                    "xla_permutes": ops["xla"]["collective-permute"]})
+    return row
 
 
 def run_case(name: str, flags: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--steps", str(args.steps),
-           "--hardware", args.hardware, "--cpu-devices", str(args.cpu_devices)] + ["--set", *args.set] * bool(args.set)
+           "--hardware", args.hardware, "--cpu-devices", str(args.cpu_devices), "--backends", args.backends]
+    cmd += ["--memory"] * args.memory + ["--set", *args.set] * bool(args.set)
     env = dict(os.environ, GSHARD_BENCH_FLAGS=flags)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -176,13 +228,15 @@ def format_rows(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"{r['case']:<22} {r['flags']:<5} failed: {r['error']}")
             continue
-        lines.append(f"{r['case']:<22} {r['flags']:<5} {r['ours_ms']:>8.2f} {r['xla_ms']:>8.2f} "
-                     f"{r['ours_ms'] / r['xla_ms']:>8.2f} {r['planned_compute_ms']:>8.2f} "
-                     f"{r['tokens_per_s_per_device']:>10,.0f} "
-                     f"{100 * r['mfu']:>5.1f}% {r['ours_memory_bytes'] / 2**20:>8.1f}Mi "
-                     f"{r['xla_memory_bytes'] / 2**20:>8.1f}Mi {r['peak_bytes_in_use'] / 2**20:>8.1f}Mi "
-                     f"{r['loss_diff']:>8.1e} {r['ours_ragged_all_to_all']:>3}/{r['xla_ragged_all_to_all']:<3} "
-                     f"{r['ours_permutes']:>4}/{r['xla_permutes']:<4}")
+        x = lambda key, form: format(r[key], form) if key in r else "-"  # XLA's columns: "-" where not timed
+        ratio = format(r["ours_ms"] / r["xla_ms"], ".2f") if "xla_ms" in r else "-"
+        xla_mib = f"{r['xla_memory_bytes'] / 2**20:.1f}Mi" if "xla_memory_bytes" in r else "-"
+        lines.append(f"{r['case']:<22} {r['flags']:<5} {r['ours_ms']:>8.2f} {x('xla_ms', '.2f'):>8} {ratio:>8} "
+                     f"{r['planned_compute_ms']:>8.2f} {r['tokens_per_s_per_device']:>10,.0f} "
+                     f"{100 * r['mfu']:>5.1f}% {r['ours_memory_bytes'] / 2**20:>8.1f}Mi {xla_mib:>10} "
+                     f"{r['peak_bytes_in_use'] / 2**20:>8.1f}Mi {x('loss_diff', '.1e'):>8} "
+                     f"{r['ours_ragged_all_to_all']:>3}/{x('xla_ragged_all_to_all', 'd'):<3} "
+                     f"{r['ours_permutes']:>4}/{x('xla_permutes', 'd'):<4}")
     ok = [r for r in rows if "error" not in r]
     if ok:
         lines.append(f"{ok[0]['devices']} x {ok[0]['device_kind']}, jax {ok[0]['jax']}, mesh per case as "
@@ -191,8 +245,8 @@ def format_rows(rows: list[dict]) -> str:
                      f"efficiency {ok[0]['efficiency']:.0%}; ragged and permutes: the ragged "
                      f"all-to-alls and collective-permutes of each compiled step, ours/xla")
     for case in dict.fromkeys(r["case"] for r in ok):
-        on = [r for r in ok if r["case"] == case and r["flags"] == "on"]
-        off = [r for r in ok if r["case"] == case and r["flags"] == "off"]
+        on = [r for r in ok if r["case"] == case and r["flags"] == "on" and "xla_ms" in r]
+        off = [r for r in ok if r["case"] == case and r["flags"] == "off" and "xla_ms" in r]
         if on and off:
             lines.append(f"{case}: flags on/off step time, ours {on[0]['ours_ms'] / off[0]['ours_ms']:.2f}, "
                          f"xla {on[0]['xla_ms'] / off[0]['xla_ms']:.2f}")
@@ -207,6 +261,10 @@ def main(argv=None) -> None:
     unknown = [c for c in args.cases.split(",") if c not in CASES]
     if unknown:
         raise SystemExit(f"unknown case(s) {unknown}; expected some of {sorted(CASES)}")
+    backends = args.backends.split(",")
+    if backends[0] != "gshard" or not set(backends) <= {"gshard", "xla"} or len(set(backends)) != len(backends):
+        raise SystemExit(f"--backends {args.backends}: expected gshard or gshard,xla (ours first, then XLA's "
+                         f"partitioner for the ratio)")
     rows = []
     for name in args.cases.split(","):
         for flags in args.flags.split(","):

@@ -3,10 +3,12 @@ plain-JAX anchor traced with jax.profiler, and the device time per step printed 
 attention, copies, other) with the heaviest kernels of each program; then the kernels a step and the stream's
 idle time between them, in launch gaps and in longer waits: where a step spends what its kernels do not.
 
-    python benchmarks/gpu_profile.py --anchor ../shared/gpu/anchor_lm.py --variants cudnn:dots,cudnn:none \
-        [--set model.scan=false] [--out DIR]
+    python benchmarks/gpu_profile.py --anchor ../shared/gpu/anchor_lm.py --variants cudnn:dots,cudnn:dots:scan \
+        [--out DIR]
 
-A variant is ATTENTION:REMAT as the anchor takes them. Each program is traced in a fresh process; the trace
+A variant is ATTENTION:REMAT[:scan] as the anchor takes them: with `:scan` both programs run their layers
+stacked under one scan (ours: model.scan=true), without it unrolled (model.scan=false), so the two traces of
+a variant are of the same program shape. Each program is traced in a fresh process; the trace
 (perfetto JSON) is kept in --out. docs/training.md's GPU breakdown came from this. On a CPU the device rows
 are empty (`--small` shrinks both programs for a smoke run there).
 """
@@ -106,8 +108,8 @@ def _trace(step, args, out_dir: str, tag: str) -> str:
 
 def child(args) -> dict:
     """One program traced: ours (the gshard partitioner's compiled train step) or the anchor's."""
-    attention, remat = args.child_variant.split(":")
-    tag = f"{args.child}_{attention}_{remat}"
+    attention, remat, *scan = args.child_variant.split(":")
+    tag = "_".join([args.child, attention, remat, *scan])
     if args.child == "anchor":
         import jax
         import optax
@@ -116,6 +118,7 @@ def child(args) -> dict:
         spec.loader.exec_module(A)
         L, d, h, ff, V, B, S = (2, 256, 2, 512, 1000, 2, 128) if args.small else (16, 2048, 16, 8192, 50304, 4, 2048)
         params = A.init(jax.random.PRNGKey(0), L, d, h, 128, ff, V)
+        params = A.stacked(params) if scan else params
         tx = optax.adamw(1e-4, weight_decay=0.1)
         tokens = jax.random.randint(jax.random.PRNGKey(1), (B, S + 1), 0, V)
         attn = A.attn_einsum if attention == "einsum" else functools.partial(A.attn_dpa, attention)
@@ -133,7 +136,8 @@ def child(args) -> dict:
         from gshard_jax.training import train
         train.init_devices(overlap_flags=True)
         import jax
-        sets = [f"model.attention={attention}", f"model.remat={remat}", *args.set] + SMALL.split() * args.small
+        sets = [f"model.attention={attention}", f"model.remat={remat}", f"model.scan={str(bool(scan)).lower()}",
+                *args.set] + SMALL.split() * args.small
         cfg = gpu.configure("mula_1b", jax.device_count(), "auto", sets)
         with tempfile.TemporaryDirectory() as workdir:
             trainer, state, batch = train.step_inputs(cfg, workdir)
@@ -146,9 +150,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--anchor", default=os.path.join(HERE, "..", "..", "shared", "gpu", "anchor_lm.py"),
                    help="the plain-JAX anchor (../shared/gpu/anchor_lm.py)")
-    p.add_argument("--variants", default="cudnn:dots", help="ATTENTION:REMAT, comma-separated")
+    p.add_argument("--variants", default="cudnn:dots", help="ATTENTION:REMAT[:scan], comma-separated")
     p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                   help="config overrides for our step, e.g. model.scan=false")
+                   help="config overrides for our step, e.g. model.vocab_size=32000")
     p.add_argument("--out", default="gpu_traces", help="where the traces are kept")
     p.add_argument("--small", action="store_true", help="tiny shapes: a smoke run on a CPU")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -161,6 +165,10 @@ def main(argv=None) -> None:
     if args.child:
         print(json.dumps(child(args)), flush=True)
         return
+    bad = [v for v in args.variants.split(",") if len(v.split(":")) not in (2, 3) or v.split(":")[2:] not in ([],
+                                                                                                  ["scan"])]
+    if bad:
+        raise SystemExit(f"--variants {bad}: expected ATTENTION:REMAT or ATTENTION:REMAT:scan, e.g. cudnn:dots:scan")
     failed = False
     programs = ("ours", "anchor") if os.path.exists(args.anchor) else ("ours",)
     if len(programs) == 1:

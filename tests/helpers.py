@@ -7,6 +7,7 @@ import itertools
 import math
 import os
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +24,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def load_script(*path: str):
     """A script of the repository (examples/, benchmarks/) as a module, by its path under the root: scripts
     are not packages, and importing one runs nothing its `__main__` guard keeps."""
-    spec = importlib.util.spec_from_file_location(os.path.splitext(path[-1])[0] + "_script", os.path.join(ROOT, *path))
+    name = os.path.splitext(path[-1])[0] + "_script"
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, *path))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve their string annotations through the module's entry
     spec.loader.exec_module(module)
     return module
 

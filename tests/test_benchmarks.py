@@ -2,8 +2,8 @@
 themselves are the benchmarks' to print, not the tests' to hold)."""
 from __future__ import annotations
 
+import json
 import os
-import re
 import subprocess
 import sys
 
@@ -21,6 +21,7 @@ RUNS = {
     "auto_training.py": (["--configs", "tiny_dense_lm", "--layers", "1"], "mesh.auto, the rules table's memory"),
     "checkpoint_io.py": (TINY + ["--processes", "1"] + SMALL_MODEL, "restored equal: True"),
     "collective_matmul.py": (["--d-model", "64", "--seq", "64", "--steps", "1"], "bidirectional"),
+    "gpu_check.py": (["--small", "--parts", "speed", "--out", os.path.join("build", "gpu_check")], "| target |"),
     "gpu.py": (["--cpu-devices", "4", "--steps", "1", "--cases", "tiny_dense_lm_tp", "--flags", "on", "--set",
                 "model.num_layers=1"],
                "permutes"),
@@ -46,7 +47,8 @@ RUNS = {
 }
 SLOW = {"sharded_state.py",  # about a minute: every ZeRO stage, with and without EPSO, compiled twice
         "moe_vs_dense.py",  # about a minute: a token corpus prepared, two training runs
-        "gpu_profile.py"}  # about a minute: two programs compiled and traced in fresh processes
+        "gpu_profile.py",  # about a minute: two programs compiled and traced in fresh processes
+        "gpu_check.py"}  # about two minutes: the anchor's four variants and four of our steps, each in a process
 
 
 def test_every_benchmark_has_a_smoke_run():
@@ -87,40 +89,96 @@ def test_the_one_command_gpu_benchmark_runs_every_case():
     assert os.access(os.path.join(ROOT, "benchmarks", "gpu.sh"), os.X_OK)
 
 
-def test_the_gpu_check_script_sets_fields_the_configs_have():
-    """benchmarks/gpu_check.sh runs where a GPU is lent, for minutes: every override it passes must be one the
-    config takes, checked here where it costs nothing (the cuDNN variant builds; it runs only on a GPU)."""
-    gpu = _gpu_benchmark()
+def test_the_gpu_checks_runs_set_fields_the_configs_have():
+    """benchmarks/gpu_check.py runs where a GPU is lent, for minutes: every run's overrides must be ones the
+    config takes and mean what the run's name says, checked here where it costs nothing."""
+    gpu, check = _gpu_benchmark(), load_script("benchmarks", "gpu_check.py")
     from gshard_jax import configs
-    script = _script("gpu_check.sh")
-    variants, offloads = re.findall(r"for variant in (.*?); do", script, re.S)
-    sets = re.search(r'--set "model.attention=\$attention" "model.remat=\$remat" "train.offload_optimizer=\$offload" '
-                     r'"model.scan=\$scan"', script)
-    assert sets, "the variant loop's --set arguments changed: update this test"
-    for attention, remat, offload, scan in (v.split() for v in re.findall(r'"([^"]+)"', variants)):
-        cfg = gpu.configure("mula_1b", 1, "auto", [f"model.attention={attention}", f"model.remat={remat}",
-                                                   f"train.offload_optimizer={offload}", f"model.scan={scan}"])
-        typed = configs.typed(cfg)
-        assert (typed.model.transformer.attention, typed.model.transformer.remat) == (attention, remat)
-        assert typed.model.transformer.scan == (scan == "true")
-        assert typed.train.offload_optimizer == (offload == "true")
-    offload_sets = (r'"model.num_layers=4" "train.offload_optimizer=\$offload" \\\n\s+"train.delayed_update=\$delayed" '
-                    r'"train.host_update_groups=\$groups"')
-    assert re.search(offload_sets, script), "the offload loop's --set arguments changed: update this test"
-    for offload, delayed, groups in (v.split() for v in re.findall(r'"([^"]+)"', offloads)):
-        cfg = gpu.configure("mula_1b", 1, "auto", ["model.attention=cudnn", "model.remat=dots", "model.num_layers=4",
-                                                   f"train.offload_optimizer={offload}",
-                                                   f"train.delayed_update={delayed}",
-                                                   f"train.host_update_groups={groups}"])
-        typed = configs.typed(cfg)
-        assert typed.train.offload_optimizer == (offload == "true") and cfg.model.num_layers == 4
-        assert typed.train.delayed_update == (delayed == "true")
-        assert typed.train.host_update_groups == int(groups) and (groups == "1" or offload == "true")
-    calibrate = script[script.index("gshard_jax.cli calibrate"):]
-    for key in re.findall(r"--config\.([\w.]+)=", calibrate) + re.findall(r"--check ([\w.]+)=", calibrate):
-        section, field = key.split(".")
-        assert field in configs.load(os.path.join(ROOT, "experiments", "mula_1b.py"))[section], key
+    assert {r.part for r, _ in check.PLAN} == set(check.PARTS)
+    names = [r.name for r, _ in check.PLAN]
+    assert len(names) == len(set(names))
+    for run, seconds in check.PLAN:
+        assert seconds > 0
+        argv = check.command(run, "OUT", "ANCHOR", False, 1.0)
+        if run.kind == "ours":
+            sets = argv[argv.index("--set") + 1:]
+            assert sets[0] == "model.attention=cudnn"
+            typed = configs.typed(gpu.configure("mula_1b", 1, "auto", sets))
+            t, m = typed.train, typed.model.transformer
+            assert m.remat == ("dots" if "dots" in run.name or "offload" in run.name else "none")
+            if run.part == "speed":
+                assert m.scan == run.name.endswith("_scan") and m.num_layers == 16
+            else:  # offload_LAYERS_{device | dDELAYED_gGROUPS}[_mMICROBATCHES]
+                _, layers, *what = run.name.split("_")
+                micro = int(what.pop()[1:]) if what[-1].startswith("m") else 1
+                assert (m.num_layers, t.microbatches, t.batch_size) == (int(layers), micro, 4 * micro)
+                assert t.offload_optimizer == (what != ["device"])
+                if t.offload_optimizer:
+                    assert what == [f"d{int(t.delayed_update)}", f"g{t.host_update_groups}"]
+        elif run.kind in ("anchor", "profile"):
+            variants = argv[argv.index("--variants") + 1].split(",")
+            assert all(v.split(":")[0] == "cudnn" and v.split(":")[1] in ("dots", "none") and
+                       v.split(":")[2:] in ([], ["scan"]) for v in variants), variants
+        elif run.kind == "calibrate":
+            mula = configs.load(os.path.join(ROOT, "experiments", "mula_1b.py"))
+            keys = [a.split("=")[0][len("--config."):] for a in argv if a.startswith("--config.")]
+            keys += [argv[argv.index("--check") + 1].split("=")[0]]
+            for key in keys:
+                section, field = key.split(".")
+                assert field in mula[section], key
     assert os.access(os.path.join(ROOT, "benchmarks", "gpu_check.sh"), os.X_OK)
+
+
+def _row(ms, xla=None, mfu=0.5, sets=("model.attention=cudnn",), total=40 * 2**30, optimizer=0, host=0,
+         measured=None, **extra) -> dict:
+    """A benchmarks/gpu.py row with the fields gpu_check's report reads."""
+    row = {"ours_ms": ms, "mfu": mfu, "sets": list(sets), "flops_per_token": 8e9, "peak_flops": 1e15,
+           "device_kind": "NVIDIA H200", "jax": "0.11.2", "parameters": 10**9, "ours_measured_peak_bytes": measured,
+           "ours_step_memory": {"total": total, "optimizer": optimizer, "host": host}, **extra}
+    return dict(row, xla_ms=xla) if xla else row
+
+
+def test_the_gpu_checks_report_holds_each_target_against_rows_as_data(tmp_path):
+    """gpu_check's report on rows as data: each target's figure and verdict, from the files a call writes."""
+    check = load_script("benchmarks", "gpu_check.py")
+    GiB = 2**30
+    anchor = [{"variant": v, "step_ms": ms, "tokens_per_s": 8192 / ms * 1e3} for v, ms in
+              (("cudnn:dots", 120.0), ("cudnn:dots:scan", 125.0), ("cudnn:none", 115.0), ("cudnn:none:scan", 130.0))]
+    (tmp_path / "anchor.jsonl").write_text("".join(json.dumps(r) + "\n" for r in anchor))
+    rows = {"ours_dots_scan": _row(128.0, 129.0, mfu=0.52, measured=40 * GiB, planned_bytes=44 * GiB,
+                                   explained_bytes=39 * GiB),
+            "ours_dots_unrolled": _row(123.0, 124.0, mfu=0.545), "ours_none_scan": _row(131.0),
+            "ours_none_unrolled": _row(117.0),
+            "offload_16_device": _row(100.0, total=30 * GiB, optimizer=8 * GiB),
+            "offload_16_d0_g1": _row(500.0, total=20 * GiB, host=12 * GiB),
+            "offload_16_d1_g1": _row(470.0), "offload_16_d1_g8": _row(420.0),
+            "offload_16_device_m2": _row(200.0), "offload_16_d1_g8_m2": _row(420.0),
+            "offload_16_device_m4": _row(400.0), "offload_16_d1_g8_m4": _row(420.0)}
+    for name, row in rows.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps([row]))
+    (tmp_path / "host_update.json").write_text(json.dumps({"memory_bytes_per_s": 80e9}))
+    text = check.report(str(tmp_path))
+    verdicts = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in text.splitlines()
+                if line.endswith(("| met |", "| **not met** |", "| not measured |"))}
+    assert verdicts["ours_dots_scan / anchor cudnn:dots:scan"][0] == "1.024" and \
+        verdicts["ours_dots_scan / anchor cudnn:dots:scan"][-1] == "met |"
+    assert verdicts["ours_dots_scan / anchor cudnn:dots"][0] == "1.067" and "not met" in \
+        verdicts["ours_dots_scan / anchor cudnn:dots"][-1]
+    assert verdicts["ours_dots_unrolled / anchor cudnn:dots"][0] == "1.025"
+    assert verdicts["our best MFU"][0] == "0.545" and verdicts["our best MFU"][-1] == "met |"
+    assert "not met" in verdicts["remat none / dots, scan"][-1] and verdicts["remat none / dots, unrolled"][0] == \
+        "0.951"
+    # explain() read 39 GiB against a measured 40: a prediction under the device's peak
+    assert verdicts["memory predictions / measured peak (least)"][0] == "0.975"
+    # the host's update: 500 - 100 ms against 28 B x 1e9 parameters at 80 GB/s = 350 ms
+    host = next(k for k in verdicts if k.startswith("16 layers: host update (400 ms"))
+    assert "bound (350 ms" in host and verdicts[host][0] == "1.143" and verdicts[host][-1] == "met |"
+    assert verdicts["16 layers: delayed offloaded step / max(on device, host update)"][0] == "1.050"
+    assert verdicts["16 layers: device memory saved / the optimizer state on the device"][0] == "1.250"
+    micro = next(k for k in verdicts if k.startswith("delayed offload (8 groups)"))
+    assert micro.endswith("1: 4.20, 2: 2.10, 4: 1.05") and verdicts[micro][0] == "4"
+    assert "4 layers: delayed offloaded step / max(on device, host update)" in verdicts  # no rows: not measured
+    assert verdicts["4 layers: delayed offloaded step / max(on device, host update)"][-1] == "not measured |"
 
 
 def test_gpu_profile_splits_a_streams_idle_time_into_launch_gaps_and_waits():
