@@ -7,4 +7,4 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-gpu_check}"
 anchor="${2:-../shared/gpu/anchor_lm.py}"
-exec python benchmarks/gpu_check.py --out "$out" --anchor "$anchor" "${@:3}"
+exec "$(command -v python || command -v python3)" benchmarks/gpu_check.py --out "$out" --anchor "$anchor" "${@:3}"

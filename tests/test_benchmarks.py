@@ -153,7 +153,8 @@ def test_the_gpu_checks_report_holds_each_target_against_rows_as_data(tmp_path):
             "offload_16_d0_g1": _row(500.0, total=20 * GiB, host=12 * GiB),
             "offload_16_d1_g1": _row(470.0), "offload_16_d1_g8": _row(420.0),
             "offload_16_device_m2": _row(200.0), "offload_16_d1_g8_m2": _row(420.0),
-            "offload_16_device_m4": _row(400.0), "offload_16_d1_g8_m4": _row(420.0)}
+            "offload_16_device_m4": _row(400.0), "offload_16_d1_g8_m4": _row(420.0),
+            "offload_4_device": _row(50.0), "offload_4_d0_g1": _row(48.0)}  # timing noise: no update resolved
     for name, row in rows.items():
         (tmp_path / f"{name}.json").write_text(json.dumps([row]))
     (tmp_path / "host_update.json").write_text(json.dumps({"memory_bytes_per_s": 80e9}))
@@ -177,7 +178,8 @@ def test_the_gpu_checks_report_holds_each_target_against_rows_as_data(tmp_path):
     assert verdicts["16 layers: device memory saved / the optimizer state on the device"][0] == "1.250"
     micro = next(k for k in verdicts if k.startswith("delayed offload (8 groups)"))
     assert micro.endswith("1: 4.20, 2: 2.10, 4: 1.05") and verdicts[micro][0] == "4"
-    assert "4 layers: delayed offloaded step / max(on device, host update)" in verdicts  # no rows: not measured
+    host4 = next(k for k in verdicts if k.startswith("4 layers: host update (- ms"))
+    assert verdicts[host4][-1] == "not measured |"  # an offloaded step faster than on the device times no update
     assert verdicts["4 layers: delayed offloaded step / max(on device, host update)"][-1] == "not measured |"
 
 
