@@ -29,6 +29,8 @@ ROOT = os.path.dirname(HERE)
 ANCHOR = os.path.join(ROOT, "..", "shared", "gpu", "anchor_lm.py")
 PARTS = ("speed", "profile", "offload", "calibrate")
 DEFAULT_PARTS = ("speed", "profile", "offload")  # calibrate: benchmarks/profiles/h200_calibrated.json holds one
+CALLS = (("speed", "profile"), ("offload",))  # a device session's calls, each within BUDGET_S by the estimates
+BUDGET_S = 540.0  # a call's runs end by this (the device tool stops a command at 600 s)
 SMALL_SETS = ["model.num_layers=2", "model.d_model=256", "model.num_heads=2", "model.d_ff=512",
               "model.vocab_size=1000", "train.seq_len=128"]
 SMALL_ANCHOR = ["--layers", "2", "--d", "256", "--heads", "2", "--ff", "512", "--vocab", "1000", "--seq", "128"]
@@ -325,7 +327,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="gpu_check", help="where each run's rows are written")
     p.add_argument("--anchor", default=ANCHOR, help="the plain-JAX anchor (../shared/gpu/anchor_lm.py)")
     p.add_argument("--parts", default=",".join(DEFAULT_PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
-    p.add_argument("--budget-s", type=float, default=540.0, help="start no run that would end past this")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="start no run that would end past this")
     p.add_argument("--small", action="store_true", help="tiny shapes, XLA's attention: a smoke run on a CPU")
     p.add_argument("--report", default="", metavar="DIR", help="only print the report of an earlier call's --out")
     args = p.parse_args(argv)

@@ -95,6 +95,9 @@ def test_the_gpu_checks_runs_set_fields_the_configs_have():
     gpu, check = _gpu_benchmark(), load_script("benchmarks", "gpu_check.py")
     from gshard_jax import configs
     assert {r.part for r, _ in check.PLAN} == set(check.PARTS)
+    assert set(sum(check.CALLS, ())) == set(check.DEFAULT_PARTS)
+    for parts in check.CALLS:  # each call of a device session fits the budget by the table's estimates
+        assert sum(s for _, s in check.plan(parts)) <= check.BUDGET_S, parts
     names = [r.name for r, _ in check.PLAN]
     assert len(names) == len(set(names))
     for run, seconds in check.PLAN:
