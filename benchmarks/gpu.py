@@ -128,9 +128,12 @@ def memory_rows(cfg, trainer, compiled, hw, explain: bool) -> dict:
     from gshard_jax.training import fit
     row = {"ours_step_memory": fit.step_memory(trainer, compiled).to_dict()}
     if explain:
-        c = space.config_candidate(cfg, jax.device_count())
-        row["planned_bytes"] = memory_check.formula(cfg, c, hw.platform)["total"]
-        row["explained_bytes"] = memory_check.explained(cfg, c, hw)
+        try:  # the step's times are kept where a prediction fails: the error goes in the row
+            c = space.config_candidate(cfg, jax.device_count())
+            row["planned_bytes"] = memory_check.formula(cfg, c, hw.platform)["total"]
+            row["explained_bytes"] = memory_check.explained(cfg, c, hw)
+        except Exception as e:  # noqa: BLE001 (any failure of the planner's side is reported, not raised)
+            row["memory_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     return row
 
 

@@ -46,11 +46,13 @@ class Run:
     kind: str  # "ours" (benchmarks/gpu.py), "anchor", "profile", "host" or "calibrate"
     sets: tuple = ()  # config overrides of our step (ours, profile, calibrate)
     options: tuple = ()  # other arguments
+    after: str = ""  # a run whose failure makes this one pointless: then it is skipped
 
 
-def _ours(part: str, name: str, sets: list, steps: int = 10, xla: bool = True, memory: bool = False) -> Run:
+def _ours(part: str, name: str, sets: list, steps: int = 10, xla: bool = True, memory: bool = False,
+          after: str = "") -> Run:
     options = ("--steps", str(steps), "--backends", "gshard,xla" if xla else "gshard") + ("--memory",) * memory
-    return Run(part, name, "ours", tuple(sets), options)
+    return Run(part, name, "ours", tuple(sets), options, after)
 
 
 def _offload(layers: int, offload: bool, delayed: bool = False, groups: int = 1, micro: int = 1) -> list:
@@ -61,6 +63,7 @@ def _offload(layers: int, offload: bool, delayed: bool = False, groups: int = 1,
 
 DOTS, NONE = "model.remat=dots", "model.remat=none"
 SCAN, UNROLLED = "model.scan=true", "model.scan=false"
+FULL = "offload_16_d0_g1"  # the whole model offloaded, not delayed
 # The check as data: (run, estimated seconds on an H200 with its compile). Ours always runs cuDNN's attention.
 PLAN = [
     (Run("speed", "anchor", "anchor", (), ("--variants", "cudnn:dots,cudnn:none,cudnn:dots:scan,cudnn:none:scan")), 60),
@@ -75,13 +78,15 @@ PLAN = [
     (_ours("offload", "offload_4_d1_g1", [DOTS, *_offload(4, True, True)], steps=4), 20),
     (_ours("offload", "offload_4_d1_g8", [DOTS, *_offload(4, True, True, 8)], steps=4), 20),
     (_ours("offload", "offload_16_device", [DOTS, *_offload(16, False)], steps=4, xla=False), 20),
-    (_ours("offload", "offload_16_d0_g1", [DOTS, *_offload(16, True)], steps=4, xla=False), 25),
-    (_ours("offload", "offload_16_d1_g1", [DOTS, *_offload(16, True, True)], steps=4, xla=False), 25),
-    (_ours("offload", "offload_16_d1_g8", [DOTS, *_offload(16, True, True, 8)], steps=4, xla=False), 25),
-    (_ours("offload", "offload_16_device_m2", [DOTS, *_offload(16, False, micro=2)], steps=3, xla=False), 20),
-    (_ours("offload", "offload_16_d1_g8_m2", [DOTS, *_offload(16, True, True, 8, 2)], steps=3, xla=False), 25),
-    (_ours("offload", "offload_16_device_m4", [DOTS, *_offload(16, False, micro=4)], steps=3, xla=False), 25),
-    (_ours("offload", "offload_16_d1_g8_m4", [DOTS, *_offload(16, True, True, 8, 4)], steps=3, xla=False), 30),
+    (_ours("offload", FULL, [DOTS, *_offload(16, True)], steps=4, xla=False), 25),
+    # the whole model's host state may not be pinned where 4 layers' is (docs/training.md): the rest of the
+    # whole model's offloaded runs follow its first
+    (_ours("offload", "offload_16_d1_g1", [DOTS, *_offload(16, True, True)], 4, False, after=FULL), 25),
+    (_ours("offload", "offload_16_d1_g8", [DOTS, *_offload(16, True, True, 8)], 4, False, after=FULL), 25),
+    (_ours("offload", "offload_16_device_m2", [DOTS, *_offload(16, False, micro=2)], 3, False, after=FULL), 20),
+    (_ours("offload", "offload_16_d1_g8_m2", [DOTS, *_offload(16, True, True, 8, 2)], 3, False, after=FULL), 25),
+    (_ours("offload", "offload_16_device_m4", [DOTS, *_offload(16, False, micro=4)], 3, False, after=FULL), 25),
+    (_ours("offload", "offload_16_d1_g8_m4", [DOTS, *_offload(16, True, True, 8, 4)], 3, False, after=FULL), 30),
     (Run("calibrate", "calibrate", "calibrate", ("train.batch_size=4", "train.seq_len=2048", NONE),
          ("--check", DOTS)), 60),
 ]
@@ -133,6 +138,10 @@ def execute(args) -> int:
             failed.append(run.name)
             continue
         elapsed = time.perf_counter() - start
+        if run.after in failed:
+            print(f"== {run.name}: skipped, {run.after} failed", file=sys.stderr)
+            skipped.append(run.name)
+            continue
         if elapsed + estimate > args.budget_s:
             skipped.append(run.name)
             continue
@@ -148,8 +157,8 @@ def execute(args) -> int:
         if done.returncode:
             print(done.stderr[-4000:], file=sys.stderr)
             failed.append(run.name)
-    print(f"ran for {time.perf_counter() - start:.0f} s; failed: {failed or 'none'}; skipped past --budget-s "
-          f"{args.budget_s:.0f}: {skipped or 'none'}")
+    print(f"ran for {time.perf_counter() - start:.0f} s; failed: {failed or 'none'}; skipped (past --budget-s "
+          f"{args.budget_s:.0f}, or after a failed run): {skipped or 'none'}")
     print(report(args.out))
     return 1 if failed else 0
 
@@ -246,6 +255,8 @@ def memory_section(rows: dict) -> tuple[list[str], list[tuple]]:
                ("explained (explain()'s prediction)", r.get("explained_bytes")),
                ("compiled (memory_analysis())", r["ours_step_memory"]["total"]), ("measured peak", measured))
     lines = ["| Mula-1B, remat dots, scanned | GiB per device | / measured |", "| --- | ---: | ---: |"]
+    if "memory_error" in r:
+        lines.insert(0, f"The planner's predictions failed: {r['memory_error']}")
     lines += [f"| {label} | {_f(b and b / GiB, '.2f')} | {_f(_ratio(b, measured), '.3f')} |" for label, b in figures]
     ratios = [_ratio(b, measured) for _, b in figures[:3]]
     low = None if measured is None or None in ratios else min(ratios)

@@ -100,8 +100,8 @@ def test_the_gpu_checks_runs_set_fields_the_configs_have():
         assert sum(s for _, s in check.plan(parts)) <= check.BUDGET_S, parts
     names = [r.name for r, _ in check.PLAN]
     assert len(names) == len(set(names))
-    for run, seconds in check.PLAN:
-        assert seconds > 0
+    for k, (run, seconds) in enumerate(check.PLAN):
+        assert seconds > 0 and (not run.after or run.after in names[:k])  # what a run follows runs before it
         argv = check.command(run, "OUT", "ANCHOR", False, 1.0)
         if run.kind == "ours":
             sets = argv[argv.index("--set") + 1:]
@@ -199,3 +199,33 @@ def test_gpu_profile_splits_a_streams_idle_time_into_launch_gaps_and_waits():
     assert got["by_kind_ms"] == {"matmul": pytest.approx(0.1), "other": pytest.approx(0.015)}
     assert got["top"][0][0] == "nvjet_gemm" and ("fusion", pytest.approx(0.015), 2) in got["top"]
     assert profile.summary([], steps=2)["span_ms"] == 0.0
+
+
+def test_the_gpu_check_skips_what_follows_a_failed_run_and_what_would_end_past_its_budget(tmp_path, monkeypatch):
+    """gpu_check's runner with the commands stubbed, each taking its estimate on a stubbed clock: the whole
+    model's offloaded runs after its first failed are skipped, and so is every run that would end past
+    --budget-s."""
+    import argparse
+    import types
+    check = load_script("benchmarks", "gpu_check.py")
+    estimates = {r.name: s for r, s in check.PLAN}
+    after = {r.name: r.after for r, _ in check.PLAN}
+    ran, clock, failing = [], [0.0], [check.FULL]
+
+    def fake_run(cmd, **_):
+        name = os.path.basename(cmd[cmd.index("--json") + 1])[:-5] if "--json" in cmd else "host_update"
+        ran.append(name)
+        clock[0] += estimates[name]
+        return types.SimpleNamespace(returncode=int(name in failing), stdout="", stderr="")
+    monkeypatch.setattr(check.subprocess, "run", fake_run)
+    monkeypatch.setattr(check.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(check, "report", lambda out: "")
+    offload = [r.name for r, _ in check.plan(("offload",))]
+    args = argparse.Namespace(out=str(tmp_path), anchor=__file__, parts="offload", budget_s=1e9, small=True)
+    assert check.execute(args) == 1
+    assert check.FULL in ran and ran == [n for n in offload if after[n] != check.FULL]
+    assert len(ran) < len(offload)
+    ran.clear(), failing.clear()
+    args.budget_s = sum(estimates[n] for n in offload[:3])  # the first three runs fit, the fourth would not
+    assert check.execute(args) == 0
+    assert ran == offload[:3]
