@@ -8,10 +8,12 @@ model, with and without the delayed update, in 1 and 8 host groups, and over mor
     python benchmarks/gpu_check.py [--out DIR] [--anchor PATH] [--parts speed,profile,offload] [--budget-s 540]
     python benchmarks/gpu_check.py --report DIR      # DIR's rows against the targets, as markdown tables
 
-The runs are a table (PLAN, by part; `plan()` fills in the paths). Each run writes its own file in --out as it
-ends, so a call cut short keeps what finished; a run that would start past --budget-s seconds is skipped and
-named, so a call ends inside the device tool's limit. `--small` runs every part at tiny shapes with XLA's
-attention in place of cuDNN's: a smoke run on a CPU. The report's targets are TARGETS.
+The runs are a table (PLAN, by part, with estimated seconds; `command()` makes each one's argv). Each run
+writes its own file in --out as it ends, so a call cut short keeps what finished; a run whose estimate would
+end it past --budget-s is skipped and named, and so is a run whose `after` failed, so a call ends inside the
+device tool's limit. CALLS splits a device session's work into two such calls. `--small` runs every part at
+tiny shapes with XLA's attention in place of cuDNN's: a smoke run on a CPU. The report's targets are the
+constants under "the report" below.
 """
 from __future__ import annotations
 
@@ -93,6 +95,7 @@ PLAN = [
 
 
 def plan(parts=DEFAULT_PARTS) -> list[tuple[Run, float]]:
+    """PLAN's runs of these parts, in order."""
     return [(r, s) for r, s in PLAN if r.part in parts]
 
 
@@ -123,6 +126,8 @@ def command(run: Run, out: str, anchor: str, small: bool, flops_per_token: float
 
 
 def execute(args) -> int:
+    """Run the parts' runs in order, each in its own process; print each one's output and the report. -> the
+    exit status: 1 where a run failed."""
     import jax
     jax.config.update("jax_platforms", "cpu")  # this process traces the model for its flops: it must not
     # start the GPU's backend, which would take its memory from the runs
