@@ -108,10 +108,11 @@ def configure(name: str, devices: int, hardware: str, sets: list[str] = ()):
 
 
 def _device_bytes(tree) -> int:
-    """Bytes of a tree's arrays in this process's device memory (an offloaded state's host arrays apart)."""
+    """Bytes of a tree's arrays in one device's memory (an offloaded state's host arrays apart)."""
     import jax
-    return sum(s.data.nbytes for x in jax.tree.leaves(tree) if getattr(x.sharding, "memory_kind", None) !=
-               "pinned_host" for s in x.addressable_shards)
+
+    from gshard_jax.training import fit
+    return sum(fit.local_bytes(x) for x in jax.tree.leaves(tree) if not fit.on_host(x))
 
 
 def _stats() -> dict:

@@ -210,6 +210,16 @@ def _ratio(a, b):
     return None if a is None or not b else a / b
 
 
+def _target(what: str, got, want: str, ok) -> tuple:
+    """A report row: the target, its figure, what is wanted, and whether ok(figure) holds (None: not measured)."""
+    return what, got, want, None if got is None else bool(ok(got))
+
+
+def _setting(row: dict, key: str) -> str:
+    """A config override a row of ours ran with (its `sets`)."""
+    return dict(s.split("=", 1) for s in row["sets"])[key]
+
+
 def speed_section(rows: dict) -> tuple[list[str], list[tuple]]:
     """Ours beside the anchor's same layout and its unrolled step; the speed targets."""
     anchor = rows.get("anchor", {})
@@ -224,7 +234,7 @@ def speed_section(rows: dict) -> tuple[list[str], list[tuple]]:
             lines.append(f"| {label} | not measured |" + " |" * 7)
             continue
         remat, layout = name.split("_")[1:]
-        attention = dict(s.split("=", 1) for s in r["sets"])["model.attention"]
+        attention = _setting(r, "model.attention")
         same = anchor.get(f"{attention}:{remat}" + (":scan" if layout == "scan" else ""))
         flat = anchor.get(f"{attention}:{remat}")
         mfu = r["flops_per_token"] * same["tokens_per_s"] / r["peak_flops"] if same else None
@@ -234,18 +244,16 @@ def speed_section(rows: dict) -> tuple[list[str], list[tuple]]:
                      f"{_f(mfu and 100 * mfu, '.1f')}{'%' * bool(mfu)} |")
     checks = []
     for name, variant, most in SPEED_TARGETS:
-        got = None
-        if name in rows:
-            attention = dict(s.split("=", 1) for s in rows[name]["sets"])["model.attention"]
-            got = _ratio(rows[name]["ours_ms"], step(anchor.get(variant.replace("cudnn", attention))))
-        checks.append((f"{name} / anchor {variant}", got, f"<= {most}", None if got is None else got <= most))
-    ours = [r for n, r in rows.items() if n.startswith("ours_")]
-    best = max((r["mfu"] for r in ours), default=None)
-    checks.append(("our best MFU", best, f">= {MFU_TARGET}", None if best is None else best >= MFU_TARGET))
+        r = rows.get(name)
+        got = _ratio(r["ours_ms"], step(anchor.get(variant.replace("cudnn", _setting(r, "model.attention"))))) \
+            if r else None
+        checks.append(_target(f"{name} / anchor {variant}", got, f"<= {most}", lambda g: g <= most))
+    best = max((r["mfu"] for n, r in rows.items() if n.startswith("ours_")), default=None)
+    checks.append(_target("our best MFU", best, f">= {MFU_TARGET}", lambda g: g >= MFU_TARGET))
     for layout in ("scan", "unrolled"):
         got = _ratio(rows.get(f"ours_none_{layout}", {}).get("ours_ms"), rows.get(f"ours_dots_{layout}", {}).get(
             "ours_ms"))
-        checks.append((f"remat none / dots, {layout}", got, "<= 1", None if got is None else got <= 1.0))
+        checks.append(_target(f"remat none / dots, {layout}", got, "<= 1", lambda g: g <= 1.0))
     return lines, checks
 
 
@@ -253,8 +261,9 @@ def memory_section(rows: dict) -> tuple[list[str], list[tuple]]:
     """The config's default step: the planner's formula, explain()'s prediction and the compiled step against
     the device's measured peak; none may read under it."""
     r = rows.get("ours_dots_scan")
+    what = "memory predictions / measured peak (least)"
     if r is None:
-        return ["Memory: not measured."], [("memory predictions not under the measured peak", None, ">= 1", None)]
+        return ["Memory: not measured."], [_target(what, None, ">= 1", None)]
     measured = r.get("ours_measured_peak_bytes")
     figures = (("planned (the screen's formula)", r.get("planned_bytes")),
                ("explained (explain()'s prediction)", r.get("explained_bytes")),
@@ -265,7 +274,7 @@ def memory_section(rows: dict) -> tuple[list[str], list[tuple]]:
     lines += [f"| {label} | {_f(b and b / GiB, '.2f')} | {_f(_ratio(b, measured), '.3f')} |" for label, b in figures]
     ratios = [_ratio(b, measured) for _, b in figures[:3]]
     low = None if measured is None or None in ratios else min(ratios)
-    return lines, [("memory predictions / measured peak (least)", low, ">= 1", None if low is None else low >= 1.0)]
+    return lines, [_target(what, low, ">= 1", lambda g: g >= 1.0)]
 
 
 def offload_section(rows: dict) -> tuple[list[str], list[tuple]]:
@@ -277,15 +286,18 @@ def offload_section(rows: dict) -> tuple[list[str], list[tuple]]:
     bandwidth = rows.get("host", {}).get("memory_bytes_per_s")
     for layers in (4, 16):
         device = rows.get(f"offload_{layers}_device")
-        order = lambda n: (int(n.split("_m")[1]) if "_m" in n else 1, "device" not in n, n)
-        for name in sorted((n for n in rows if n.startswith(f"offload_{layers}_")), key=order):
-            r, micro = rows[name], int(name.split("_m")[1]) if "_m" in name else 1
-            base = rows.get(f"offload_{layers}_device" + (f"_m{micro}" if micro > 1 else ""))
-            what = "on the device" if "device" in name else (
-                f"offloaded, {'delayed' if '_d1_' in name else 'not delayed'}, {name.split('_g')[1][0]} host "
-                f"group{'s' if not name.split('_g')[1].startswith('1') else ''}")
+        ours = {n: r for n, r in rows.items() if n.startswith(f"offload_{layers}_")}
+        micro = {n: int(_setting(r, "train.microbatches")) for n, r in ours.items()}
+        offloaded = {n: _setting(r, "train.offload_optimizer") == "true" for n, r in ours.items()}
+        on_device = {micro[n]: r for n, r in ours.items() if not offloaded[n]}
+        for name in sorted(ours, key=lambda n: (micro[n], offloaded[n], n)):
+            r, base = ours[name], on_device.get(micro[name])
+            groups = int(_setting(r, "train.host_update_groups"))
+            what = "on the device" if not offloaded[name] else (
+                f"offloaded, {'delayed' if _setting(r, 'train.delayed_update') == 'true' else 'not delayed'}, "
+                f"{groups} host group{'s' * (groups > 1)}")
             m = r["ours_step_memory"]
-            lines.append(f"| {layers} | {what} | {micro} | {r['ours_ms']:.1f} | {_f(r.get('xla_ms'), '.1f')} | "
+            lines.append(f"| {layers} | {what} | {micro[name]} | {r['ours_ms']:.1f} | {_f(r.get('xla_ms'), '.1f')} | "
                          f"{_f(_ratio(r['ours_ms'], base and base['ours_ms']), '.2f')} | {m['total'] / GiB:.2f} | "
                          f"{_f(r.get('ours_measured_peak_bytes') and r['ours_measured_peak_bytes'] / GiB, '.2f')} | "
                          f"{m['host'] / GiB:.2f} |")
@@ -293,19 +305,18 @@ def offload_section(rows: dict) -> tuple[list[str], list[tuple]]:
         host_ms = plain["ours_ms"] - device["ours_ms"] if plain and device else None
         host_ms = host_ms if host_ms and host_ms > 0 else None  # an offloaded step no slower resolves no update
         bound_ms = 1e3 * HOST_BYTES_PER_PARAM * device["parameters"] / bandwidth if device and bandwidth else None
-        got = _ratio(host_ms, bound_ms)
-        checks.append((f"{layers} layers: host update ({_f(host_ms, '.0f')} ms: offloaded - on device) / bound "
-                       f"({_f(bound_ms, '.0f')} ms: {HOST_BYTES_PER_PARAM} B a parameter at the host's memory "
-                       f"bandwidth)", got, f"<= {HOST_TARGET}", None if got is None else got <= HOST_TARGET))
+        checks.append(_target(f"{layers} layers: host update ({_f(host_ms, '.0f')} ms: offloaded - on device) / "
+                              f"bound ({_f(bound_ms, '.0f')} ms: {HOST_BYTES_PER_PARAM} B a parameter at the host's "
+                              f"memory bandwidth)", _ratio(host_ms, bound_ms), f"<= {HOST_TARGET}",
+                              lambda g: g <= HOST_TARGET))
         best = min((d["ours_ms"] for d in delayed if d), default=None)
         got = _ratio(best, max(device["ours_ms"], host_ms) if device and host_ms else None)
-        checks.append((f"{layers} layers: delayed offloaded step / max(on device, host update)", got,
-                       f"<= {DELAYED_TARGET}", None if got is None else got <= DELAYED_TARGET))
+        checks.append(_target(f"{layers} layers: delayed offloaded step / max(on device, host update)", got,
+                              f"<= {DELAYED_TARGET}", lambda g: g <= DELAYED_TARGET))
         if device and plain:
             saved = device["ours_step_memory"]["total"] - plain["ours_step_memory"]["total"]
-            got = _ratio(saved, device["ours_step_memory"]["optimizer"])
-            checks.append((f"{layers} layers: device memory saved / the optimizer state on the device", got, ">= 1",
-                           None if got is None else got >= 1.0))
+            checks.append(_target(f"{layers} layers: device memory saved / the optimizer state on the device",
+                                  _ratio(saved, device["ours_step_memory"]["optimizer"]), ">= 1", lambda g: g >= 1.0))
     costs = {m: _ratio(rows.get("offload_16_d1_g8" + (f"_m{m}" if m > 1 else ""), {}).get("ours_ms"),
                        rows.get("offload_16_device" + (f"_m{m}" if m > 1 else ""), {}).get("ours_ms"))
              for m in (1, 2, 4)}

@@ -82,11 +82,13 @@ def abstract_inputs(trainer: Any) -> tuple[Any, dict]:
     return state, batch
 
 
-def _local_bytes(x: jax.ShapeDtypeStruct) -> int:
+def local_bytes(x: jax.ShapeDtypeStruct | jax.Array) -> int:
+    """Bytes of one device's shard of a placed array (or its shape)."""
     return math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
 
 
-def _on_host(x: jax.ShapeDtypeStruct) -> bool:
+def on_host(x: jax.ShapeDtypeStruct | jax.Array) -> bool:
+    """Whether a placed array (or its shape) lives in host memory (an offloaded optimizer state)."""
     return getattr(x.sharding, "memory_kind", None) == "pinned_host"
 
 
@@ -101,10 +103,10 @@ def step_memory(trainer: Any, compiled: Any = None) -> StepMemory:
     parts = (("params", state["params"]), ("optimizer", state["opt_state"]), ("batch", (batch, state["step"])))
     for key, tree in parts:
         for x in jax.tree.leaves(tree):
-            if _on_host(x):
-                host += _local_bytes(x)
+            if on_host(x):
+                host += local_bytes(x)
             else:
-                kinds[key] += _local_bytes(x)
+                kinds[key] += local_bytes(x)
     gradients = sum(math.prod(NamedSharding(trainer.mesh, s).shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
                     for x, s in zip(jax.tree.leaves(trainer.param_shapes),
                                     jax.tree.leaves(trainer.layout.gradients, is_leaf=lambda v: isinstance(v, P))))
