@@ -26,13 +26,15 @@ from .manual import manual
 from .mesh import make_mesh
 from .partitioner.costs import hardware
 from .partitioner.costs.hardware import Hardware
+from .partitioner.lowering.fallback import NoRuleWarning
 from .partitioner.reporting.hlo import collective_stats
 from .partitioner.reporting.report import Report
 from .partitioner.representation.sharding import Sharding
 from .pipelines import pipeline, pipeline_value_and_grad
 
 __all__ = ["make_mesh", "replicate", "split", "shard", "manual", "partition", "explain", "chosen_shardings", "Report",
-           "Sharding", "Hardware", "hardware", "collective_stats", "pipeline", "pipeline_value_and_grad", "plan"]
+           "Sharding", "Hardware", "hardware", "collective_stats", "pipeline", "pipeline_value_and_grad", "plan",
+           "NoRuleWarning"]
 
 
 def __getattr__(name: str):

@@ -13,6 +13,7 @@ from . import annotations as A, passes as P, sources as SRC, specs as S
 from .partitioner.auto import choice as AU
 from .partitioner.costs.cost import platform_of
 from .partitioner.costs.hardware import Hardware, default_for
+from .partitioner.lowering import fallback as FB
 from .partitioner.reporting.report import Report
 from .partitioner.representation import subaxes as SUB
 from .partitioner.strategies.collective_matmul import check_mode
@@ -93,6 +94,7 @@ def _build(fn: Callable, mesh: Mesh, in_shardings, out_shardings, profile: Hardw
                 outs = list(per_device(*xs))
             if runs_on is not mesh:
                 outs = _on(mesh, outs, lowering.exit)
+            FB.warn({name: len(eqns) for name, eqns in lowering.unruled.items()})
             if report is not None:
                 SUB.name_whole_axes(report)
             return jax.tree_util.tree_unflatten(t.out_tree, outs)

@@ -67,6 +67,29 @@ def test_while_loop_with_sharded_predicate(mesh, rng):
     check(fn, [randn(rng, 8, 4)], mesh, seed=1, n=4)
 
 
+def test_vmapped_while_loop_runs_each_row_its_own_trips(mesh, rng):
+    """jax.vmap of a while_loop whose trip count depends on the row: the loop's predicate holds a flag per row,
+    and a row stops taking the body's result once its flag clears (a Newton square root to a per-row tolerance,
+    with a key per row split each trip, as jax.random.poisson's sampler loops before JAX 0.12.1)."""
+    def one(key, a):
+        def body(c):
+            i, k, y = c
+            k, sub = jax.random.split(k)
+            return i + 1, k, 0.5 * (y + a / y) + 1e-3 * jax.random.uniform(sub, a.shape)
+        return jax.lax.while_loop(lambda c: (jnp.max(jnp.abs(c[2] ** 2 - a)) > 1e-2 * c[0]) & (c[0] < 30),
+                                  body, (0, key, a + 1.0))
+
+    def fn(x):
+        keys = jax.random.split(jax.random.key(7), x.shape[0])
+        trips, keys, y = jax.vmap(one)(keys, x)
+        return trips, jax.random.key_data(keys), y
+
+    x = jnp.abs(randn(rng, 8, 4)) * jnp.arange(1, 9, dtype=jnp.float32)[:, None] ** 3
+    trips = jax.jit(fn)(x)[0]
+    assert len(set(trips.tolist())) > 2, trips  # the rows stop at different trips
+    check(fn, [x], mesh, seed=5, n=4)
+
+
 def test_fori_loop(mesh, rng):
     check(lambda x: jax.lax.fori_loop(0, 4, lambda i, c: c @ c.T @ c * 0.1 + i, x), [randn(rng, 8, 8) / 3],
           mesh, seed=2, n=4)

@@ -128,8 +128,8 @@ class LocalShards:
                 params[key] = None
         if rule is not None and choice.made:  # (a sink, dce_sink, makes nothing)
             local_out = choice.made[0].local_shape(eqn.outvars[0].shape, self.mesh_shape)
-            if "shape" in params:
-                params["shape"] = local_out
+            if "shape" in params:  # the result's shape, or its trailing dims past a key array's (random_split)
+                params["shape"] = local_out[len(local_out) - len(params["shape"]):]
             if "new_sizes" in params:
                 params["new_sizes"] = local_out
 

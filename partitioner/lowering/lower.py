@@ -11,7 +11,7 @@ Op-specific behaviour is a small hook, found with the op's rule in
 registry.py: position offsets, combines of split reductions, masked gathers
 and scatters, cumulative fix-ups, halo exchanges, re-laid pieces. An
 equation with no rule runs replicated (the fallback) and is flagged in the
-report.
+report; partition() warns once per program naming those primitives (fallback.py).
 
 Lowering is the driver: the equation loop (each op dispatched by its registry
 entry's role) and the per-equation strategy choice. Its mixins hold the rest:
@@ -92,6 +92,7 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
         self._reader: Optional[Eqn] = None
         self.ahead: dict[Eqn, int] = {}  # a scan pipelined by prefetch.py -> the gathered weights it holds (bytes)
         self.fresh: set[int] = set()  # the outputs (by index) not written into a donated argument's buffer
+        self.unruled: dict[str, set[int]] = {}  # primitive with no rule -> id() of its equations (run() fills it)
 
     # ------------------------------------------------------------------ execution
     def run(self, *local_args):
@@ -103,6 +104,7 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
         self._reads: Optional[dict] = None  # value -> its readers (reads())
         self._prefix, self._trips = "", 1
         self.copies, self._reader, self.ahead = {}, None, {}
+        self.unruled = {}
         values = list(self.program.invars) + [v for v, _ in self.program.consts]
         for v, x, e, name in zip(values, local_args, self.entry, self.in_names):
             log: list[Collective] = []
@@ -228,6 +230,7 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
         log: list[Collective] = []
         fallback = None
         if rule is None:
+            self.unruled.setdefault(eqn.name, set()).add(id(eqn))
             fallback = f"no sharding rule for {eqn.name}: operands replicated, result sliced"
             need = [Sharding.replicated(len(x.shape)) for x in eqn.invars]
             made = [Sharding.replicated(len(v.shape)) for v in eqn.outvars]

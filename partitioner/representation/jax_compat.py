@@ -1,7 +1,7 @@
 """Everything that differs between the JAX releases the project supports, in one place.
 
-Checked against JAX 0.10.0, 0.10.2, 0.11.2 and 0.12.0.1 (setup.cfg: jax>=0.10,<0.13); `.ci/run` tests the
-newest on Python 3.12 beside README's install.
+Checked against JAX 0.10.0, 0.10.2, 0.11.2, 0.12.0.1 and 0.12.1 (setup.cfg: jax>=0.10,<0.13); `.ci/run` tests
+NEWEST_TESTED on Python 3.12 beside README's install.
 
 Private names: everything else comes from JAX's public API (jax.extend.core for primitives, ClosedJaxpr and
 Literal, jax.extend.source_info_util, jax.interpreters); tests/test_layering.py holds every other module to
@@ -30,8 +30,9 @@ A fix installed on import:
   those operands over the batch first (the same values for every batch element, so the same exchange) and
   hands them to JAX's own rule.
 
-Primitive names: `NOT_IN_EVERY_RELEASE` lists the registry's entries that some supported release lacks, each
-with the releases that emit it; tests/test_registry.py accepts those (and only those) as absent.
+Primitive names: `NEWEST_TESTED` is the newest release tested (the census among it); `NOT_IN_EVERY_RELEASE`
+lists the registry's entries that some supported release lacks, each with the releases that emit it;
+tests/test_registry.py accepts those (and only those) as absent.
 """
 from __future__ import annotations
 
@@ -44,17 +45,35 @@ from jax._src.interpreters.partial_eval import convert_constvars_jaxpr
 from jax._src.lax import parallel as _parallel
 from jax.experimental.compute_on import compute_on as _compute_on
 
-__all__ = ["NOT_IN_EVERY_RELEASE", "bind_on", "clear_compilation_cache", "convert_constvars_jaxpr", "on_host",
-           "scan_counts", "to_lojax"]
+__all__ = ["NEWEST_TESTED", "NOT_IN_EVERY_RELEASE", "bind_on", "clear_compilation_cache", "convert_constvars_jaxpr",
+           "on_host", "scan_counts", "to_lojax"]
 
 _COMPUTE_ON_TAKES_SPACES = "out_memory_spaces" in inspect.signature(_compute_on).parameters  # JAX 0.11+
 
+# The newest JAX the project is tested on: constraints/newest-jax.txt pins it for .ci/run's second run
+# (tests/test_packaging.py holds the two equal); a newer JAX in setup.cfg's range installs, and a primitive it
+# adds without a rule runs replicated with a warning (lowering/fallback.py).
+NEWEST_TESTED = "0.12.1"
+
 NOT_IN_EVERY_RELEASE = {  # registry entry -> the releases that emit it
+    "acospi": "JAX 0.12.1 and later (lax.acospi)",
+    "asinpi": "JAX 0.12.1 and later (lax.asinpi)",
+    "atan2pi": "JAX 0.12.1 and later (lax.atan2pi)",
+    "atanpi": "JAX 0.12.1 and later (lax.atanpi)",
+    "cospi": "JAX 0.12.1 and later (lax.cospi)",
+    "exp2m1": "JAX 0.12.1 and later (lax.exp2m1)",
+    "fma": "JAX 0.12.1 and later (lax.fma: a * b + c rounded once)",
+    "fmuladd": "JAX 0.12.1 and later (lax.fmuladd: a * b + c, fused where the backend can)",
     "log2": "JAX 0.11 and later (0.10 emits log and a division)",
+    "log2p1": "JAX 0.12.1 and later (lax.log2p1)",
     "mulhi": "JAX 0.10.2 and later (lax.mulhi)",
     "one_minus_square": "JAX 0.11 and later: the derivative of tanh, 1 - x**2, as one pointwise op",
     "polynomial": "JAX 0.11 and later: Horner's rule over scalar coefficients (jnp.polyval, erf's derivative)",
+    "random_gamma_grad": "JAX 0.12.1 and later (the derivative of gamma samples, was a composite)",
+    "random_poisson": "JAX 0.12.1 and later (jax.random.poisson, was a composite)",
+    "sinpi": "JAX 0.12.1 and later (lax.sinpi)",
     "stack": "JAX 0.10.1 and later (jnp.stack)",
+    "tanpi": "JAX 0.12.1 and later (lax.tanpi)",
     "unstack": "JAX 0.10.1 and later (jnp.unstack)",
 }
 

@@ -15,14 +15,16 @@ import jax
 from ..representation.factors import FactorNames, Rule
 from ..representation.program import Eqn, shape_of
 
-# The pointwise ops: one rule (elementwise) partitions them all, and XLA fuses them (liveness.py)
+# The pointwise ops: one rule (elementwise) partitions them all, and XLA fuses them (liveness.py). fma and fmuladd
+# (a * b + c) are ternary; random_gamma_grad is d sample / d alpha of each (alpha, sample) pair.
 POINTWISE = frozenset("""
-abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clamp complex conj
-convert_element_type copy cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igamma_grad_a
-igammac imag integer_pow is_finite le le_to lgamma log log1p log2 logistic lt lt_to max min mul ne neg
-nextafter not one_minus_square or polygamma polynomial pow real reduce_precision regularized_incomplete_beta rem
-round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan tanh
-xor population_count clz stop_gradient zeta
+abs acos acosh acospi add add_any and asin asinh asinpi atan atan2 atan2pi atanh atanpi bessel_i0e bessel_i1e
+cbrt ceil clamp complex conj convert_element_type copy cos cosh cospi digamma div eq erf erf_inv erfc exp exp2
+exp2m1 expm1 floor fma fmuladd ge gt igamma igamma_grad_a igammac imag integer_pow is_finite le le_to lgamma log
+log1p log2 log2p1 logistic lt lt_to max min mul ne neg nextafter not one_minus_square or polygamma polynomial pow
+random_gamma_grad real reduce_precision regularized_incomplete_beta rem round rsqrt select_n shift_left
+shift_right_arithmetic shift_right_logical sign sin sinh sinpi sqrt square sub tan tanh tanpi xor population_count
+clz stop_gradient zeta
 """.split())
 
 
@@ -345,8 +347,16 @@ def scatter_rule(eqn: Eqn) -> Optional[Rule]:
 
 
 def random_bits_rule(eqn: Eqn) -> Optional[Rule]:
-    """Partitionable threefry bits are a function of the global position: every dim may split (hook)."""
-    if shape_of(eqn.invars[0]) != () or not jax.config.jax_threefry_partitionable:
+    """Partitionable threefry bits are a function of the global position: every dim may split (hook). Bits of
+    a key array (jax.vmap over keys) are elementwise in its dims, one key each; the dims each key draws stay
+    whole."""
+    kd = len(shape_of(eqn.invars[0]))
+    if kd:
+        n = FactorNames()
+        lead = tuple((n.new(s),) for s in shape_of(eqn.invars[0]))
+        trail = tuple((n.new(s),) for s in eqn.params["shape"])
+        return Rule("random_bits", (lead,), (lead + trail,), n.sizes, replicated=frozenset(f for (f,) in trail))
+    if not jax.config.jax_threefry_partitionable:
         return None
     if "fry" not in str(eqn.invars[0].aval.dtype):
         return None

@@ -1,5 +1,5 @@
 """Factor rules for the primitives that models rarely emit but jax.lax and jax.numpy do: generators without
-operands, identities over several operands (and sinks), a variadic reduce, gamma sampling and the
+operands, identities over several operands (and sinks), a variadic reduce, gamma and Poisson sampling and the
 block-scaled dot; and the hook of mulhi, which XLA cannot compile inside a manual region.
 
 Each rule keeps whole only the dims whose split would change the result, so none of these ops needs the
@@ -48,15 +48,15 @@ def variadic_reduce(eqn: Eqn) -> Rule:
                 replicated=frozenset(dims[d][0] for d in axes))
 
 
-def random_gamma(eqn: Eqn) -> Rule:
-    """Gamma samples of alphas a from keys k: a's leading dims that k's shape covers are elementwise (one key
-    each); the dims after them draw from one key split in row-major order, so they stay whole."""
+def keyed_sampler(eqn: Eqn) -> Rule:
+    """Gamma or Poisson samples of parameters a (alpha, lambda) from keys k: a's leading dims that k's shape
+    covers are elementwise (one key each); the dims after them draw from one key split in row-major order, so
+    they stay whole."""
     key, alpha = eqn.invars
     kd = len(shape_of(key))
     n = FactorNames()
     dims = _dims(n, alpha)
-    return Rule("random_gamma", (dims[:kd], dims), (dims,), n.sizes,
-                replicated=frozenset(f for (f,) in dims[kd:]))
+    return Rule(eqn.name, (dims[:kd], dims), (dims,), n.sizes, replicated=frozenset(f for (f,) in dims[kd:]))
 
 
 def scaled_dot(eqn: Eqn) -> Rule:

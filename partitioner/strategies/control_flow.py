@@ -14,6 +14,7 @@ gives the stacked side (a, or b if stacked_b) an extra leading dim kept whole.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Optional
 
 import jax
@@ -24,6 +25,7 @@ from ..representation.jax_compat import scan_counts
 from ..representation.program import BODIES, Token
 from ..representation.sharding import Sharding
 from . import deferral as DF, prefetch as PF
+from .reshard import linear_axis_index
 
 Link = tuple  # (a, b, tag, stacked, stacked_b)
 
@@ -212,17 +214,44 @@ def _while_lower(lo, eqn, env, log):
         if cond.invars[cn + k] not in read:
             lo._lazy[cond.invars[cn + k]] = s
     init = [lo._read_sum(env, x, s, log) for x, s in zip(eqn.invars[cn + bn:], carry_sh)]
+    # A jax.vmap'd loop's predicate holds one flag per batch element (the carries' leading dims): the loop runs
+    # while any is set, and only the carries' rows whose flag is set take the body's result (as JAX lowers it).
+    # The flags are read replicated, so every device runs the same trips.
+    batched = len(cond.outvars[0].shape)
+    pred_sh = Sharding.replicated(batched)
 
-    def cond_fn(carry):
-        (pred,) = lo._body(cond, env, cconsts + list(zip(carry, carry_sh)), [Sharding(())], log, "while.cond", 1)
+    def pred_of(carry, name):
+        (pred,) = lo._body(cond, env, cconsts + list(zip(carry, carry_sh)), [pred_sh], log, name, 1)
         return pred
 
+    def cond_fn(carry):
+        pred = pred_of(carry, "while.cond")
+        return jnp.any(pred) if batched and not lo.dry else pred
+
     def body_fn(carry):
-        return tuple(lo._body(body, env, bconsts + list(zip(carry, carry_sh)), carry_sh, log, "while.body", 1))
+        new = lo._body(body, env, bconsts + list(zip(carry, carry_sh)), carry_sh, log, "while.body", 1)
+        if batched:
+            pred = pred_of(carry, "while.body/pred")
+            new = new if lo.dry else [_rows_where(lo, pred, n, c, s) for n, c, s in zip(new, carry, carry_sh)]
+        return tuple(new)
 
     carry = lo.while_loop(cond_fn, body_fn, tuple(init))
     return list(zip(carry, carry_sh)), (f"while: carry {' '.join(map(str, carry_sh)) or '-'} (predicate replicated)"
                                         + _deferred(deferred, None))
+
+
+def _rows_where(lo, pred, new, old, sharding: Sharding):
+    """new where this device's rows of the (replicated) flags `pred` are set, else old: the flags cut to the
+    carry's block of its leading dims, then broadcast over the rest."""
+    for d in range(pred.ndim):
+        axes = tuple(a for a in sharding.dims[d] if lo.mesh_shape[a] > 1)
+        if axes:
+            n = old.shape[d]  # the local block of dim d (a padded dim stores whole blocks)
+            whole = n * math.prod(lo.mesh_shape[a] for a in axes)
+            pred = jnp.pad(pred, [(0, whole - pred.shape[d]) if k == d else (0, 0) for k in range(pred.ndim)])
+            pred = jax.lax.dynamic_slice_in_dim(pred, linear_axis_index(axes, lo.mesh_shape) * n, n, axis=d)
+    pred = jnp.broadcast_to(pred.reshape(pred.shape + (1,) * (old.ndim - pred.ndim)), old.shape)
+    return jax.lax.select_n(pred, old, new)
 
 
 def _while_carries(e):

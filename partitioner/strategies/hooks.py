@@ -329,8 +329,11 @@ def scatter_hook(ctx: OpContext, ins, params, bind):
 
 
 def random_bits_hook(ctx: OpContext, ins, params, bind):
-    """Partitionable threefry: bits at global position p are threefry(key, p), so compute them locally."""
+    """Partitionable threefry: bits at global position p are threefry(key, p), so compute them locally. A key
+    array's bits: each device's keys draw their own (whole) rows, as the primitive does."""
     (key,) = ins
+    if ctx.eqn.invars[0].shape:
+        return bind(key, **params)
     gshape = tuple(ctx.eqn.params["shape"])
     if math.prod(gshape) >= 2 ** 32:
         raise NotImplementedError("partitioned random_bits for more than 2**32 values")

@@ -168,7 +168,8 @@ OPS: dict[str, Op] = {
     "random_bits": Op(R.random_bits_rule, H.random_bits_hook),
     "random_clone": _KEYS,
     "random_fold_in": _KEYS,
-    "random_gamma": Op(RR.random_gamma),
+    "random_gamma": Op(RR.keyed_sampler),
+    "random_poisson": Op(RR.keyed_sampler),  # jax.random.poisson (JAX 0.12.1 and later)
     "random_seed": _KEYS,
     "random_split": _KEYS,
     "random_unwrap": _KEYS,
