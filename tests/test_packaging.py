@@ -123,3 +123,32 @@ def test_the_gpu_extras_bring_jaxs_cuda_build_over_the_supported_range():
     for extra in ("cuda12", "cuda13"):
         assert cfg["options.extras_require"][extra].split() == [pin.replace("jax", f"jax[{extra}]", 1)]
         assert extra in declared, sorted(declared)
+
+
+def test_the_newest_jax_run_is_pinned_inside_the_supported_range():
+    """.ci/run's second run installs with constraints/newest-jax.txt, whose JAX is jax_compat.NEWEST_TESTED and
+    lies in setup.cfg's range (so users can install it), every pin exact and of a package the install pulls."""
+    import configparser
+
+    from packaging.requirements import Requirement
+
+    from gshard_jax.partitioner.representation.jax_compat import NEWEST_TESTED
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"))
+    requires = {Requirement(r).name: Requirement(r) for r in cfg["options"]["install_requires"].strip().splitlines()}
+    with open(os.path.join(ROOT, "constraints", "newest-jax.txt")) as f:
+        pins = [Requirement(line) for line in f.read().splitlines() if line.strip() and not line.startswith("#")]
+    versions = {}
+    for pin in pins:
+        (spec,) = pin.specifier
+        assert spec.operator == "==", pin  # exact: CI tests one named release
+        versions[pin.name.replace("_", "-")] = spec.version
+    assert versions["jax"] == versions["jaxlib"] == NEWEST_TESTED, versions
+    for name, version in versions.items():
+        if name in requires:
+            assert requires[name].specifier.contains(version), (name, version, str(requires[name].specifier))
+    assert {"jax", "flax", "optax", "orbax-checkpoint", "numpy"} <= set(versions) <= set(requires) | {
+        "jaxlib", "ml-dtypes"}, versions
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        script = f.read()
+    assert '-m pip install -q -c constraints/newest-jax.txt -e ".[test]"' in script
