@@ -107,6 +107,18 @@ def test_scatter_clip_mode_on_an_unsplit_indexed_dim(rng):
     assert_close(gs.partition(fn, mesh)(op, i, j, u), fn(op, i, j, u))
 
 
+@pytest.mark.parametrize("combine", ["min", "max", "multiply"])
+def test_scatter_combiners_on_a_split_operand(rng, combine):
+    """x.at[i].min / .max / .multiply (scatter-min, -max, -mul) with the indexed dim split: each device applies
+    the updates landing in its rows (repeated indices included), without the replicated fallback."""
+    mesh = get_mesh("2x4")
+    op, u = randn(rng, 16, 8), randn(rng, 12, 8)
+    i = np.array([0, 3, 3, 5, 8, 9, 9, 9, 12, 15, 2, 7], np.int32)
+    fn = lambda o, i, u: getattr(gs.shard(jnp.asarray(o), ("data", "model")).at[i], combine)(u)
+    assert not gs.explain(fn, mesh, op, i, u).fallbacks
+    assert_close(gs.partition(fn, mesh)(op, i, u), fn(op, i, u))
+
+
 def test_per_row_slot_reads_and_writes_keep_their_other_dims_split():
     """buf[s, k[s]] read and buf[s, k[s]] += u[s] per row s (a pipeline's per-stage stash): the slot's whole
     window dims stay split, on every shard (a shard other than the first must not drop its part)."""

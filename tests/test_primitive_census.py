@@ -103,6 +103,7 @@ CASES = {
     "reduce": (_minmax, _x()),
     "regularized_incomplete_beta": (lambda x: jax.lax.betainc(x + 1.0, 2.0 - x, x), _x()),
     "scaled_dot": (_scaled_dot, _x((8, 16))),
+    "tile": (lambda x: jnp.tile(x, (2, 1)) + jnp.tile(x[:, :4], (1, 4)).sum(), _x()),
     "zeta": (lambda x: jax.lax.zeta(x + 2.0, x + 1.0), _x()),
 }
 

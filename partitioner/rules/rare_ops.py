@@ -1,11 +1,13 @@
 """Factor rules for the primitives that models rarely emit but jax.lax and jax.numpy do: generators without
-operands, identities over several operands (and sinks), a variadic reduce, gamma and Poisson sampling and the
+operands, identities over several operands (and sinks), a variadic reduce, gamma and Poisson sampling, tiling and the
 block-scaled dot; and the hook of mulhi, which XLA cannot compile inside a manual region.
 
 Each rule keeps whole only the dims whose split would change the result, so none of these ops needs the
 replicated fallback (tests/test_primitive_census.py finds any primitive the registry has no rule for).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -57,6 +59,19 @@ def keyed_sampler(eqn: Eqn) -> Rule:
     n = FactorNames()
     dims = _dims(n, alpha)
     return Rule(eqn.name, (dims[:kd], dims), (dims,), n.sizes, replicated=frozenset(f for (f,) in dims[kd:]))
+
+
+def tile(eqn: Eqn) -> Optional[Rule]:
+    """jnp.tile: a dim repeated once passes through (split alike); a repeated dim stays whole on both sides (a
+    block of the repeats is not the repeats of a block)."""
+    x, reps = eqn.invars[0], eqn.params["reps"]
+    if len(reps) != len(shape_of(x)):
+        return None
+    n = FactorNames()
+    ins = _dims(n, x)
+    outs = tuple(f if r == 1 else (n.new(s * r),) for f, s, r in zip(ins, shape_of(x), reps))
+    whole = frozenset(f for d, r in enumerate(reps) if r != 1 for (f,) in (ins[d], outs[d]))
+    return Rule("tile", (ins,), (outs,), n.sizes, replicated=whole)
 
 
 def scaled_dot(eqn: Eqn) -> Rule:

@@ -195,6 +195,10 @@ OPS: dict[str, Op] = {
     "scan": Op(form=CF.FORMS["scan"]),
     "scatter": Op(R.scatter_rule, H.scatter_hook),
     "scatter-add": Op(R.scatter_rule, H.scatter_hook, masked_operands=(2,)),  # the updates: indices then add zeros
+    # x.at[i].min / .max / .multiply: each device applies the updates that land in its block (as scatter)
+    "scatter-max": Op(R.scatter_rule, H.scatter_hook),
+    "scatter-min": Op(R.scatter_rule, H.scatter_hook),
+    "scatter-mul": Op(R.scatter_rule, H.scatter_hook),
     "select_and_gather_add": Op(W.select_gather_rule, W.select_gather_hook, W.collectives, W.received_keys),
     "select_and_scatter_add": Op(W.select_scatter_rule, W.select_scatter_hook, W.collectives, W.received_keys),
     "shard_map": Op(manual=True),
@@ -206,6 +210,7 @@ OPS: dict[str, Op] = {
     "split": Op(RO.split_rule, RO.split_hook, RO.split_collectives),
     "squeeze": Op(R.squeeze),
     "stack": Op(R.stack_rule),
+    "tile": Op(RR.tile),
     "top_k": Op(R.top_k, H.top_k_hook, H.top_k_collectives),
     "transpose": Op(R.transpose),
     "unstack": Op(R.unstack_rule),
