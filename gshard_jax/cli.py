@@ -80,17 +80,18 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fitting(cfg, e) -> str:
-    """The planner's options that would fit a step that does not (planner/fit_options.py)."""
+def _fitting(cfg, e, target=None) -> str:
+    """The planner's options that would fit a step that does not (planner/fit_options.py), on this process's
+    devices or a compile target's."""
     import jax
 
     from .partitioner.costs import hardware
     from .planner import fit_options
     t = cfg.train
-    kind = jax.devices()[0]
+    kind, count = (jax.devices()[0], jax.device_count()) if target is None else (target.devices()[0], target.count)
     hw = hardware.get(t.hardware) if t.get("hardware", "auto") != "auto" else (
         hardware.for_device(kind.device_kind) or hardware.default_for(kind.platform))
-    return fit_options.suggest(cfg, jax.device_count(), hw, e.limit, e.memory.total)
+    return fit_options.suggest(cfg, count, hw, e.limit, e.memory.total)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -202,26 +203,29 @@ def _plan(args: argparse.Namespace) -> int:
 def _check_memory(args: argparse.Namespace, result) -> None:
     """The top --check-memory candidates compiled on as many simulated CPU devices as the plan has."""
     from .planner import memory_check
-    from .training.fit import size
-    top = result.ranked[:args.check_memory]
-    print(f"\nmemory check: the top {len(top)} compiled on {args.devices} simulated CPU devices (XLA:CPU's "
-          f"buffer assignment), against the plan's prediction per device:", flush=True)
-    rows = memory_check.check(os.path.abspath(args.config), list(args.overrides), args.devices,
-                              [r.candidate for r in top], [r.estimate.memory["total"] for r in top],
-                              [sum(r.estimate.memory.get(k, 0.0) for k in ("params", "optimizer", "batch"))
-                               for r in top], result.hardware.platform)
-    for i, r in enumerate(rows, 1):
-        if "error" in r:
-            print(f"  #{i} {r['key']}: not compiled ({r['error']})")
-            continue
-        got = r["total"]
-        if "twin" in r:
-            print(f"  #{i} compiled as its twin {r['twin']['key']} (data and batch / {r['twin']['data_over']}: the "
-                  f"same per-device program but ZeRO's data shard; its arguments from the plan)")
-        print(f"  #{i} {r['key']}: planned {size(r['predicted'])} on {result.hardware.name}; as XLA:CPU holds it "
-              f"(float32 activations) {size(r['cpu_formula'])}, compiled {size(got)} "
-              f"({r['cpu_formula'] / got:.2f}x; temporaries {size(r['compiled']['temporaries'])}), "
-              f"{r['seconds']:.0f} s")
+    for line in memory_check.report(os.path.abspath(args.config), list(args.overrides), args.devices, result,
+                                    args.check_memory):
+        print(line, flush=True)
+
+
+def _compile(args: argparse.Namespace) -> int:
+    from . import targets
+    from .training import aot
+    target = targets.parse(args.target)
+    cfg = _setup(args) if target.compiler == "cpu" else _load(args)
+    try:
+        result = aot.compile_step(cfg, target)
+    except targets.MissingCompiler as e:
+        print(f"gshard-jax compile: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(result.to_dict()) if args.json else "\n".join(result.lines()))
+    if not result.fits:
+        from .training import fit
+        options = "" if result.memory is None else "\n" + _fitting(
+            _load(args), fit.DoesNotFit(result.memory, result.limit, result.limit_source), target)
+        print(f"gshard-jax compile: will not fit on {target}{options}", file=sys.stderr)
+        return EXIT_MEMORY
+    return 0
 
 
 def _mesh_arg(text: str) -> dict[str, int]:
@@ -383,6 +387,21 @@ def parser() -> argparse.ArgumentParser:
                    "steps on as many simulated CPU devices as --devices, in a child process, and print their "
                    "compiled memory per device against the plan's")
     q.set_defaults(run=_plan)
+
+    q = sub.add_parser("compile", help="compile a config's train step for a TPU, GPU or CPU target, without it",
+                       description="Compile the config's train step with our partitioner for a target's devices "
+                       "(XLA:TPU and XLA:GPU compile here without the devices: gshard_jax/targets) and print "
+                       "the memory per device that compiler holds against the device's (fits, or by how much "
+                       "not, with the breakdown and the planner's options), the collectives per step, and "
+                       "XLA:TPU's estimate of the step's time. Exits 4 when the step does not fit.")
+    _config_arg(q)
+    q.add_argument("--target", required=True, metavar="T", help="tpu:GEN:TOPOLOGY (tpu:v5p:2x2x2; GEN v3, v4, "
+                   "v5e, v5p or v6e), gpu:GPU:SLICESxHOSTSxGPUS (gpu:h100:1x1x8; GPU h100, h200, a100-40, "
+                   "a100-80 or b200) or cpu:N (N simulated CPU devices)")
+    q.add_argument("--cpu-devices", type=int, default=0, metavar="N", help="with a cpu target: simulate N CPU "
+                   "devices (default: the target's)")
+    q.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    q.set_defaults(run=_compile, coordinator="", num_processes=None, process_id=None)
 
     q = sub.add_parser("params", help="count a config's parameters (total and active per token)",
                        description="Print the total parameters and the parameters active per token of the "

@@ -1,7 +1,11 @@
-"""Eight simulated CPU devices for every test (set before jax initialises)."""
+"""Eight simulated CPU devices for every test (set before jax initialises). JAX_PLATFORMS=cpu (inherited by the
+tests' subprocesses): where libtpu or JAX's CUDA plugin is installed to compile for TPU and GPU targets
+(gshard_jax/targets), it starts no backend of its own; those targets compile beside the CPU devices."""
 import os
 
-import jax
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 

@@ -325,7 +325,7 @@ def test_a_mesh_larger_than_the_devices_says_how_to_fix_it(tmp_path, data_dir):
 
 
 def test_every_subcommand_has_help():
-    for sub in ("train", "launch", "eval", "explain", "compare", "params", "prepare-data", "plot"):
+    for sub in ("train", "launch", "eval", "explain", "compare", "compile", "params", "prepare-data", "plot"):
         p = cli(sub, "--help")
         assert "usage: gshard-jax " + sub in p.stdout and len(p.stdout) > 200
 

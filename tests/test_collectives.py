@@ -121,6 +121,18 @@ def test_collective_stats_reads_mesh_replica_groups():
     assert gs.collective_stats(permuted)["all-reduce"]["moved_bytes"] == 2 * 3 / 4 * 36
 
 
+def test_collective_stats_reads_xla_gpus_async_all_to_all():
+    """XLA:GPU's all-to-all-start (as it compiles the MoE dispatch for an H100 target): a tuple of its operands,
+    then its result; counted once, by its result, and its -done not again."""
+    start = ("  %all-to-all-start.3 = ((f32[4,2,128,2,40]{4,3,2,1,0}), f32[4,2,128,2,40]{4,3,2,1,0}) "
+             "all-to-all-start(%loop_transpose_fusion.11), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, "
+             "dimensions={0}")
+    done = "  %all-to-all-done.3 = f32[4,2,128,2,40]{4,3,2,1,0} all-to-all-done(%all-to-all-start.3)"
+    stats = gs.collective_stats(start + "\n" + done)["all-to-all"]
+    assert (stats["count"], stats["payload_bytes"], stats["moved_bytes"]) == (1, 4 * 2 * 128 * 2 * 40 * 4,
+                                                                               3 / 4 * 4 * 2 * 128 * 2 * 40 * 4)
+
+
 def test_xla_data_parallel_grad_bytes_are_counted(rng):
     """XLA's partitioned data-parallel grad all-reduces the weight gradient: the bytes must be counted."""
     mesh = gs.make_mesh({"data": 2, "model": 4})

@@ -47,7 +47,7 @@ def test_the_code_passes_the_ruff_config():
 LAYERS = [
     ("partitioner", ["gshard_jax.partitioner"]),
     ("api", ["gshard_jax.annotations", "gshard_jax.passes", "gshard_jax.api", "gshard_jax.sources",
-             "gshard_jax.specs", "gshard_jax.manual", "gshard_jax.mesh"]),
+             "gshard_jax.specs", "gshard_jax.manual", "gshard_jax.mesh", "gshard_jax.targets"]),
     ("pipeline", ["gshard_jax.pipelines"]),
     ("models", ["gshard_jax.models"]),
     ("configs", ["gshard_jax.configs"]),

@@ -116,6 +116,32 @@ def check(config: str, overrides: list, devices: int, candidates: list[SP.Candid
     return rows
 
 
+def report(config: str, overrides: list, devices: int, result: Any, top: int) -> list[str]:
+    """`gshard-jax plan --check-memory`'s lines: the plan's top candidates compiled (check()) against its
+    prediction per device."""
+    from ..training.fit import size
+    ranked = result.ranked[:top]
+    out = [f"\nmemory check: the top {len(ranked)} compiled on {devices} simulated CPU devices (XLA:CPU's buffer "
+           f"assignment), against the plan's prediction per device:"]
+    memory = [r.estimate.memory for r in ranked]
+    rows = check(config, overrides, devices, [r.candidate for r in ranked], [m["total"] for m in memory],
+                 [sum(m.get(k, 0.0) for k in ("params", "optimizer", "batch")) for m in memory],
+                 result.hardware.platform)
+    for i, r in enumerate(rows, 1):
+        if "error" in r:
+            out.append(f"  #{i} {r['key']}: not compiled ({r['error']})")
+            continue
+        got = r["total"]
+        if "twin" in r:
+            out.append(f"  #{i} compiled as its twin {r['twin']['key']} (data and batch / {r['twin']['data_over']}: "
+                       f"the same per-device program but ZeRO's data shard; its arguments from the plan)")
+        out.append(f"  #{i} {r['key']}: planned {size(r['predicted'])} on {result.hardware.name}; as XLA:CPU holds "
+                   f"it (float32 activations) {size(r['cpu_formula'])}, compiled {size(got)} "
+                   f"({r['cpu_formula'] / got:.2f}x; temporaries {size(r['compiled']['temporaries'])}), "
+                   f"{r['seconds']:.0f} s")
+    return out
+
+
 def _candidate(d: dict) -> SP.Candidate:
     return SP.Candidate(tuple((a, d["mesh"][a]) for a in d["mesh_order"]), d["zero_stage"], d["epso"],
                         d["microbatches"], d["schedule"], d["repeats"], d["remat"], d["sequence_parallel"],

@@ -17,7 +17,7 @@ import logging
 import math
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -83,9 +83,10 @@ def init_devices(cpu_devices: int = 0, coordinator: str = "", num_processes: Opt
     return peers
 
 
-def mesh_for(cfg: configs.Config | ml_collections.ConfigDict) -> jax.sharding.Mesh:
-    """The config's mesh over all devices; axes of size 1 are left out (at least `data` stays). A ConfigDict
-    needs only its mesh section (and mesh_order)."""
+def mesh_for(cfg: configs.Config | ml_collections.ConfigDict,
+             devices: Optional[Sequence[jax.Device]] = None) -> jax.sharding.Mesh:
+    """The config's mesh over all devices (or the given ones: a compile target's); axes of size 1 are left out
+    (at least `data` stays). A ConfigDict needs only its mesh section (and mesh_order)."""
     is_typed = isinstance(cfg, configs.Config)
     mesh = cfg.mesh if is_typed else configs.section(configs.MeshConfig, "mesh", cfg.mesh)
     mesh_order = cfg.mesh_order if is_typed else cfg.get("mesh_order", "")
@@ -93,7 +94,7 @@ def mesh_for(cfg: configs.Config | ml_collections.ConfigDict) -> jax.sharding.Me
     if sizes.get("model", 1) != 1 and sizes.get("y", 1) != 1:
         raise ValueError(f"mesh.model={sizes['model']} and mesh.y={sizes['y']}: `model` is another name for "
                          f"`y`; set one of them")
-    n = jax.device_count()
+    n = jax.device_count() if devices is None else len(devices)
     sizes = mesh.on(n)
     kept = {k: s for k, s in sizes.items() if s != 1} or {"data": 1}
     order = [a for a in mesh_order.split(",") if a]
@@ -103,11 +104,12 @@ def mesh_for(cfg: configs.Config | ml_collections.ConfigDict) -> jax.sharding.Me
                              f"has {sorted(kept)}")
         kept = {a: kept[a] for a in order}
     if math.prod(kept.values()) != n:
+        where = jax.default_backend() if devices is None else f"{devices[0].device_kind}, given"
         raise ValueError(f"mesh {mesh.sizes()} needs {math.prod(kept.values())} devices but {n} are present "
-                         f"({jax.default_backend()}); pass --cpu-devices {math.prod(kept.values())} to simulate "
+                         f"({where}); pass --cpu-devices {math.prod(kept.values())} to simulate "
                          f"them on a CPU, or override the mesh (e.g. --config.mesh.data={n} "
                          f"--config.mesh.expert=1 --config.mesh.y=1)")
-    return gs.make_mesh(kept)
+    return gs.make_mesh(kept, devices=devices)
 
 
 def _check_intervals(t) -> None:

@@ -2,7 +2,8 @@
 
 Payload follows partitioner.cost: the result buffer of an all-gather,
 all-reduce, all-to-all or collective-permute, the operand (result x group)
-of a reduce-scatter. Async ``-start`` forms are included and ``-done`` halves not counted twice.
+of a reduce-scatter. Async ``-start`` forms are included (XLA:GPU's all-to-all-start among them, its operands
+then its result) and ``-done`` halves not counted twice.
 `count` is the number of collectives performed: XLA's combiners merge
 several all-reduces (all-gathers, reduce-scatters) into one tuple-shaped
 instruction, which counts as its elements; a tuple-shaped all-to-all is one
@@ -25,8 +26,8 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
                 "s4": 1, "u4": 1}
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+(?P<op>all-gather-start|all-gather|"
-                    r"all-reduce-start|all-reduce|reduce-scatter|all-to-all|collective-permute-start|"
-                    r"collective-permute)\((?P<rest>.*)$")
+                    r"all-reduce-start|all-reduce|reduce-scatter|all-to-all-start|all-to-all|"
+                    r"collective-permute-start|collective-permute)\((?P<rest>.*)$")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 
 
@@ -125,7 +126,7 @@ def collectives(compiled: Any, per_step: bool = False) -> list[dict]:
         op, rest = m.group("op"), m.group("rest")
         kind = op.removesuffix("-start")
         sizes = _arrays(m.group("shape"))
-        if op.endswith("-start") and kind in ("all-gather", "collective-permute"):
+        if op.endswith("-start") and kind in ("all-gather", "collective-permute", "all-to-all"):
             # (operands..., results..., [sync flags]): keep the results.
             big = [s for s in sizes if s > 4] or sizes
             sizes = big[len(big) // 2:]
