@@ -166,6 +166,12 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from .planner import axonn, hardware, search
     cfg = _load(args)
+    if args.target:
+        from . import targets
+        count = targets.parse(args.target).count
+        if not args.check_memory or count != args.devices:
+            raise ValueError(f"--target {args.target} compiles the plan's top candidates: it needs --check-memory K "
+                             f"and --devices {count} (the target's devices; got {args.devices})")
     hw = hardware.get(args.hardware)
     if args.comm_model == "axonn":
         t, m = cfg.train, cfg.model
@@ -204,7 +210,7 @@ def _check_memory(args: argparse.Namespace, result) -> None:
     """The top --check-memory candidates compiled on as many simulated CPU devices as the plan has."""
     from .planner import memory_check
     for line in memory_check.report(os.path.abspath(args.config), list(args.overrides), args.devices, result,
-                                    args.check_memory):
+                                    args.check_memory, args.target):
         print(line, flush=True)
 
 
@@ -384,8 +390,10 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true", help="print the plan as JSON")
     q.add_argument("--out", default="", metavar="PLAN.json", help="write the plan as JSON (for train --plan)")
     q.add_argument("--check-memory", type=int, default=0, metavar="K", help="compile the top K candidates' train "
-                   "steps on as many simulated CPU devices as --devices, in a child process, and print their "
-                   "compiled memory per device against the plan's")
+                   "steps on as many simulated CPU devices as --devices (or for --target's), in a child "
+                   "process, and print their compiled memory per device against the plan's")
+    q.add_argument("--target", default="", metavar="T", help="with --check-memory: compile for this target "
+                   "(gshard-jax compile's: tpu:v3:8x8, gpu:a100-40:1x16x4, ...) of --devices devices")
     q.set_defaults(run=_plan)
 
     q = sub.add_parser("compile", help="compile a config's train step for a TPU, GPU or CPU target, without it",

@@ -109,3 +109,25 @@ def test_each_gpu_target_compiles_a_train_step(gpu):
     got = aot.compile_step(configs.load("experiments/tiny_dense_lm.py"), target)
     assert got.mesh == {"data": 8} and got.fits and got.step_s is None
     assert math.isclose(got.limit, 0.75 * target.memory_bytes) and 0 < got.memory.total < GiB
+
+
+def test_plan_compiles_for_a_target_only_of_its_device_count(capsys):
+    args = ["plan", "--config", "experiments/tiny_dense_lm.py", "--devices", "16", "--target", "tpu:v5p:2x2x2"]
+    assert main(args) == 2
+    assert "needs --check-memory K and --devices 8 (the target's devices; got 16)" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # 30-60 s: a plan, then its #1 compiled by XLA:TPU in a child process
+@pytest.mark.skipif(not HAS_TPU, reason="XLA:TPU (libtpu) is not installed: pip install -e '.[tpu]'")
+def test_plan_check_memory_compiles_its_top_candidate_for_a_tpu_target(capsys):
+    """`plan --check-memory 1 --target tpu:v5p:2x2x2`: the plan's #1 compiled by XLA:TPU in the child, while this
+    process may hold libtpu too (ALLOW_MULTIPLE_LIBTPU_LOAD), its compiled memory the in-process compile's."""
+    TG.parse("tpu:v5p:2x2x2").devices()  # this process loads libtpu first
+    args = ["plan", "--config", "experiments/tiny_dense_lm.py", "--devices", "8", "--top", "1", "--check-memory", "1",
+            "--target", "tpu:v5p:2x2x2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "the top 1 compiled for tpu:v5p:2x2x2" in out, out[-2000:]
+    line = next(x for x in out.splitlines() if x.startswith("  #1 "))
+    want = aot.compile_step(configs.load("experiments/tiny_dense_lm.py"), TG.parse("tpu:v5p:2x2x2")).memory.total
+    assert f"compiled {fit.size(want)}" in line, (line, fit.size(want))

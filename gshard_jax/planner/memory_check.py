@@ -60,20 +60,22 @@ def outputs_bytes(report: Any, donated: set) -> int:
                            for k, o in enumerate(report.outputs) if k not in donated))
 
 
-def compiled(cfg: ml_collections.ConfigDict, c: SP.Candidate, platform: str = "") -> Any:
+def compiled(cfg: ml_collections.ConfigDict, c: SP.Candidate, platform: str = "", devices: Optional[list] = None
+             ) -> Any:
     """The compiled train step's memory (training/fit.StepMemory) of candidate c, on this process's devices
-    (as many as c's mesh has); platform: the one planned for, whose dropless exchange the step takes (as
-    predict.explain does), where it is not this one."""
+    (as many as c's mesh has) or the given ones (a compile target's: gshard_jax/targets); platform: the one
+    planned for, whose dropless exchange the step takes (as predict.explain does), where it is not this one."""
     from ..models import dropless
     from ..training import fit, train
-    n = math.prod(c.sizes.values())
-    if n != jax.device_count():
-        raise ValueError(f"candidate {c.key} needs {n} devices to compile; this process has {jax.device_count()} "
-                         f"(run it with --cpu-devices {n})")
+    n, have = math.prod(c.sizes.values()), jax.device_count() if devices is None else len(devices)
+    if n != have:
+        raise ValueError(f"candidate {c.key} needs {n} devices to compile; there are {have} (run it with "
+                         f"--cpu-devices {n}, or a target of {n} devices)")
     run = predict.apply(cfg, c)
     if platform and run.model.moe.num_experts:
         run.model.moe.exchange = dropless.exchange_for(run.model.moe.get("exchange", "auto"), platform)
-    return fit.step_memory(train.Trainer(run, ""))
+    mesh = None if devices is None else train.mesh_for(run, devices)
+    return fit.step_memory(train.Trainer(run, "", mesh=mesh))
 
 
 def row(cfg: ml_collections.ConfigDict, c: SP.Candidate, hw: Hardware, explain: bool = True) -> Row:
@@ -91,17 +93,19 @@ def row(cfg: ml_collections.ConfigDict, c: SP.Candidate, hw: Hardware, explain: 
 # buffer assignment and scheduler differ: docs/planner.md). Nothing is allocated: the state and batch are shapes.
 
 def check(config: str, overrides: list, devices: int, candidates: list[SP.Candidate], predicted: list[float],
-          arguments: list[float], platform: str = "", timeout: Optional[float] = None) -> list[dict]:
+          arguments: list[float], platform: str = "", timeout: Optional[float] = None,
+          target: str = "") -> list[dict]:
     """Compile each candidate of a plan in a child process of `devices` simulated CPU devices (platform: the
     plan's, see compiled()): per candidate {"key", "predicted", "cpu_formula" (the formula as XLA:CPU holds
     the step: activations in float32), "compiled" (StepMemory's dict) or "error", "seconds", "total" (the
     compiled bytes per device)}. Beyond MAX_CPU_DEVICES a candidate compiles as its `twin`, whose outputs and
-    temporaries join the candidate's own argument bytes (`arguments`: the plan's, exact from its report)."""
+    temporaries join the candidate's own argument bytes (`arguments`: the plan's, exact from its report).
+    target: compile for a compile target's devices instead (`tpu:v3:8x8`; as many as `devices`), no twin."""
     import json
     import subprocess
     import sys
     job = {"config": config, "overrides": overrides, "devices": devices, "platform": platform,
-           "candidates": [c.to_dict() for c in candidates]}
+           "candidates": [c.to_dict() for c in candidates], "target": target}
     done = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(job), capture_output=True, text=True,
                           timeout=timeout)
     lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
@@ -116,22 +120,27 @@ def check(config: str, overrides: list, devices: int, candidates: list[SP.Candid
     return rows
 
 
-def report(config: str, overrides: list, devices: int, result: Any, top: int) -> list[str]:
-    """`gshard-jax plan --check-memory`'s lines: the plan's top candidates compiled (check()) against its
-    prediction per device."""
+def report(config: str, overrides: list, devices: int, result: Any, top: int, target: str = "") -> list[str]:
+    """`gshard-jax plan --check-memory`'s lines: the plan's top candidates compiled (check(); for `target`'s
+    compiler where given) against its prediction per device."""
     from ..training.fit import size
     ranked = result.ranked[:top]
-    out = [f"\nmemory check: the top {len(ranked)} compiled on {devices} simulated CPU devices (XLA:CPU's buffer "
-           f"assignment), against the plan's prediction per device:"]
+    where = f"for {target}" if target else f"on {devices} simulated CPU devices (XLA:CPU's buffer assignment)"
+    out = [f"\nmemory check: the top {len(ranked)} compiled {where}, against the plan's prediction per device:"]
     memory = [r.estimate.memory for r in ranked]
     rows = check(config, overrides, devices, [r.candidate for r in ranked], [m["total"] for m in memory],
                  [sum(m.get(k, 0.0) for k in ("params", "optimizer", "batch")) for m in memory],
-                 result.hardware.platform)
+                 result.hardware.platform, target=target)
     for i, r in enumerate(rows, 1):
         if "error" in r:
             out.append(f"  #{i} {r['key']}: not compiled ({r['error']})")
             continue
         got = r["total"]
+        if target:
+            out.append(f"  #{i} {r['key']}: planned {size(r['predicted'])} on {result.hardware.name}; compiled "
+                       f"{size(got)} ({r['predicted'] / got:.2f}x; temporaries {size(r['compiled']['temporaries'])}), "
+                       f"{r['seconds']:.0f} s")
+            continue
         if "twin" in r:
             out.append(f"  #{i} compiled as its twin {r['twin']['key']} (data and batch / {r['twin']['data_over']}: "
                        f"the same per-device program but ZeRO's data shard; its arguments from the plan)")
@@ -184,11 +193,20 @@ def _child() -> None:
     from .. import configs
     from ..training import overrides
     cfg = overrides.apply(configs.load(job["config"]), [tuple(kv) for kv in job["overrides"]])
+    devices = None
+    if job.get("target"):
+        from .. import targets
+        devices = targets.parse(job["target"]).devices()
     for d in job["candidates"]:
         c = _candidate(d)
         start = time.perf_counter()
         try:
             row = {"key": c.key, "cpu_formula": formula(cfg, c, "cpu")["total"]}
+            if devices is not None:  # the target's compiler, for as many devices as the plan: no twin
+                row["compiled"] = compiled(cfg, c, job.get("platform", ""), devices).to_dict()
+                row["seconds"] = time.perf_counter() - start
+                print(json.dumps(row), flush=True)
+                continue
             small, c2, f = twin(cfg, c)
             if f > 1:  # all but ZeRO's data shard on the twin; the arguments from the plan (check's caller)
                 row["twin"] = {"key": c2.key, "data_over": f}

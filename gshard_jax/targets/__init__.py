@@ -78,6 +78,8 @@ class Target:
         _require(self.compiler)
         if self.compiler == "tpu":
             os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server to ask
+            # compile-only: another process (a test run, a plan's memory check) may hold libtpu at once
+            os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
             desc = topologies.get_topology_desc(platform="tpu", topology_name=f"{self.device}:{self.topology}")
         else:
             os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check
