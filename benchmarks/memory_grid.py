@@ -3,13 +3,18 @@ compiled train step's memory_analysis() (argument + output - alias + temp), on 8
 grid of the seeds' options: dense and MoE (einsum and dropless), remat none / dots / dots_saveable / full, ZeRO
 0-3 and EPSO, microbatches, GPipe / 1F1B / interleaved, context parallelism, offload, scanned and unrolled.
 
-    python benchmarks/memory_grid.py [--cases 0,3,7] [--no-explain] [--json OUT]
+    python benchmarks/memory_grid.py [--cases 0,3,7] [--no-explain] [--json OUT] [--target T] [--hardware P]
+
+--target compiles each case for a TPU or GPU target of 8 devices instead (`tpu:v5p:2x2x2`, `gpu:h100:1x1x8`:
+gshard_jax/targets; its compiler installed), the formula and explain() then planned for that platform on
+--hardware's profile (default: the platform's generic one).
 
 Every case is the experiment file with seq_len 64, batch 32, vocabulary 512, float32, and the overrides listed.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -19,7 +24,8 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from gshard_jax import configs  # noqa: E402
+from gshard_jax import configs, targets  # noqa: E402
+from gshard_jax.partitioner.costs import hardware  # noqa: E402
 from gshard_jax.partitioner.costs.hardware import default_for  # noqa: E402
 from gshard_jax.planner import memory_check as MC, space as SP  # noqa: E402
 from gshard_jax.training import overrides  # noqa: E402
@@ -104,10 +110,17 @@ def main() -> None:
     p.add_argument("--no-explain", action="store_true", help="leave explain()'s prediction out (faster)")
     p.add_argument("--json", default="", help="write the rows here too")
     p.add_argument("--held-out", action="store_true", help="the HELD_OUT shapes instead of the grid")
+    p.add_argument("--target", default="", help="compile for this target of 8 devices (tpu:v5p:2x2x2, ...)")
+    p.add_argument("--hardware", default="", help="the profile the formula and explain() plan on (with --target)")
     a = p.parse_args()
     table = HELD_OUT if a.held_out else GRID
     want = [int(x) for x in a.cases.split(",") if x] or range(len(table))
-    hw = default_for("cpu")
+    devices, hw = None, default_for("cpu")
+    if a.target:
+        target = targets.parse(a.target)
+        devices = target.devices()
+        hw = hardware.get(a.hardware) if a.hardware else default_for(target.compiler)
+        hw = dataclasses.replace(hw, platform=target.compiler)
     mib = lambda b: "-" if b is None else f"{b / MC.MiB:.2f}"
     ratio = lambda r: "-" if r is None else f"{r:.2f}"
     print("| # | config | candidate | formula MiB | explain() MiB | compiled MiB | formula / compiled | "
@@ -118,7 +131,7 @@ def main() -> None:
         start = time.perf_counter()
         cfg, c = case(i, a.held_out)
         try:
-            r = MC.row(cfg, c, hw, explain=not a.no_explain)
+            r = MC.row(cfg, c, hw, explain=not a.no_explain, devices=devices)
         except Exception as e:  # a case that cannot be predicted or compiled is a row that says why
             print(f"| {i} | {table[i][0]} | {c.key} | {type(e).__name__}: {str(e).splitlines()[0][:200]} |||||",
                   flush=True)
@@ -126,7 +139,8 @@ def main() -> None:
         rows.append(dict(r.to_dict(), case=i, config=table[i][0], seconds=time.perf_counter() - start))
         print(f"| {i} | {table[i][0]} | {c.key} | {mib(r.formula)} | {mib(r.explained)} | {mib(r.compiled)} | "
               f"{ratio(r.ratio())} | {ratio(r.ratio('explained'))} |", flush=True)
-    print(f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].platform}")
+    where = f"{a.target}, planned on {hw.name}" if a.target else f"{len(jax.devices())} x {jax.devices()[0].platform}"
+    print(f"jax {jax.__version__}, {where}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

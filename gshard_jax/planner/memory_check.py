@@ -78,10 +78,11 @@ def compiled(cfg: ml_collections.ConfigDict, c: SP.Candidate, platform: str = ""
     return fit.step_memory(train.Trainer(run, "", mesh=mesh))
 
 
-def row(cfg: ml_collections.ConfigDict, c: SP.Candidate, hw: Hardware, explain: bool = True) -> Row:
-    """c's memory three ways (explain: also explain()'s prediction)."""
+def row(cfg: ml_collections.ConfigDict, c: SP.Candidate, hw: Hardware, explain: bool = True,
+        devices: Optional[list] = None) -> Row:
+    """c's memory three ways (explain: also explain()'s prediction; devices: compiled for a compile target's)."""
     f = formula(cfg, c, hw.platform)
-    got = compiled(cfg, c)
+    got = compiled(cfg, c, hw.platform if devices is not None else "", devices)
     return Row(c.key, f["total"], explained(cfg, c, hw) if explain else None, got.total,
                {k: v for k, v in f.items() if k != "total"})
 
