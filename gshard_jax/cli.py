@@ -227,8 +227,9 @@ def _compile(args: argparse.Namespace) -> int:
     print(json.dumps(result.to_dict()) if args.json else "\n".join(result.lines()))
     if not result.fits:
         from .training import fit
-        options = "" if result.memory is None else "\n" + _fitting(
-            _load(args), fit.DoesNotFit(result.memory, result.limit, result.limit_source), target)
+        memory = result.memory or (result.needed and fit.StepMemory(0, 0, 0, 0, 0, int(result.needed)))
+        options = "" if not memory or result.limit is None else "\n" + _fitting(
+            _load(args), fit.DoesNotFit(memory, result.limit, result.limit_source), target)
         print(f"gshard-jax compile: will not fit on {target}{options}", file=sys.stderr)
         return EXIT_MEMORY
     return 0

@@ -99,6 +99,16 @@ def test_a_step_over_the_chips_memory_is_refused_and_the_cli_says_so(capsys):
     assert main(args) == 4
     out, err = capsys.readouterr()
     assert "does not fit" in out and "RESOURCE_EXHAUSTED" in out and "will not fit on tpu:v5e:2x4" in err, (out, err)
+    needed, available = aot.refused_sizes(out)
+    assert needed > available > 15 * GiB and f"{fit.size(needed)} of temporaries in {fit.size(available)}" in out
+    assert "no configuration of these devices fits" in err or "microbatches" in err, err
+
+
+def test_xla_tpus_refusal_gives_the_sizes():
+    text = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+            "(179.33G) exceeds available HBM (15.75G).")
+    assert aot.refused_sizes(text) == (179.33 * GiB, 15.75 * GiB)
+    assert aot.refused_sizes("RESOURCE_EXHAUSTED: no sizes here") == (None, None)
 
 
 @pytest.mark.slow  # 15-30 s a target; needs JAX's CUDA plugin (about 3-4 GB)

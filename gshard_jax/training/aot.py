@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 from typing import Any, Optional
 
@@ -31,6 +32,7 @@ class Compiled:
     step_s: Optional[float]  # XLA:TPU's estimate of the step's time (cost_analysis' optimal_seconds)
     compile_s: float
     error: str = ""  # the compiler's refusal (XLA:TPU refuses a step over the chip's memory)
+    needed: Optional[float] = None  # with a refusal: the bytes the compiler says the step's temporaries need
 
     @property
     def fits(self) -> bool:
@@ -48,7 +50,10 @@ class Compiled:
         """The report `gshard-jax compile` prints."""
         head = f"{self.target}, mesh {self.mesh}: compiled in {self.compile_s:.1f} s"
         if self.error:
-            return [head, f"does not fit: the compiler refused the step: {self.error}"]
+            short = "" if self.needed is None or self.limit is None else (
+                f" {fit.size(self.needed)} of temporaries in {fit.size(self.limit)}, "
+                f"{fit.size(self.needed - self.limit)} over at least;")
+            return [head, f"does not fit:{short} the compiler refused the step: {self.error}"]
         m, limit = self.memory, self.limit
         out = [head, f"memory per device: {m.breakdown()}"]
         if limit is None:
@@ -63,6 +68,16 @@ class Compiled:
         if self.step_s is not None:
             out.append(f"XLA:TPU's estimate of the step: {self.step_s * 1e3:.3g} ms")
         return out
+
+
+_SIZE = re.compile(r"\(([\d.]+)([KMGT])\)")
+
+
+def refused_sizes(error: str) -> tuple[Optional[float], Optional[float]]:
+    """(bytes needed, bytes available) from XLA:TPU's refusal of a step over the chip's memory ("... required for
+    HLO temporaries (179.33G) exceeds available HBM (15.75G)"); None where the message says no size."""
+    found = [float(n) * 1024 ** "KMGT".index(unit) * 1024 for n, unit in _SIZE.findall(error)]
+    return (found[0] if found else None), (found[1] if len(found) > 1 else None)
 
 
 def device_limit(cfg: Any, target: TG.Target) -> tuple[Optional[float], str]:
@@ -94,8 +109,12 @@ def compile_step(cfg: Any, target: TG.Target) -> Compiled:
     except Exception as e:  # XLA:TPU refuses a step over the chip's memory at compile time
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
+        error = str(e).splitlines()[0][:500]
+        needed, available = refused_sizes(error)
+        if available is not None and not trainer.cfg.train.memory_limit_gib:
+            limit, source = available, f"the HBM XLA:TPU says is available on a {target.device} device"
         return Compiled(str(target), dict(mesh.shape), None, limit, source, {}, None,
-                        time.perf_counter() - start, error=str(e).splitlines()[0][:500])
+                        time.perf_counter() - start, error=error, needed=needed)
     seconds = time.perf_counter() - start
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
