@@ -80,8 +80,11 @@ def refused_sizes(error: str) -> tuple[Optional[float], Optional[float]]:
     return (found[0] if found else None), (found[1] if len(found) > 1 else None)
 
 
-def device_limit(cfg: Any, target: TG.Target) -> tuple[Optional[float], str]:
-    """(bytes a step may hold on one of the target's devices, where that comes from)."""
+def device_limit(cfg: Any, target: TG.Target, mesh: Any) -> tuple[Optional[float], str]:
+    """(bytes a step may hold on one of the target's devices, where that comes from); a CPU target's as `train`
+    judges simulated devices (fit.device_limit)."""
+    if target.compiler == "cpu":
+        return fit.device_limit(cfg, mesh)
     t = cfg.train
     if t.memory_limit_gib:
         return t.memory_limit_gib * fit.GiB, f"train.memory_limit_gib={t.memory_limit_gib:g}"
@@ -90,9 +93,7 @@ def device_limit(cfg: Any, target: TG.Target) -> tuple[Optional[float], str]:
         return target.memory_bytes * fraction, (f"{fraction:.0%} of the {target.device}'s "
                                                 f"{fit.size(target.memory_bytes)}: JAX's GPU allocator "
                                                 f"(XLA_PYTHON_CLIENT_MEM_FRACTION)")
-    if target.compiler == "tpu":
-        return target.memory_bytes, f"the TPU {target.device}'s HBM per device"
-    return None, "a CPU target holds the host's memory"
+    return target.memory_bytes, f"the TPU {target.device}'s HBM per device"
 
 
 def compile_step(cfg: Any, target: TG.Target) -> Compiled:
@@ -101,8 +102,7 @@ def compile_step(cfg: Any, target: TG.Target) -> Compiled:
     mesh = train.mesh_for(cfg, devices)
     trainer = train.Trainer(cfg, "", mesh=mesh)
     state, batch = fit.abstract_inputs(trainer)
-    limit, source = device_limit(trainer.cfg, target) if target.compiler != "cpu" else fit.device_limit(
-        trainer.cfg, mesh)
+    limit, source = device_limit(trainer.cfg, target, mesh)
     start = time.perf_counter()
     try:
         compiled = trainer.step_fn.lower(state, batch).compile()
