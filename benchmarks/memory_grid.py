@@ -32,6 +32,8 @@ from gshard_jax.training import overrides  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["train.seq_len=64", "train.batch_size=32", "model.vocab_size=512", "model.dtype=float32"]
+# the accelerators' grid (--bf16): bfloat16 steps at sequences where attention's L x L terms count
+BF16 = ["train.seq_len=512", "train.batch_size=32", "model.vocab_size=2048", "model.dtype=bfloat16"]
 D, M = "tiny_dense_lm", "tiny_moe_lm"
 DROPLESS = ["model.moe.dispatch=dropless"]
 STAGED = ["model.scan=true"]
@@ -92,15 +94,19 @@ HELD_OUT = [
 ]
 
 
-def case(i: int, held_out: bool = False):
-    """(config, candidate) of grid case i (held_out: of HELD_OUT, at its shapes)."""
+def case(i: int, held_out: bool = False, bf16: bool = False):
+    """(config, candidate) of grid case i (held_out: of HELD_OUT, at its shapes; bf16: at BF16's, the case's
+    own overrides after them, but for its dtype)."""
     name, mesh, extra = (HELD_OUT if held_out else GRID)[i]
     cfg = configs.load(os.path.join(ROOT, "experiments", f"{name}.py"))
     cfg.mesh.update({a: 1 for a in configs.MeshConfig().sizes()})
     for part in mesh.split(","):
         a, n = part.split("=")
         cfg.mesh[a] = int(n)
-    cfg = overrides.apply(cfg, [tuple(kv.split("=", 1)) for kv in (WIDE if held_out else BASE) + extra])
+    if bf16:
+        extra = [kv for kv in extra if not kv.startswith("model.dtype=")]
+    base = BF16 if bf16 else WIDE if held_out else BASE
+    cfg = overrides.apply(cfg, [tuple(kv.split("=", 1)) for kv in base + extra])
     return cfg, SP.config_candidate(cfg, 8)
 
 
@@ -110,6 +116,7 @@ def main() -> None:
     p.add_argument("--no-explain", action="store_true", help="leave explain()'s prediction out (faster)")
     p.add_argument("--json", default="", help="write the rows here too")
     p.add_argument("--held-out", action="store_true", help="the HELD_OUT shapes instead of the grid")
+    p.add_argument("--bf16", action="store_true", help="every case in bfloat16 at BF16's shapes (seq 512)")
     p.add_argument("--target", default="", help="compile for this target of 8 devices (tpu:v5p:2x2x2, ...)")
     p.add_argument("--hardware", default="", help="the profile the formula and explain() plan on (with --target)")
     a = p.parse_args()
@@ -129,7 +136,7 @@ def main() -> None:
     rows = []
     for i in want:
         start = time.perf_counter()
-        cfg, c = case(i, a.held_out)
+        cfg, c = case(i, a.held_out, a.bf16)
         try:
             r = MC.row(cfg, c, hw, explain=not a.no_explain, devices=devices)
         except Exception as e:  # a case that cannot be predicted or compiled is a row that says why

@@ -446,6 +446,22 @@ def load(path: str) -> ConfigDict:
     return mod.get_config()
 
 
+def on_platform(cfg: ConfigDict, platform: str) -> ConfigDict:
+    """A copy of cfg with its "auto" choices as they resolve where the step runs (`platform`: "cpu", "gpu",
+    "tpu"), not on this process's backend: the dropless exchange, and the attention kernel (cuDNN's on a GPU,
+    with heads it takes, where this process has the CUDA plugin to trace it; else einsum's). A step compiled
+    for another platform's target, or planned for it, is then the one the run there gets."""
+    from .models import dropless, layers
+    out = cfg.copy_and_resolve_references()
+    m = out.model
+    if m.moe.num_experts:
+        m.moe.exchange = dropless.exchange_for(m.moe.get("exchange", "auto"), platform)
+    if m.get("attention", "auto") == "auto" and platform != jax.default_backend():
+        cudnn = platform == "gpu" and layers.cudnn_takes(m.dtype, m.head_dim) and layers.cudnn_installed()
+        m.attention = "cudnn" if cudnn else "einsum"
+    return out
+
+
 def flops_per_token(active_params: int, layers: int, d_model: int, seq: int) -> float:
     """Model flops per trained token (forward and backward): 6 per active parameter plus attention's
     12 L d S (Narayanan et al.; what MFU divides by peak). layers: every layer (an encoder-decoder's both

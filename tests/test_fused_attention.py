@@ -126,6 +126,30 @@ def test_cudnn_attention_runs_on_each_devices_batch_and_kv_head_groups(cudnn_tra
 
 
 @pytest.mark.newest_jax
+def test_the_kernel_vmapped_over_stages_keeps_its_rule(cudnn_traces):
+    """A pipeline runs each stage's forward and backward vmapped over the stages, apart: the kernel's absent
+    operands, saved for the backward, become (stages, 0), not (0,), and both halves still partition on each
+    device's batch and heads."""
+    mesh = get_mesh("2x4")
+    q, k, v = (jnp.stack([x, x]) for x in _qkv())
+
+    def loss(q, k, v):
+        return jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn") ** 2)
+
+    def step(q, k, v):
+        out, pull = jax.vmap(lambda q, k, v: jax.vjp(loss, q, k, v))(q, k, v)
+        return out, jax.vmap(lambda f, g: f(g))(pull, jnp.ones_like(out))
+
+    stacked = [str(x.aval) for e in _fused_eqns(jax.make_jaxpr(step)(q, k, v).jaxpr) for x in e.invars[3:10]]
+    assert "bfloat16[2,0]" in stacked  # the case the test is about
+    spec = P(None, "data", None, "model", None)
+    report = gs.explain(step, mesh, q, k, v, in_shardings=(spec,) * 3)
+    fused = [r for r in report.rows if r.primitive.startswith("dot_product_attention")]
+    assert {r.primitive for r in fused} == {"dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper"}
+    assert report.fallbacks == [] and all("fused_attention" in r.strategy for r in fused)
+
+
+@pytest.mark.newest_jax
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_split_sequence_is_gathered_where_the_mask_needs_positions(cudnn_traces, causal):
     """Keys are always read whole (the kernel's softmax spans them); query rows split freely without a

@@ -27,6 +27,7 @@ class Row:
     explained: Optional[float]
     compiled: Optional[float]
     parts: dict = dataclasses.field(default_factory=dict)  # the formula's bytes by kind
+    step: dict = dataclasses.field(default_factory=dict)  # the compiled step's bytes by part (fit.StepMemory)
 
     def ratio(self, which: str = "formula") -> Optional[float]:
         got = getattr(self, which)
@@ -65,15 +66,15 @@ def compiled(cfg: ml_collections.ConfigDict, c: SP.Candidate, platform: str = ""
     """The compiled train step's memory (training/fit.StepMemory) of candidate c, on this process's devices
     (as many as c's mesh has) or the given ones (a compile target's: gshard_jax/targets); platform: the one
     planned for, whose dropless exchange the step takes (as predict.explain does), where it is not this one."""
-    from ..models import dropless
+    from .. import configs
     from ..training import fit, train
     n, have = math.prod(c.sizes.values()), jax.device_count() if devices is None else len(devices)
     if n != have:
         raise ValueError(f"candidate {c.key} needs {n} devices to compile; there are {have} (run it with "
                          f"--cpu-devices {n}, or a target of {n} devices)")
     run = predict.apply(cfg, c)
-    if platform and run.model.moe.num_experts:
-        run.model.moe.exchange = dropless.exchange_for(run.model.moe.get("exchange", "auto"), platform)
+    if platform:
+        run = configs.on_platform(run, platform)
     mesh = None if devices is None else train.mesh_for(run, devices)
     return fit.step_memory(train.Trainer(run, "", mesh=mesh))
 
@@ -84,7 +85,7 @@ def row(cfg: ml_collections.ConfigDict, c: SP.Candidate, hw: Hardware, explain: 
     f = formula(cfg, c, hw.platform)
     got = compiled(cfg, c, hw.platform if devices is not None else "", devices)
     return Row(c.key, f["total"], explained(cfg, c, hw) if explain else None, got.total,
-               {k: v for k, v in f.items() if k != "total"})
+               {k: v for k, v in f.items() if k != "total"}, got.to_dict())
 
 
 # ----------------------------------------------------------------- `gshard-jax plan --check-memory K`

@@ -67,12 +67,9 @@ def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware, trace_pe
     stacked here: `abstract_state`)."""
     import gshard_jax as gs
 
-    from ..models import dropless
     from ..training.train import Trainer, state_kind
-    run = apply(cfg, c)
-    # the exchange the run gets on hw's platform, not on this machine's
-    if run.model.moe.num_experts:
-        run.model.moe.exchange = dropless.exchange_for(run.model.moe.get("exchange", "auto"), hw.platform)
+    from .. import configs
+    run = configs.on_platform(apply(cfg, c), hw.platform)  # the exchange and kernel the run gets on hw's platform
     trainer = Trainer(run, "", mesh=abstract_mesh(c))
     if state is None:
         state = jax.eval_shape(trainer.init_state, jax.random.key(0))

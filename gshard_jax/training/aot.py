@@ -11,7 +11,7 @@ import re
 import time
 from typing import Any, Optional
 
-from .. import targets as TG
+from .. import configs, targets as TG
 from ..partitioner.reporting.hlo import collective_stats
 from . import fit, train
 
@@ -99,6 +99,7 @@ def device_limit(cfg: Any, target: TG.Target, mesh: Any) -> tuple[Optional[float
 def compile_step(cfg: Any, target: TG.Target) -> Compiled:
     """Compile cfg's train step for `target` (its mesh over the target's devices, as `train` would build it)."""
     devices = target.devices()
+    cfg = configs.on_platform(cfg, target.compiler)  # the exchange and kernel a run on the target gets
     mesh = train.mesh_for(cfg, devices)
     trainer = train.Trainer(cfg, "", mesh=mesh)
     state, batch = fit.abstract_inputs(trainer)

@@ -40,7 +40,8 @@ def _layout(params) -> int:
 def _rule(eqn: Eqn, backward: bool) -> Optional[Rule]:
     p = eqn.params
     q, k, v, bias, q_len, kv_len, q_off, kv_off, page_k, page_v = eqn.invars[:10]
-    if any(shape_of(x) not in ((), (0,)) for x in (q_off, kv_off, page_k, page_v)) or p.get("dropout_rate"):
+    # an absent operand is an empty array: (0,), or (stages, 0) where a pipeline vmapped the kernel over stages
+    if any(math.prod(shape_of(x)) for x in (q_off, kv_off, page_k, page_v)) or p.get("dropout_rate"):
         return None
     bnth = _layout(p) == BNTH
     qs, vs = shape_of(q), shape_of(v)
