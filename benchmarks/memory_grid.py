@@ -32,8 +32,11 @@ from gshard_jax.training import overrides  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["train.seq_len=64", "train.batch_size=32", "model.vocab_size=512", "model.dtype=float32"]
-# the accelerators' grid (--bf16): bfloat16 steps at sequences where attention's L x L terms count
+# the accelerators' grid (--bf16): bfloat16 steps at sequences where attention's L x L terms count; its held-out
+# shapes twice as wide, at twice the sequence and vocabulary
 BF16 = ["train.seq_len=512", "train.batch_size=32", "model.vocab_size=2048", "model.dtype=bfloat16"]
+BF16_WIDE = ["train.seq_len=1024", "train.batch_size=16", "model.vocab_size=4096", "model.dtype=bfloat16",
+             "model.d_model=256", "model.num_heads=8", "model.head_dim=32"]
 D, M = "tiny_dense_lm", "tiny_moe_lm"
 DROPLESS = ["model.moe.dispatch=dropless"]
 STAGED = ["model.scan=true"]
@@ -105,7 +108,7 @@ def case(i: int, held_out: bool = False, bf16: bool = False):
         cfg.mesh[a] = int(n)
     if bf16:
         extra = [kv for kv in extra if not kv.startswith("model.dtype=")]
-    base = BF16 if bf16 else WIDE if held_out else BASE
+    base = (BF16_WIDE if held_out else BF16) if bf16 else WIDE if held_out else BASE
     cfg = overrides.apply(cfg, [tuple(kv.split("=", 1)) for kv in base + extra])
     return cfg, SP.config_candidate(cfg, 8)
 

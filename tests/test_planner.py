@@ -12,7 +12,7 @@ import pytest
 from gshard_jax import cli, configs
 from gshard_jax.partitioner.reporting.hlo import collective_stats
 from gshard_jax.planner import PROFILES, axonn, estimate as E, hardware, plan, predict as PR, space as SP
-from gshard_jax.planner.memory_model import SCORES
+from gshard_jax.partitioner.costs import compilers
 from gshard_jax.training.train import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -549,7 +549,7 @@ def test_fused_attention_keeps_no_scores_for_the_backward(attention, dtype, plat
     einsum = E.memory(dataclasses.replace(shape, fused_attention=False), c)["activations"]
     a = shape.activation_bytes  # the compute dtype's, or 4 on XLA:CPU (memory_model.py)
     tokens_layers = shape.tokens / c.token_shards * shape.layers
-    saved = (SCORES * shape.heads * shape.seq - 4 * shape.heads / a) * a * tokens_layers
+    saved = (compilers.of(platform).scores * shape.heads * shape.seq - 4 * shape.heads / a) * a * tokens_layers
     assert einsum - got == (pytest.approx(saved) if fused else 0)
     # in a scanned stack remat recomputes the scores either way (an unrolled one may keep them: memory_model.py)
     dots, scanned = dataclasses.replace(c, remat="dots"), dataclasses.replace(shape, scan=True)

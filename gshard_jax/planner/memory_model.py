@@ -1,6 +1,7 @@
 """A candidate's bytes per device by formula: what the compiled train step holds, term by term, fast enough for
 every candidate the screen costs. Each term is what the per-device program keeps, as the grid of compiled steps
-(benchmarks/memory_grid.py, tests/test_memory_grid.py) measured it:
+(benchmarks/memory_grid.py, tests/test_memory_grid.py) measured it on each compiler, whose coefficients are its
+habits (partitioner/costs/compilers.py, by the ModelShape's platform):
 
 - params and optimizer state as the layout stores them (ZeRO, EPSO, FSDP / z, tensor, expert and stage splits);
 - gradients: float32, at the layout's size before any ZeRO or FSDP split. A step reduces its gradients once,
@@ -10,9 +11,10 @@ every candidate the screen costs. Each term is what the per-device program keeps
 - activations: each layer's residuals for the backward under the remat policy (per token: d-model-wide
   values, the FFN's widths, attention's scores and probabilities unless a fused kernel keeps only its
   log-sum-exp), times the layers a device runs and the microbatches in flight (a pipeline's stash, or every
-  forward tick of a forward schedule, bubbles included). An unrolled stack's checkpointed layers are counted as
-  remat "none": XLA may run their recomputation as soon as its inputs exist, and on XLA:CPU it does, so the
-  saving is real only in a loop (a scanned stack or a pipeline), where each trip recomputes its own layer;
+  forward tick of a forward schedule, bubbles included). On XLA:CPU an unrolled stack's checkpointed layers
+  are counted as remat "none": it runs their recomputation as soon as its inputs exist, so the saving is real
+  only in a loop (a scanned stack or a pipeline), where each trip recomputes its own layer; XLA:TPU and
+  XLA:GPU recompute them where the backward needs them (Habits.remat_unrolled);
 - the backward's working set: one layer's residuals again (the gradients of its activations), and under full
   remat the layer being recomputed too;
 - an MoE layer's dispatch: its experts' widths on k x capacity_factor slots per token, the dispatch and combine
@@ -27,39 +29,27 @@ from __future__ import annotations
 import functools
 
 from ..models.ring_attention import BLOCK_SIZE as RING_TILE
+from ..partitioner.costs import compilers
 from ..pipelines import schedules as SC
 from .space import Candidate, ModelShape
 
 HOST_STATE_BYTES = 12  # per parameter of an offloaded optimizer state: float32 master weights and two moments
-# (d-model-wide, FFN-wide) values a layer keeps per token under remat none, by where they are kept: an unrolled
-# stack's (XLA fuses the elementwise ones away), a scan's stacked residuals (JAX's vjp residuals, each
-# materialised), a 1F1B stash's (the same, in each layout the backward reads them in)
-NONE_VALUES = {"unrolled": (12, 3), "loop": (10, 6), "ticks": (10, 6), "stash": (16, 10)}
-# the same under "dots": the matmul outputs (q, k, v, attention out, FFN in and out) and the layer's inputs
-DOTS_VALUES = {"unrolled": (8, 3), "loop": (8, 3), "ticks": (8, 3), "stash": (10, 4)}
-MOE_FFN = 1.5  # an MoE layer's FFN-wide values per slot over a dense layer's per token (dispatched copies)
-MOE_D_VALUES = 3  # d-wide values per slot: dispatched tokens, expert output, combined output
-SCORES = 2  # einsum attention's per head and key: scores and probabilities
-WORKING = {"none": 0.5, "dots": 0.6, "dots_saveable": 0.6, "full": 1.5}  # layers' residuals the backward holds
-LOGIT_COPIES = 3  # logits, probabilities, their gradient
-DROPLESS_FFN_VALUES = 8  # FFN-wide values per received row of a dropless layer (grouped matmuls, their sorts)
-DROPLESS_D_VALUES = 6  # d-wide values per received row (the exchange's buffers, both ways, and their copies)
-DROPLESS_DOTS = 0.4  # of those, what remat "dots" keeps in a loop: the experts' matmul outputs, saved by name
+# The per-compiler coefficients (values kept per token, working set, logits' copies, gradients' copies) are each
+# compiler's habits: partitioner/costs/compilers.py, read here through the ModelShape's platform.
 # float32 copies of every expert's weights (and one group more) a dropless layer's grouped matmuls hold in the
 # backward: the weights per group and their gradient
 DROPLESS_WEIGHT_COPIES = 2
-PIPELINE_TICKS = 1.3  # microbatches' residuals a pipelined stage holds beyond its stash: the ticks running
-# A step's gradients at its peak, per local parameter: the backward's own in the model's dtype, a bf16 model's
-# converted to float32, and with microbatches float32 copies beside them: the accumulator and part of a
-# microbatch's own (an unrolled stack), its stacked gradients and their partial sums too (a scanned stack), a
-# tick's and the stage's partial sums (a pipeline, whose ticks convert as they accumulate)
-MICROBATCH_GRADIENTS = {"unrolled": 0.5, "loop": 1.5, "ticks": 2.0, "stash": 2.0}
 
 
-def gradient_bytes(where: str, microbatches: int, param_bytes: int) -> float:
-    """Bytes of gradients a step holds at its peak per local parameter (MICROBATCH_GRADIENTS)."""
+def gradient_bytes(where: str, microbatches: int, param_bytes: int, platform: str = "cpu") -> float:
+    """Bytes of gradients a step holds at its peak per local parameter (Habits.microbatch_gradients): the
+    backward's own in the model's dtype, a bf16 model's converted to float32, and with microbatches float32
+    copies beside them: the accumulator and part of a microbatch's own (an unrolled stack), its stacked
+    gradients and their partial sums too (a scanned stack), a tick's and the stage's partial sums (a pipeline,
+    whose ticks convert as they accumulate)."""
     mixed = param_bytes < 4 and where not in ("ticks", "stash")
-    return param_bytes + 4 * (mixed + (MICROBATCH_GRADIENTS[where] if microbatches > 1 else 0.0))
+    extra = compilers.of(platform).microbatch_gradients[where] if microbatches > 1 else 0.0
+    return param_bytes + 4 * (mixed + extra)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -80,12 +70,13 @@ def residuals(shape: ModelShape, c: Candidate, remat: str, where: str = "unrolle
     y, x = s["y"], s["x"] * (s["y"] if c.sequence_parallel else 1)
     cx = s["context"]
     seq = shape.seq if cx == 1 else min(RING_TILE, shape.seq // (2 * cx))  # a ring's query chunk x key tile
-    scores = 4 / shape.activation_bytes if shape.fused_attention else SCORES * seq  # a fused kernel's log-sum-exp
-    d_values, ffn_values = (NONE_VALUES if remat == "none" else DOTS_VALUES)[where]
+    h = compilers.of(shape.platform)
+    scores = 4 / shape.activation_bytes if shape.fused_attention else h.scores * seq  # a fused kernel's log-sum-exp
+    d_values, ffn_values = (h.none_values if remat == "none" else h.dots_values)[where]
     ffn = ffn_values * shape.d_ff
     if shape.experts:  # on k x capacity_factor slots a token, with the dispatched tokens and expert outputs
         slots = shape.k * shape.capacity_factor
-        ffn = 0.0 if shape.dropless else MOE_FFN * ffn * slots + MOE_D_VALUES * shape.d_model * slots
+        ffn = 0.0 if shape.dropless else h.moe_ffn * ffn * slots + h.moe_d_values * shape.d_model * slots
     if remat == "full":
         return shape.d_model / x  # the layer's input
     kept = shape.heads * scores / y if remat in ("none", "dots_saveable") else 0.0
@@ -102,7 +93,8 @@ def dropless_buffers(shape: ModelShape, c: Candidate, tokens: float) -> float:
         received = rows * per_peer  # every peer's buffer holds up to every local row
     else:
         received = rows * e if shape.exchange == "all_gather" else rows
-    return received * (DROPLESS_FFN_VALUES * shape.d_ff / c.size("y") + DROPLESS_D_VALUES * shape.d_model) * \
+    h = compilers.of(shape.platform)
+    return received * (h.dropless_ffn_values * shape.d_ff / c.size("y") + h.dropless_d_values * shape.d_model) * \
         shape.activation_bytes
 
 
@@ -120,7 +112,8 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
                         0.0)
     looped = shape.scan or p > 1  # a scanned stack or a pipeline: each trip recomputes its own layer
     where = "stash" if c.schedule in SC.OWN_BACKWARD else "ticks" if p > 1 else "loop" if looped else "unrolled"
-    per_param = gradient_bytes(where, m, b)
+    h = compilers.of(shape.platform)
+    per_param = gradient_bytes(where, m, b, shape.platform)
     # a prefetched stack (prefetch.py: scanned, stored split over z or ZeRO-3, a loop of two trips or more)
     # writes each trip's gradient into its stacked result reduced: the stack's gradients are held as stored,
     # and one layer's whole
@@ -137,27 +130,29 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
     tokens = shape.tokens / (c.token_shards * m)  # per device and microbatch
     stacks = 2 if shape.kind == "encoder_decoder" else 1
     layers = shape.layers * stacks / p  # a stage's
-    remat = c.remat if looped else "none"
+    remat = c.remat if looped or h.remat_unrolled else "none"
     flight = 1
     if c.schedule != "none":  # each microbatch in flight holds a chunk: a stage's layers over its repeats
-        flight = (in_flight(c.schedule, p, m, c.repeats) + PIPELINE_TICKS) / c.repeats
+        flight = (in_flight(c.schedule, p, m, c.repeats) + h.pipeline_ticks) / c.repeats
     # a dropless layer's FFN residuals are its exchange's buffers
     buffers = dropless_buffers(shape, c, tokens) if shape.dropless else 0.0
-    kept_buffers = {"none": 1.0, "dots": DROPLESS_DOTS, "dots_saveable": DROPLESS_DOTS, "full": 0.0}[remat] * buffers
+    kept_buffers = buffers * {"none": 1.0, "dots": h.dropless_dots, "dots_saveable": h.dropless_dots,
+                              "full": 0.0}[remat]
     kept = layers * (residuals(shape, c, remat, where) * a * tokens + kept_buffers)
     if shape.dropless:  # per group: every expert and the overflow's
         per_expert = shape.expert_params / (shape.periods * shape.experts * y)
         held = 1 if p == 1 and shape.scan else layers  # a scan's trip holds its own layer's; a stage all its
         out["working"] += held * DROPLESS_WEIGHT_COPIES * (shape.experts + 1) * per_expert * 4
     out["activations"] = kept * flight
-    out["working"] = WORKING[remat] * (residuals(shape, c, "none") * a * tokens + buffers) + out["working"]
+    working = (h.loop_working if looped else h.working)[remat]
+    out["working"] += working * (residuals(shape, c, "none") * a * tokens + buffers)
     if prefetched:
         out["gradients"] += (shape.layer_params + shape.expert_params / e) / (shape.layers * y * x) * per_param
     if z > 1 or c.zero_stage == 3:  # a layer's weights gathered at a time; a scan gathers the next one's beside
         per = (shape.layer_params + shape.expert_params / e) / (shape.layers * y * x)
         ahead = shape.scan and shape.periods / p >= 2  # prefetch.py: a loop of two trips or more
         out["transient"] = per * b * (2 if ahead else 1)
-    out["logits"] = LOGIT_COPIES * tokens * shape.vocab / y * 4
+    out["logits"] = h.logit_copies * tokens * shape.vocab / y * 4
     if p > 1:  # the pipeline's ends: every microbatch's input to the first stage and its gradient (float32)
         out["pipeline_ends"] = m * tokens * shape.d_model / (x * (y if c.sequence_parallel else 1)) * (4 + b)
     if c.offload:

@@ -60,6 +60,7 @@ class ModelShape:
     owned_ends: bool = False
     # bytes of an activation the step keeps: the compute dtype's, but 4 where XLA runs bf16 in float32 (XLA:CPU)
     activation_bytes: int = 4
+    platform: str = "cpu"  # whose compiler holds the step (partitioner/costs/compilers.py)
 
     @property
     def total_params(self) -> int:
@@ -78,6 +79,7 @@ def model_shape(cfg: ml_collections.ConfigDict, platform: str = "") -> ModelShap
 
     from .. import configs
     from ..models import dropless
+    from ..partitioner.costs import compilers
     m, t = cfg.model, cfg.train
     counted = m.copy_and_resolve_references()
     if "attention" in counted:  # parameters do not depend on it; cuDNN's kernel only traces where it runs
@@ -113,7 +115,8 @@ def model_shape(cfg: ml_collections.ConfigDict, platform: str = "") -> ModelShap
                       fused_attention=fused_attention(m, platform), scan=bool(m.get("scan", False)),
                       owned_ends=(m.kind == "decoder_lm" and not m.get("tie_embeddings", False)
                                   and cfg.get("pipeline", {}).get("owned_ends", True)),
-                      activation_bytes=4 if platform in ("", "cpu") or m.dtype != "bfloat16" else 2)
+                      activation_bytes=compilers.of(platform or "cpu").bytes_of(m.dtype, 2 if m.dtype == "bfloat16" else 4),
+                      platform=platform or "cpu")
 
 
 def config_mesh(cfg: ml_collections.ConfigDict, devices: int) -> Optional[dict]:

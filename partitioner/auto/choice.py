@@ -12,6 +12,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from ..costs import compilers
 from ..costs.cost import _fmt_bytes
 from ..representation.program import Program, Value
 from ..representation.sharding import Sharding
@@ -50,7 +51,7 @@ def choose(program: Program, seeds: Mapping[Value, tuple[Sharding, str]], mesh_s
     output index -> the input (flat index) whose donated buffer it reuses (donated_outputs)."""
     start = time.perf_counter()
     g = Builder(program, seeds, mesh_shape, mesh_axes, profile, names, out_fixed, out_names, ties).build()
-    temps = temporaries(g, program, mesh_shape, profile.platform == "cpu")
+    temps = temporaries(g, program, mesh_shape, compilers.of(profile.platform).relays_operands)
     limit = BUDGETED_SECONDS if auto.memory_budget is not None else None
     try:
         try:

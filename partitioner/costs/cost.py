@@ -12,6 +12,7 @@ import dataclasses
 import math
 from typing import Optional
 
+from . import compilers
 from .hardware import GENERIC, Hardware
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -85,14 +86,11 @@ class Collective:
         return f"{self.kind}[{','.join(self.axes)}] {_fmt_bytes(self.payload)}{runs}"
 
 
-# Element types a backend does not exchange natively: XLA:CPU converts bf16 collectives to f32 and back
-# (float normalisation), so they carry twice the bytes; GPU and TPU send bf16 as it is.
-WIDENED_ON = {"cpu": {"bfloat16": "float32"}}
-
-
 def on_the_wire(c: Collective, platform: str) -> Collective:
-    """The collective as `platform` sends it, so the report's bytes equal the compiled program's."""
-    wide = WIDENED_ON.get(platform, {}).get(c.dtype)
+    """The collective as `platform` sends it, so the report's bytes equal the compiled program's: XLA:CPU
+    converts bf16 collectives to f32 and back (compilers.Habits.widened), XLA:GPU and XLA:TPU send them as
+    they are."""
+    wide = compilers.of(platform).widened.get(c.dtype)
     if wide is None:
         return c
     note = f"{c.dtype} sent as {wide} on {platform}"

@@ -33,9 +33,9 @@ import math
 from typing import Any, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 
 from ..costs import liveness as LV
+from ..costs import compilers
 from ..costs.cost import Collective, compute_time, platform_of
 from ..costs.hardware import Hardware
 from ..propagation.propagate import Assignment
@@ -121,16 +121,17 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
                 self._boundary_row("output", name, v, self.plan.sharding(v), x, log)
                 exits.append(v)
         if self.report is not None:  # the temporaries at their peak, as this program holds them
-            wide = 2 if self.platform == "cpu" else 1  # XLA:CPU computes and keeps bfloat16 values in float32
+            habits = compilers.of(self.platform)  # how the platform's compiler holds the values
             shape = lambda v: self.held(v).local_shape(v.shape, self.mesh_shape)  # noqa: E731
-            local = lambda v: LV.nbytes(v, shape(v)) * (wide if v.aval.dtype == jnp.bfloat16 else 1)  # noqa: E731
+            local = lambda v: (habits.bytes_of(v.aval.dtype.name, v.aval.dtype.itemsize) *  # noqa: E731
+                               LV.nbytes(v, shape(v)) // max(1, v.aval.dtype.itemsize))
             relaid = LV.dot_operand_copies(self.program, shape, local, self.plan.sharding) + LV.broadcast_copies(
-                self.program, lambda e, x: local(e.outvars[0])) if self.platform == "cpu" else []
+                self.program, lambda e, x: local(e.outvars[0])) if habits.relays_operands else []
             self.report.temporaries = LV.peak(
                 self.program, local, copies=list(self.copies.values()) + relaid, names=dict(zip(values, self.in_names)),
                 ahead=self.ahead, exits=exits, fresh={id(self.program.outvars[k]) for k in self.fresh},
-                sharding=self.plan.sharding, throughout=LV.TUPLE_SLOT * sum(
-                    len(r.collectives) for r in self.report.rows) if self.platform == "cpu" else 0)
+                sharding=self.plan.sharding,
+                throughout=habits.tuple_slot * sum(len(r.collectives) for r in self.report.rows))
         return outs
 
     def cost(self) -> None:
