@@ -37,6 +37,8 @@ BASE = ["train.seq_len=64", "train.batch_size=32", "model.vocab_size=512", "mode
 BF16 = ["train.seq_len=512", "train.batch_size=32", "model.vocab_size=2048", "model.dtype=bfloat16"]
 BF16_WIDE = ["train.seq_len=1024", "train.batch_size=16", "model.vocab_size=4096", "model.dtype=bfloat16",
              "model.d_model=256", "model.num_heads=8", "model.head_dim=32"]
+# and at a long sequence, where attention's L x L values outweigh the rest (--bf16 --held-out --long)
+BF16_LONG = ["train.seq_len=2048", "train.batch_size=16", "model.vocab_size=1024", "model.dtype=bfloat16"]
 D, M = "tiny_dense_lm", "tiny_moe_lm"
 DROPLESS = ["model.moe.dispatch=dropless"]
 STAGED = ["model.scan=true"]
@@ -97,9 +99,9 @@ HELD_OUT = [
 ]
 
 
-def case(i: int, held_out: bool = False, bf16: bool = False):
+def case(i: int, held_out: bool = False, bf16: bool = False, long: bool = False):
     """(config, candidate) of grid case i (held_out: of HELD_OUT, at its shapes; bf16: at BF16's, the case's
-    own overrides after them, but for its dtype)."""
+    own overrides after them, but for its dtype; long: a held-out case at BF16_LONG's)."""
     name, mesh, extra = (HELD_OUT if held_out else GRID)[i]
     cfg = configs.load(os.path.join(ROOT, "experiments", f"{name}.py"))
     cfg.mesh.update({a: 1 for a in configs.MeshConfig().sizes()})
@@ -108,7 +110,7 @@ def case(i: int, held_out: bool = False, bf16: bool = False):
         cfg.mesh[a] = int(n)
     if bf16:
         extra = [kv for kv in extra if not kv.startswith("model.dtype=")]
-    base = (BF16_WIDE if held_out else BF16) if bf16 else WIDE if held_out else BASE
+    base = (BF16_LONG if long else BF16_WIDE if held_out else BF16) if bf16 else WIDE if held_out else BASE
     cfg = overrides.apply(cfg, [tuple(kv.split("=", 1)) for kv in base + extra])
     return cfg, SP.config_candidate(cfg, 8)
 
@@ -120,6 +122,7 @@ def main() -> None:
     p.add_argument("--json", default="", help="write the rows here too")
     p.add_argument("--held-out", action="store_true", help="the HELD_OUT shapes instead of the grid")
     p.add_argument("--bf16", action="store_true", help="every case in bfloat16 at BF16's shapes (seq 512)")
+    p.add_argument("--long", action="store_true", help="with --bf16 --held-out: at BF16_LONG's shapes (seq 2048)")
     p.add_argument("--target", default="", help="compile for this target of 8 devices (tpu:v5p:2x2x2, ...)")
     p.add_argument("--hardware", default="", help="the profile the formula and explain() plan on (with --target)")
     a = p.parse_args()
@@ -139,14 +142,15 @@ def main() -> None:
     rows = []
     for i in want:
         start = time.perf_counter()
-        cfg, c = case(i, a.held_out, a.bf16)
+        cfg, c = case(i, a.held_out, a.bf16, a.long)
         try:
             r = MC.row(cfg, c, hw, explain=not a.no_explain, devices=devices)
         except Exception as e:  # a case that cannot be predicted or compiled is a row that says why
             print(f"| {i} | {table[i][0]} | {c.key} | {type(e).__name__}: {str(e).splitlines()[0][:200]} |||||",
                   flush=True)
             continue
-        rows.append(dict(r.to_dict(), case=i, config=table[i][0], seconds=time.perf_counter() - start))
+        rows.append(dict(r.to_dict(), case=i, config=table[i][0], held_out=a.held_out, bf16=a.bf16, long=a.long,
+                         target=a.target, seconds=time.perf_counter() - start))
         print(f"| {i} | {table[i][0]} | {c.key} | {mib(r.formula)} | {mib(r.explained)} | {mib(r.compiled)} | "
               f"{ratio(r.ratio())} | {ratio(r.ratio('explained'))} |", flush=True)
     where = f"{a.target}, planned on {hw.name}" if a.target else f"{len(jax.devices())} x {jax.devices()[0].platform}"

@@ -77,6 +77,8 @@ def residuals(shape: ModelShape, c: Candidate, remat: str, where: str = "unrolle
     if shape.experts:  # on k x capacity_factor slots a token, with the dispatched tokens and expert outputs
         slots = shape.k * shape.capacity_factor
         ffn = 0.0 if shape.dropless else h.moe_ffn * ffn * slots + h.moe_d_values * shape.d_model * slots
+        if remat == "none" and not shape.dropless:  # the dispatch and combine tensors, E x C = slots x S a token
+            ffn += h.moe_dispatch * slots * shape.group
     if remat == "full":
         return shape.d_model / x  # the layer's input
     kept = shape.heads * scores / y if remat in ("none", "dots_saveable") else 0.0
@@ -153,6 +155,8 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
         ahead = shape.scan and shape.periods / p >= 2  # prefetch.py: a loop of two trips or more
         out["transient"] = per * b * (2 if ahead else 1)
     out["logits"] = h.logit_copies * tokens * shape.vocab / y * 4
+    if h.logits_apart:  # the working set reuses the logits' buffers: only its excess over them is more
+        out["working"] = max(0.0, out["working"] - out["logits"])
     if p > 1:  # the pipeline's ends: every microbatch's input to the first stage and its gradient (float32)
         out["pipeline_ends"] = m * tokens * shape.d_model / (x * (y if c.sequence_parallel else 1)) * (4 + b)
     if c.offload:

@@ -58,6 +58,7 @@ class ModelShape:
     # under a 1F1B schedule the end stages own the embedding and head (configs.end_stages_of): an untied decoder
     # LM with pipeline.owned_ends (a candidate with its optimizer state offloaded keeps them replicated)
     owned_ends: bool = False
+    group: int = 0  # tokens per routing group of an einsum-dispatched MoE (models/moe.groups: S of its [G, S, E, C])
     # bytes of an activation the step keeps: the compute dtype's, but 4 where XLA runs bf16 in float32 (XLA:CPU)
     activation_bytes: int = 4
     platform: str = "cpu"  # whose compiler holds the step (partitioner/costs/compilers.py)
@@ -79,6 +80,7 @@ def model_shape(cfg: ml_collections.ConfigDict, platform: str = "") -> ModelShap
 
     from .. import configs
     from ..models import dropless
+    from ..models.moe import groups as moe_groups
     from ..partitioner.costs import compilers
     m, t = cfg.model, cfg.train
     counted = m.copy_and_resolve_references()
@@ -101,11 +103,12 @@ def model_shape(cfg: ml_collections.ConfigDict, platform: str = "") -> ModelShap
     k = moe.k if moe.num_experts else 0
     active = layer + vocab + (expert * k // moe.num_experts if moe.num_experts else 0)
     period = max(1, m.moe_every) if moe.num_experts else 1
+    param_bytes = 2 if m.dtype == "bfloat16" else 4
     return ModelShape(kind=m.kind, layers=m.num_layers, periods=m.num_layers // period, d_model=m.d_model,
                       heads=m.num_heads, head_dim=m.head_dim, d_ff=m.d_ff if not moe.num_experts else moe.d_ff,
                       vocab=m.vocab_size, experts=moe.num_experts, k=k,
                       capacity_factor=float(moe.capacity_factor) if moe.num_experts else 1.0,
-                      batch=t.batch_size, seq=t.seq_len, param_bytes=2 if m.dtype == "bfloat16" else 4,
+                      batch=t.batch_size, seq=t.seq_len, param_bytes=param_bytes,
                       expert_params=int(expert), layer_params=int(layer), vocab_params=int(vocab),
                       active_params=int(active),
                       dropless=bool(moe.num_experts) and moe.get("dispatch", "einsum") == "dropless",
@@ -115,8 +118,10 @@ def model_shape(cfg: ml_collections.ConfigDict, platform: str = "") -> ModelShap
                       fused_attention=fused_attention(m, platform), scan=bool(m.get("scan", False)),
                       owned_ends=(m.kind == "decoder_lm" and not m.get("tie_embeddings", False)
                                   and cfg.get("pipeline", {}).get("owned_ends", True)),
-                      activation_bytes=compilers.of(platform or "cpu").bytes_of(m.dtype, 2 if m.dtype == "bfloat16" else 4),
-                      platform=platform or "cpu")
+                      activation_bytes=compilers.of(platform or "cpu").bytes_of(m.dtype, param_bytes),
+                      platform=platform or "cpu",
+                      group=moe_groups(t.batch_size * t.seq_len, t.batch_size, configs.moe_config(moe))[1]
+                      if moe.num_experts else 0)
 
 
 def config_mesh(cfg: ml_collections.ConfigDict, devices: int) -> Optional[dict]:
