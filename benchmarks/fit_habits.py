@@ -4,6 +4,7 @@ planner's formula against each row's memory_analysis(), by least squares on the 
 
     python benchmarks/memory_grid.py --bf16 --target tpu:v5p:2x2x2 --no-explain --json tpu.json
     python benchmarks/fit_habits.py tpu tpu.json [more.json ...] [--fix pipeline_ticks,moe_ffn]
+    python benchmarks/fit_habits.py cpu --cases 0,12,18   # XLA:CPU's grid cases, compiled here
 
 Prints each coefficient before and after, the ratios row by row, and the fitted row to paste into the table.
 One model's grid cannot tell every term apart (d-model-wide, FFN-wide and L x L values scale together there):
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import memory_grid as G  # noqa: E402
 
 from gshard_jax.partitioner.costs import compilers  # noqa: E402
-from gshard_jax.planner import estimate as E, space as SP  # noqa: E402
+from gshard_jax.planner import estimate as E, memory_check as MC, space as SP  # noqa: E402
 
 LOW, HIGH = 0.90, 1.15
 TABLES = ("none_values", "dots_values", "working", "loop_working", "microbatch_gradients")  # dicts of numbers
@@ -64,7 +65,9 @@ def _shape(case: int, held_out: bool, bf16: bool, long: bool, platform: str):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("platform", choices=sorted(k for k in compilers.HABITS if k))
-    p.add_argument("grids", nargs="+", help="memory_grid.py --json files, compiled by that platform's compiler")
+    p.add_argument("grids", nargs="*", help="memory_grid.py --json files, compiled by that platform's compiler")
+    p.add_argument("--cases", default="", help="grid cases compiled here instead, on 8 simulated CPU devices "
+                   "(platform cpu)")
     p.add_argument("--fix", default="", help="comma-separated coefficients held at their current values")
     p.add_argument("--bounds", default="", help="name=lo:hi,... where a compiler's dump bounds a coefficient "
                    "(XLA_FLAGS=--xla_dump_to: its memory-usage report lists the buffers at the peak)")
@@ -78,6 +81,12 @@ def main() -> None:
         return rows, [_shape(r["case"], r.get("held_out", False), r.get("bf16", False), r.get("long", False),
                              a.platform) for r in rows]
     rows, shapes = load(a.grids)
+    for i in (int(x) for x in a.cases.split(",") if x):  # compiled by this process's XLA:CPU
+        cfg, c = G.case(i)
+        rows.append({"case": i, "compiled": MC.compiled(cfg, c).total})
+        shapes.append(_shape(i, False, False, False, a.platform))
+    if not rows:
+        p.error("no rows: give grid JSON files, or --cases")
     checked, checked_shapes = load(a.validate)
     base = compilers.of(a.platform)
     v0, keys = pack(base), names(base)

@@ -29,6 +29,7 @@ RUNS = {
                        "ms of device kernels a step"),
     "host_update.py": (["--params", "65536", "--groups", "2", "--repeats", "1"], "numpy, 1 thread"),
     "lm1b_style.py": ([], "xla"),
+    "fit_habits.py": (["cpu", "--cases", "0"], "cpu fitted: 1 rows, 1 within [0.9, 1.15]"),
     "memory_grid.py": (["--cases", "0", "--no-explain"], "formula / compiled"),
     "memory_prediction.py": (["--cases", "Megatron"], "MLP step, Megatron"),
     "moe_dropless.py": (["--steps", "1", "--tokens", "256"], "dropless"),
