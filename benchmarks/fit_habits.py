@@ -62,6 +62,12 @@ def _shape(case: int, held_out: bool, bf16: bool, long: bool, platform: str):
     return SP.model_shape(cfg, platform), c
 
 
+@functools.lru_cache(maxsize=None)
+def _seed(i: int, platform: str):
+    cfg, c, _ = G.seed_case(i)
+    return SP.model_shape(cfg, platform), c
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("platform", choices=sorted(k for k in compilers.HABITS if k))
@@ -78,7 +84,8 @@ def main() -> None:
     a = p.parse_args()
     def load(paths):
         rows = [r for path in paths for r in json.load(open(path)) if r.get("compiled")]
-        return rows, [_shape(r["case"], r.get("held_out", False), r.get("bf16", False), r.get("long", False),
+        return rows, [_seed(r["seed"], a.platform) if "seed" in r else
+                      _shape(r["case"], r.get("held_out", False), r.get("bf16", False), r.get("long", False),
                              a.platform) for r in rows]
     rows, shapes = load(a.grids)
     for i in (int(x) for x in a.cases.split(",") if x):  # compiled by this process's XLA:CPU
@@ -118,8 +125,8 @@ def main() -> None:
             continue
         got = ratios(v, rs, ss)
         for r, (s, c), x in zip(rs, ss, got):
-            kind = "long " if r.get("long") else "held-out " if r.get("held_out") else ""
-            print(f"{kind}{r['case']:3d} {c.key:56s} {x:5.2f}{'' if LOW <= x <= HIGH else '  outside'}")
+            kind = "seed " if "seed" in r else "long " if r.get("long") else "held-out " if r.get("held_out") else ""
+            print(f"{kind}{r.get('case', r.get('seed')):3d} {c.key:56s} {x:5.2f}{'' if LOW <= x <= HIGH else '  outside'}")
         print(f"{a.platform} {what}: {len(got)} rows, {sum(LOW <= x <= HIGH for x in got)} within [{LOW}, {HIGH}], "
               f"{got.min():.2f}-{got.max():.2f}")
     print(repr(unpack(base, np.round(v, 2))))

@@ -99,6 +99,23 @@ HELD_OUT = [
 ]
 
 
+# The seeds' own jobs at their scale (--seeds): (experiment, target), each at the file's own mesh and options on
+# the target's devices, as `gshard-jax compile` compiles it
+SEEDS = [
+    ("gshard_moe_128e_12l", "tpu:v3:8x8"),  # GShard's MoE(128E, 12L) on the paper's 128 TPU v3 cores
+    ("gshard_moe_512e_12l", "tpu:v3:16x16"),
+    ("gshard_moe_2048e_36l", "tpu:v3:32x32"),  # the paper's 600B model on its 2,048 cores
+    ("mula_1b", "gpu:h100:1x1x1"),
+]
+
+
+def seed_case(i: int):
+    """(config, candidate, target) of SEEDS[i]."""
+    name, target = SEEDS[i]
+    cfg = configs.load(os.path.join(ROOT, "experiments", f"{name}.py"))
+    return cfg, SP.config_candidate(cfg, targets.parse(target).count), target
+
+
 def case(i: int, held_out: bool = False, bf16: bool = False, long: bool = False):
     """(config, candidate) of grid case i (held_out: of HELD_OUT, at its shapes; bf16: at BF16's, the case's
     own overrides after them, but for its dtype; long: a held-out case at BF16_LONG's)."""
@@ -125,9 +142,12 @@ def main() -> None:
     p.add_argument("--long", action="store_true", help="with --bf16 --held-out: at BF16_LONG's shapes (seq 2048)")
     p.add_argument("--target", default="", help="compile for this target of 8 devices (tpu:v5p:2x2x2, ...)")
     p.add_argument("--hardware", default="", help="the profile the formula and explain() plan on (with --target)")
+    p.add_argument("--seeds", action="store_true", help="the SEEDS' jobs at their scale, each for its own target")
     a = p.parse_args()
     table = HELD_OUT if a.held_out else GRID
     want = [int(x) for x in a.cases.split(",") if x] or range(len(table))
+    if a.seeds:
+        return seeds(want if a.cases else range(len(SEEDS)), a.json)
     devices, hw = None, default_for("cpu")
     if a.target:
         target = targets.parse(a.target)
@@ -158,6 +178,27 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def seeds(want, out: str) -> None:
+    """The SEEDS' rows: the formula on the target's platform against the step its compiler compiles."""
+    print("| # | config | target | candidate | formula GiB | compiled GiB | formula / compiled |")
+    print("| ---: | --- | --- | --- | ---: | ---: | ---: |")
+    rows = []
+    for i in want:
+        start = time.perf_counter()
+        t = targets.parse(SEEDS[i][1])
+        devices = t.devices()  # before anything starts JAX's backends: XLA:GPU's plugin starts with them
+        cfg, c, target = seed_case(i)
+        f = MC.formula(cfg, c, t.compiler)
+        got = MC.compiled(cfg, c, t.compiler, devices)
+        rows.append(dict(seed=i, config=SEEDS[i][0], target=target, key=c.key, formula=f["total"],
+                         compiled=got.total, step=got.to_dict(), seconds=time.perf_counter() - start))
+        print(f"| {i} | {SEEDS[i][0]} | {target} | {c.key} | {f['total'] / 2**30:.2f} | {got.total / 2**30:.2f} | "
+              f"{f['total'] / got.total:.2f} |", flush=True)
+    if out:
+        with open(out, "w") as fh:
+            json.dump(rows, fh, indent=1)
 
 
 if __name__ == "__main__":
