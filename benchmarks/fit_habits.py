@@ -126,7 +126,8 @@ def main() -> None:
         got = ratios(v, rs, ss)
         for r, (s, c), x in zip(rs, ss, got):
             kind = "seed " if "seed" in r else "long " if r.get("long") else "held-out " if r.get("held_out") else ""
-            print(f"{kind}{r.get('case', r.get('seed')):3d} {c.key:56s} {x:5.2f}{'' if LOW <= x <= HIGH else '  outside'}")
+            mark = "" if LOW <= x <= HIGH else "  outside"
+            print(f"{kind}{r.get('case', r.get('seed')):3d} {c.key:56s} {x:5.2f}{mark}")
         print(f"{a.platform} {what}: {len(got)} rows, {sum(LOW <= x <= HIGH for x in got)} within [{LOW}, {HIGH}], "
               f"{got.min():.2f}-{got.max():.2f}")
     print(repr(unpack(base, np.round(v, 2))))

@@ -452,12 +452,17 @@ def on_platform(cfg: ConfigDict, platform: str) -> ConfigDict:
     with heads it takes, where this process has the CUDA plugin to trace it; else einsum's). A step compiled
     for another platform's target, or planned for it, is then the one the run there gets."""
     from .models import dropless, layers
+    from .partitioner.representation.jax_compat import cudnn_installed
+    if platform == jax.default_backend():  # the model resolves them here as the run does
+        return cfg
+    if isinstance(cfg, Config):
+        return typed(on_platform(ConfigDict(cfg.to_dict()), platform))
     out = cfg.copy_and_resolve_references()
     m = out.model
     if m.moe.num_experts:
         m.moe.exchange = dropless.exchange_for(m.moe.get("exchange", "auto"), platform)
-    if m.get("attention", "auto") == "auto" and platform != jax.default_backend():
-        cudnn = platform == "gpu" and layers.cudnn_takes(m.dtype, m.head_dim) and layers.cudnn_installed()
+    if m.get("attention", "auto") == "auto":
+        cudnn = platform == "gpu" and layers.cudnn_takes(m.dtype, m.head_dim) and cudnn_installed()
         m.attention = "cudnn" if cudnn else "einsum"
     return out
 

@@ -157,16 +157,6 @@ def cudnn_takes(dtype, head_dim: int) -> bool:
     return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
 
 
-def cudnn_installed() -> bool:
-    """Whether this process can trace cuDNN's fused attention: the CUDA plugin (jax[cuda12]) is installed,
-    with or without a GPU (a GPU compile target compiles it deviceless)."""
-    try:
-        from jax._src.lib import cuda_versions
-    except ImportError:
-        return False
-    return cuda_versions is not None
-
-
 def on_nvidia_gpu() -> bool:
     """Whether the default backend's devices are NVIDIA GPUs (cuDNN's; a ROCm GPU is "gpu" too)."""
     return jax.default_backend() == "gpu" and "nvidia" in jax.devices()[0].device_kind.lower()

@@ -10,9 +10,9 @@ import jax
 import pytest
 
 from gshard_jax import cli, configs
+from gshard_jax.partitioner.costs import compilers
 from gshard_jax.partitioner.reporting.hlo import collective_stats
 from gshard_jax.planner import PROFILES, axonn, estimate as E, hardware, plan, predict as PR, space as SP
-from gshard_jax.partitioner.costs import compilers
 from gshard_jax.training.train import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

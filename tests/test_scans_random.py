@@ -94,3 +94,22 @@ def test_top_k_along_a_leading_axis(split_dim):
     x = np.asarray(jax.random.normal(jax.random.key(0), (4096, 32)))
     fn = lambda v: jax.lax.top_k(gs.split(v, split_dim, 8), 2, axis=0)
     assert_close(gs.partition(fn, mesh)(x), fn(x))
+
+
+def test_random_bits_count_each_value_by_its_64_bit_position():
+    """Partitioned random bits are threefry of each value's global flat position, 64 bits as JAX's
+    iota_2x32_shape counts it: an initialiser drawing more than 2**32 values (GShard's 512 and 2,048 experts)
+    gets past 2**32 with the high word carried, not wrapped."""
+    from gshard_jax.partitioner.strategies.hooks import mul_add_2x32
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 2 ** 32, 256, dtype=np.uint64)
+    acc = rng.integers(0, 2 ** 63, 256, dtype=np.uint64)
+    for c in (1, 2 ** 16 + 5, 2 ** 32 - 1, 2 ** 32 + 7, 2 ** 47 + 12345, 2 ** 63 + 99):
+        hi, lo = mul_add_2x32(jnp.asarray(acc >> np.uint64(32), jnp.uint32),
+                              jnp.asarray(acc & np.uint64(2 ** 32 - 1), jnp.uint32), jnp.asarray(x, jnp.uint32), c)
+        got = (np.asarray(hi, np.uint64) << np.uint64(32)) | np.asarray(lo, np.uint64)
+        assert got.tolist() == [(int(a) + int(b) * c) % 2 ** 64 for a, b in zip(acc, x)], c
+    from jax._src.random import prng
+    hi, lo = prng.iota_2x32_shape((3, 5))  # JAX's own counters: (high word, low word) of the flat position
+    assert np.asarray(hi).tolist() == np.zeros((3, 5), int).tolist()
+    assert np.asarray(lo).tolist() == np.arange(15).reshape(3, 5).tolist()

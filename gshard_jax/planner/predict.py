@@ -67,8 +67,8 @@ def explain(cfg: ml_collections.ConfigDict, c: Candidate, hw: Hardware, trace_pe
     stacked here: `abstract_state`)."""
     import gshard_jax as gs
 
-    from ..training.train import Trainer, state_kind
     from .. import configs
+    from ..training.train import Trainer, state_kind
     run = configs.on_platform(apply(cfg, c), hw.platform)  # the exchange and kernel the run gets on hw's platform
     trainer = Trainer(run, "", mesh=abstract_mesh(c))
     if state is None:

@@ -34,8 +34,7 @@ from typing import Any, Optional, Sequence
 
 import jax
 
-from ..costs import liveness as LV
-from ..costs import compilers
+from ..costs import compilers, liveness as LV
 from ..costs.cost import Collective, compute_time, platform_of
 from ..costs.hardware import Hardware
 from ..propagation.propagate import Assignment

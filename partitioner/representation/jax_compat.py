@@ -9,6 +9,8 @@ that.
 - `convert_constvars_jaxpr`: a closed jaxpr's constants as leading inputs, for the checkpoints and pipeline
   residuals the partitioner re-emits; jax.interpreters.partial_eval does not export it.
 - `clear_compilation_cache`: a benchmark's compile timed again rather than found in JAX's cache.
+- `cudnn_installed`: whether JAX's CUDA plugin (with cuDNN) is installed, GPU or not: a GPU compile target traces
+  cuDNN's attention deviceless; jax.lib does not say.
 - `to_lojax`: JAX 0.12 traces some functions (jnp.searchsorted, jnp.frexp, ...) to high-level primitives
   (`call_hi_primitive`) that JAX itself expands before lowering; the partitioner expands them the same way
   (partial_eval.lower_jaxpr2), so it sees the primitives that 0.10 emits.
@@ -81,6 +83,15 @@ NOT_IN_EVERY_RELEASE = {  # registry entry -> the releases that emit it
 def clear_compilation_cache() -> None:
     """Forget compiled executables, so the next compile of the same program is timed, not looked up."""
     _pxla._cached_compilation.cache_clear()
+
+
+def cudnn_installed() -> bool:
+    """Whether this process can trace cuDNN's fused attention (the CUDA plugin is installed)."""
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:
+        return False
+    return cuda_versions is not None
 
 
 def scan_counts(params: dict) -> tuple[int, int]:

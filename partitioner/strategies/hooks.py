@@ -328,6 +328,29 @@ def scatter_hook(ctx: OpContext, ins, params, bind):
     return bind(operand, indices, updates, **params)
 
 
+def _add_2x32(hi, lo, add_hi, add_lo):
+    """(hi, lo) + (add_hi, add_lo), 64-bit numbers as uint32 pairs (mod 2**64)."""
+    out = lo + add_lo
+    return hi + add_hi + (out < lo).astype(jnp.uint32), out
+
+
+def mul_add_2x32(hi: jax.Array, lo: jax.Array, x: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
+    """(hi, lo) + x * c mod 2**64, with x uint32 and c a Python int below 2**64, in uint32 arithmetic (JAX
+    may run without 64-bit types): 16-bit pieces of x and c, each product exact in 32 bits, shifted into place.
+    JAX's partitionable threefry counts a value by its 64-bit flat position (iota_2x32_shape)."""
+    for j, xj in enumerate((x & jnp.uint32(0xFFFF), x >> jnp.uint32(16))):
+        for k in range(4):
+            g = (c >> (16 * k)) & 0xFFFF
+            if not g or j + k > 3:
+                continue
+            p = xj * jnp.uint32(g)  # < 2**32
+            zero = jnp.zeros_like(p)
+            shifted = {0: (zero, p), 1: (p >> jnp.uint32(16), p << jnp.uint32(16)), 2: (p, zero),
+                       3: (p << jnp.uint32(16), zero)}[j + k]
+            hi, lo = _add_2x32(hi, lo, *shifted)
+    return hi, lo
+
+
 def random_bits_hook(ctx: OpContext, ins, params, bind):
     """Partitionable threefry: bits at global position p are threefry(key, p), so compute them locally. A key
     array's bits: each device's keys draw their own (whole) rows, as the primitive does."""
@@ -335,20 +358,20 @@ def random_bits_hook(ctx: OpContext, ins, params, bind):
     if ctx.eqn.invars[0].shape:
         return bind(key, **params)
     gshape = tuple(ctx.eqn.params["shape"])
-    if math.prod(gshape) >= 2 ** 32:
-        raise NotImplementedError("partitioned random_bits for more than 2**32 values")
+    if math.prod(gshape) > 2 ** 64:
+        raise NotImplementedError("random bits array of size exceeding 2 ** 64")  # as JAX's own
     local = ctx.local_out()
-    flat = jnp.zeros(local, jnp.uint32)
+    hi = lo = jnp.zeros(local, jnp.uint32)  # each value's global flat position, 64 bits as JAX counts them
     stride = 1
     for d in reversed(range(len(gshape))):
         axes = ctx.axes(ctx.rule.results[0][d][0])
         pos = jax.lax.broadcasted_iota(jnp.uint32, local, d)
         if axes:
             pos = pos + (ctx.index(axes) * local[d]).astype(jnp.uint32)
-        flat = flat + pos * jnp.uint32(stride)
+        hi, lo = mul_add_2x32(hi, lo, pos, stride)
         stride *= gshape[d]
     k = jax.random.key_data(key)
-    bits1, bits2 = threefry2x32_p.bind(k[0], k[1], jnp.zeros(local, jnp.uint32), flat)
+    bits1, bits2 = threefry2x32_p.bind(k[0], k[1], hi, lo)
     width = ctx.eqn.params["bit_width"]
     dtype = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}[width]
     if width == 64:
