@@ -7,8 +7,10 @@ XLA:CPU, XLA:TPU and XLA:GPU compile the same partitioned step to different buff
 bfloat16 in float32 and copies a dot's operands into its own layout; XLA:TPU and XLA:GPU keep bfloat16 as it is,
 recompute an unrolled stack's checkpointed layers where the backward needs them (XLA:CPU runs them as soon as
 their inputs exist, so remat saves nothing there), and schedule for memory. The formula's coefficients are
-read off each compiler's `memory_analysis()` on benchmarks/memory_grid.py's grid (XLA:CPU's float32 grid,
-XLA:TPU's and XLA:GPU's bfloat16 one at sequence 512) and held there by tests/test_memory_grid.py.
+read off each compiler's `memory_analysis()` on benchmarks/memory_grid.py's grids (XLA:CPU's float32 grid by
+hand; XLA:TPU's and XLA:GPU's bfloat16 ones at three shapes, by benchmarks/fit_habits.py) and held there by
+tests/test_memory_grid.py. The accelerators' rows count values in the compute dtype's bytes: a float32 value
+a bf16 model keeps (its softmax, its rotary embedding) counts as two, so they are bf16 training's rows.
 """
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ CPU = Habits(
 
 # XLA:TPU (v5p, and GShard's MoE(128E, 12L) on 128 v3 cores) and XLA:GPU (H100, cuDNN's attention): fitted by
 # benchmarks/fit_habits.py to 46 and 44 bf16 steps (memory_grid.py --bf16, and --held-out at twice the width and
-# at sequence 2,048; --seeds), weighted so that no step is predicted under what it compiles to, with what the
+# at sequence 2,048; --seeds), weighted hardest against predicting a step under what it compiles to, with what the
 # compiler's buffer assignment shows held to it (--bounds); docs/targets.md has the table and the commands
 TPU = Habits(
     compiler="XLA:TPU", widened={}, relays_operands=False, tuple_slot=0, remat_unrolled=True, logits_apart=True,
