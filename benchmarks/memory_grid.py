@@ -4,12 +4,16 @@ grid of the seeds' options: dense and MoE (einsum and dropless), remat none / do
 0-3 and EPSO, microbatches, GPipe / 1F1B / interleaved, context parallelism, offload, scanned and unrolled.
 
     python benchmarks/memory_grid.py [--cases 0,3,7] [--no-explain] [--json OUT] [--target T] [--hardware P]
+        [--bf16 [--held-out [--long]]] [--seeds]
 
 --target compiles each case for a TPU or GPU target of 8 devices instead (`tpu:v5p:2x2x2`, `gpu:h100:1x1x8`:
 gshard_jax/targets; its compiler installed), the formula and explain() then planned for that platform on
 --hardware's profile (default: the platform's generic one).
 
-Every case is the experiment file with seq_len 64, batch 32, vocabulary 512, float32, and the overrides listed.
+Every case is the experiment file with seq_len 64, batch 32, vocabulary 512, float32, and the overrides listed;
+--bf16 takes BF16's shapes instead (the accelerators' grid), --held-out BF16_WIDE's and --long BF16_LONG's.
+--seeds compiles SEEDS, the seeds' own jobs at their scale, each for its own target. benchmarks/fit_habits.py
+fits a compiler's row of partitioner/costs/compilers.py to the JSON these write.
 """
 from __future__ import annotations
 
