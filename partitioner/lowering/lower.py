@@ -122,8 +122,7 @@ class Lowering(LocalShards, Regions, ReportRows, Strategy, PartialSums):
         if self.report is not None:  # the temporaries at their peak, as this program holds them
             habits = compilers.of(self.platform)  # how the platform's compiler holds the values
             shape = lambda v: self.held(v).local_shape(v.shape, self.mesh_shape)  # noqa: E731
-            local = lambda v: (habits.bytes_of(v.aval.dtype.name, v.aval.dtype.itemsize) *  # noqa: E731
-                               LV.nbytes(v, shape(v)) // max(1, v.aval.dtype.itemsize))
+            local = lambda v: LV.nbytes(v, shape(v)) * (2 if v.aval.dtype.name in habits.widened else 1)  # noqa: E731
             relaid = LV.dot_operand_copies(self.program, shape, local, self.plan.sharding) + LV.broadcast_copies(
                 self.program, lambda e, x: local(e.outvars[0])) if habits.relays_operands else []
             self.report.temporaries = LV.peak(
