@@ -3,7 +3,7 @@ planner's formula against each row's memory_analysis(), by least squares on the 
 [0.90, 1.15] and drawn gently to the row's current values.
 
     python benchmarks/memory_grid.py --bf16 --target tpu:v5p:2x2x2 --no-explain --json tpu.json
-    python benchmarks/fit_habits.py tpu tpu.json [more.json ...] [--fix pipeline_ticks,moe_ffn]
+    python benchmarks/fit_habits.py tpu tpu.json [more.json ...] [--fix pipeline_ticks,moe_ffn | --only scores]
     python benchmarks/fit_habits.py cpu --cases 0,12,18   # XLA:CPU's grid cases, compiled here
 
 Prints each coefficient before and after, the ratios row by row, and the fitted row to paste into the table.
@@ -29,9 +29,10 @@ from gshard_jax.partitioner.costs import compilers  # noqa: E402
 from gshard_jax.planner import estimate as E, memory_check as MC, space as SP  # noqa: E402
 
 LOW, HIGH = 0.90, 1.15
-TABLES = ("none_values", "dots_values", "working", "loop_working", "microbatch_gradients")  # dicts of numbers
+TABLES = ("none_values", "dots_values", "working", "loop_working", "microbatch_gradients",  # dicts of numbers
+          "dropless_ffn_values")
 SCALARS = ("scores", "logit_copies", "pipeline_ticks", "moe_dispatch", "moe_ffn", "moe_d_values",
-           "dropless_ffn_values", "dropless_d_values", "dropless_dots")
+           "dropless_d_values", "dropless_dots", "dropless_weight_copies")
 
 
 def names(h: compilers.Habits) -> list[str]:
@@ -57,8 +58,8 @@ def unpack(h: compilers.Habits, v: np.ndarray) -> compilers.Habits:
 
 
 @functools.lru_cache(maxsize=None)
-def _shape(case: int, held_out: bool, bf16: bool, long: bool, platform: str):
-    cfg, c = G.case(case, held_out, bf16, long)
+def _shape(case: int, held_out: bool, bf16: bool, long: bool, platform: str, experts: bool = False):
+    cfg, c = G.case(case, held_out, bf16, long, experts)
     return SP.model_shape(cfg, platform), c
 
 
@@ -75,6 +76,7 @@ def main() -> None:
     p.add_argument("--cases", default="", help="grid cases compiled here instead, on 8 simulated CPU devices "
                    "(platform cpu)")
     p.add_argument("--fix", default="", help="comma-separated coefficients held at their current values")
+    p.add_argument("--only", default="", help="comma-separated coefficients fitted, every other one held")
     p.add_argument("--bounds", default="", help="name=lo:hi,... where a compiler's dump bounds a coefficient "
                    "(XLA_FLAGS=--xla_dump_to: its memory-usage report lists the buffers at the peak)")
     p.add_argument("--over", type=float, default=30.0, help="weight of a ratio over the band")
@@ -86,7 +88,7 @@ def main() -> None:
         rows = [r for path in paths for r in json.load(open(path)) if r.get("compiled")]
         return rows, [_seed(r["seed"], a.platform) if "seed" in r else
                       _shape(r["case"], r.get("held_out", False), r.get("bf16", False), r.get("long", False),
-                             a.platform) for r in rows]
+                             a.platform, r.get("experts", False)) for r in rows]
     rows, shapes = load(a.grids)
     for i in (int(x) for x in a.cases.split(",") if x):  # compiled by this process's XLA:CPU
         cfg, c = G.case(i)
@@ -98,7 +100,9 @@ def main() -> None:
     base = compilers.of(a.platform)
     v0, keys = pack(base), names(base)
     lo, hi = np.zeros_like(v0), np.maximum(4 * v0, 40.0)
-    for n in filter(None, a.fix.split(",")):
+    only = set(filter(None, a.only.split(",")))
+    held = [n for n in keys if n not in only] if only else []
+    for n in held + list(filter(None, a.fix.split(","))):
         k = keys.index(n)
         lo[k], hi[k] = v0[k] - 1e-9, v0[k] + 1e-9
     for item in filter(None, a.bounds.split(",")):
@@ -125,7 +129,8 @@ def main() -> None:
             continue
         got = ratios(v, rs, ss)
         for r, (s, c), x in zip(rs, ss, got):
-            kind = "seed " if "seed" in r else "long " if r.get("long") else "held-out " if r.get("held_out") else ""
+            kind = "seed " if "seed" in r else "long " if r.get("long") else "held-out " if r.get("held_out") else \
+                "experts " if r.get("experts") else ""
             mark = "" if LOW <= x <= HIGH else "  outside"
             print(f"{kind}{r.get('case', r.get('seed')):3d} {c.key:56s} {x:5.2f}{mark}")
         print(f"{a.platform} {what}: {len(got)} rows, {sum(LOW <= x <= HIGH for x in got)} within [{LOW}, {HIGH}], "

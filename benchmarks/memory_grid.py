@@ -4,14 +4,15 @@ grid of the seeds' options: dense and MoE (einsum and dropless), remat none / do
 0-3 and EPSO, microbatches, GPipe / 1F1B / interleaved, context parallelism, offload, scanned and unrolled.
 
     python benchmarks/memory_grid.py [--cases 0,3,7] [--no-explain] [--json OUT] [--target T] [--hardware P]
-        [--bf16 [--held-out [--long]]] [--seeds]
+        [--bf16 [--held-out [--long] | --experts]] [--seeds]
 
 --target compiles each case for a TPU or GPU target of 8 devices instead (`tpu:v5p:2x2x2`, `gpu:h100:1x1x8`:
 gshard_jax/targets; its compiler installed), the formula and explain() then planned for that platform on
 --hardware's profile (default: the platform's generic one).
 
 Every case is the experiment file with seq_len 64, batch 32, vocabulary 512, float32, and the overrides listed;
---bf16 takes BF16's shapes instead (the accelerators' grid), --held-out BF16_WIDE's and --long BF16_LONG's.
+--bf16 takes BF16's shapes instead (the accelerators' grid), --held-out BF16_WIDE's and --long BF16_LONG's;
+--experts the EXPERTS cases (dropless MoE at more experts and peers) at BF16's.
 --seeds compiles SEEDS, the seeds' own jobs at their scale, each for its own target. benchmarks/fit_habits.py
 fits a compiler's row of partitioner/costs/compilers.py to the JSON these write.
 """
@@ -102,28 +103,51 @@ HELD_OUT = [
                             "train.microbatches=2", "model.remat=dots"]),
 ]
 
+# Dropless MoE at more experts and peers (--bf16 --experts): its receive buffers grow with the peers, its grouped
+# matmuls' weight copies with the local experts, and where the compiler runs a ragged dot densely (XLA:GPU) its
+# values with rows x local experts; 1,024 FFN units an expert, so those terms are seen
+EXPERT_FFN = ["model.moe.d_ff=1024"]
+PIPED = STAGED + ["pipeline.schedule=1f1b", "train.microbatches=4", "train.batch_size=16"]
+EXPERTS = [
+    (M, "data=2,expert=4", DROPLESS + EXPERT_FFN + ["model.moe.num_experts=32", "model.remat=none"]),
+    (M, "expert=8", DROPLESS + EXPERT_FFN + ["model.moe.num_experts=64", "model.remat=none"]),
+    (M, "expert=8", DROPLESS + EXPERT_FFN + ["model.moe.num_experts=64", "model.scan=true", "model.remat=dots"]),
+    (M, "data=2,expert=4", DROPLESS + EXPERT_FFN + ["model.moe.num_experts=32", "model.moe.peer_bound=2.0",
+                                                    "model.remat=none"]),
+    (M, "stage=2,data=2,expert=2", DROPLESS + EXPERT_FFN + PIPED + ["model.moe.num_experts=64"]),
+    (M, "stage=2,expert=4", DROPLESS + EXPERT_FFN + PIPED + ["model.moe.num_experts=32"]),
+    (M, "stage=2,expert=4", DROPLESS + EXPERT_FFN + PIPED + ["model.moe.num_experts=64", "model.remat=full"]),
+    (M, "stage=2,expert=4", DROPLESS + EXPERT_FFN + PIPED + ["model.moe.num_experts=32", "model.remat=dots"]),
+]
 
-# The seeds' own jobs at their scale (--seeds): (experiment, target), each at the file's own mesh and options on
-# the target's devices, as `gshard-jax compile` compiles it
+# The seeds' own jobs at their scale (--seeds): (experiment, target[, overrides]), each at the file's own mesh and
+# options on the target's devices, as `gshard-jax compile` compiles it
 SEEDS = [
     ("gshard_moe_128e_12l", "tpu:v3:8x8"),  # GShard's MoE(128E, 12L) on the paper's 128 TPU v3 cores
     ("gshard_moe_512e_12l", "tpu:v3:16x16"),
     ("gshard_moe_2048e_36l", "tpu:v3:32x32"),  # the paper's 600B model on its 2,048 cores
     ("mula_1b", "gpu:h100:1x1x1"),
+    # Mula-100B as its file has it (PP4 x EP12, dropless, remat dots) on 3,072 H100s: no JAX compiler targets
+    # Aurora's GPUs; and with remat full, and with its exchange's buffers bounded at twice the mean
+    ("mula_100b_a7b", "gpu:h100:1x384x8"),
+    ("mula_100b_a7b", "gpu:h100:1x384x8", ["model.remat=full"]),
+    ("mula_100b_a7b", "gpu:h100:1x384x8", ["model.moe.peer_bound=2.0"]),
 ]
 
 
 def seed_case(i: int):
-    """(config, candidate, target) of SEEDS[i]."""
-    name, target = SEEDS[i]
+    """(config, candidate, target) of SEEDS[i] (its overrides applied)."""
+    name, target, *extra = SEEDS[i]
     cfg = configs.load(os.path.join(ROOT, "experiments", f"{name}.py"))
+    cfg = overrides.apply(cfg, [tuple(kv.split("=", 1)) for kv in (extra[0] if extra else [])])
     return cfg, SP.config_candidate(cfg, targets.parse(target).count), target
 
 
-def case(i: int, held_out: bool = False, bf16: bool = False, long: bool = False):
+def case(i: int, held_out: bool = False, bf16: bool = False, long: bool = False, experts: bool = False):
     """(config, candidate) of grid case i (held_out: of HELD_OUT, at its shapes; bf16: at BF16's, the case's
-    own overrides after them, but for its dtype; long: a held-out case at BF16_LONG's)."""
-    name, mesh, extra = (HELD_OUT if held_out else GRID)[i]
+    own overrides after them, but for its dtype; long: a held-out case at BF16_LONG's; experts: of EXPERTS, at
+    BF16's)."""
+    name, mesh, extra = (EXPERTS if experts else HELD_OUT if held_out else GRID)[i]
     cfg = configs.load(os.path.join(ROOT, "experiments", f"{name}.py"))
     cfg.mesh.update({a: 1 for a in configs.MeshConfig().sizes()})
     for part in mesh.split(","):
@@ -146,9 +170,10 @@ def main() -> None:
     p.add_argument("--long", action="store_true", help="with --bf16 --held-out: at BF16_LONG's shapes (seq 2048)")
     p.add_argument("--target", default="", help="compile for this target of 8 devices (tpu:v5p:2x2x2, ...)")
     p.add_argument("--hardware", default="", help="the profile the formula and explain() plan on (with --target)")
+    p.add_argument("--experts", action="store_true", help="with --bf16: the EXPERTS cases (dropless at scale)")
     p.add_argument("--seeds", action="store_true", help="the SEEDS' jobs at their scale, each for its own target")
     a = p.parse_args()
-    table = HELD_OUT if a.held_out else GRID
+    table = EXPERTS if a.experts else HELD_OUT if a.held_out else GRID
     want = [int(x) for x in a.cases.split(",") if x] or range(len(table))
     if a.seeds:
         return seeds(want if a.cases else range(len(SEEDS)), a.json)
@@ -166,7 +191,7 @@ def main() -> None:
     rows = []
     for i in want:
         start = time.perf_counter()
-        cfg, c = case(i, a.held_out, a.bf16, a.long)
+        cfg, c = case(i, a.held_out, a.bf16, a.long, a.experts)
         try:
             r = MC.row(cfg, c, hw, explain=not a.no_explain, devices=devices)
         except Exception as e:  # a case that cannot be predicted or compiled is a row that says why
@@ -174,6 +199,7 @@ def main() -> None:
                   flush=True)
             continue
         rows.append(dict(r.to_dict(), case=i, config=table[i][0], held_out=a.held_out, bf16=a.bf16, long=a.long,
+                         experts=a.experts,
                          target=a.target, seconds=time.perf_counter() - start))
         print(f"| {i} | {table[i][0]} | {c.key} | {mib(r.formula)} | {mib(r.explained)} | {mib(r.compiled)} | "
               f"{ratio(r.ratio())} | {ratio(r.ratio('explained'))} |", flush=True)
@@ -196,7 +222,7 @@ def seeds(want, out: str) -> None:
         cfg, c, target = seed_case(i)
         f = MC.formula(cfg, c, t.compiler)
         got = MC.compiled(cfg, c, t.compiler, devices)
-        rows.append(dict(seed=i, config=SEEDS[i][0], target=target, key=c.key, formula=f["total"],
+        rows.append(dict(seed=i, config=SEEDS[i][0], target=target, key=c.key, overrides=list(SEEDS[i][2:]), formula=f["total"],
                          compiled=got.total, step=got.to_dict(), seconds=time.perf_counter() - start))
         print(f"| {i} | {SEEDS[i][0]} | {target} | {c.key} | {f['total'] / 2**30:.2f} | {got.total / 2**30:.2f} | "
               f"{f['total'] / got.total:.2f} |", flush=True)

@@ -303,3 +303,25 @@ def test_auto_grouped_matmul_uses_ragged_dot_only_where_the_backend_has_the_kern
     native = grouped.grouped_matmul(x, w, sizes, "auto")
     assert calls == [1]
     np.testing.assert_array_equal(np.asarray(native), np.asarray(blocked))
+
+
+def test_a_dropless_model_initialises_where_one_sequence_does_not_split_over_the_batch_shards():
+    """A train state is initialised by tracing the model: a dropless layer's region splits its tokens over the
+    batch's shards, so init traces a sequence per shard (Mula-100B's 2,048 tokens over 768 shards did not
+    divide). The initialised params are those of an unpartitioned init."""
+    import os
+    from gshard_jax import configs
+    from gshard_jax.training import train
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = configs.load(os.path.join(root, "experiments", "tiny_moe_lm.py"))
+    cfg.model.moe.dispatch = "dropless"
+    cfg.mesh.update(dict(data=2, expert=4))
+    cfg.train.update(dict(seq_len=4, batch_size=8))  # 4 tokens a sequence, 8 batch shards
+    trainer = train.Trainer(cfg, "")
+    state = jax.jit(trainer.init_fn)(jax.random.key(0))
+    plain = configs.build_model(cfg.model, train=True)
+    want = nn.unbox(plain.init(jax.random.key(0), *configs.example_tokens(cfg.model.kind, 1, 4)))
+    got = jax.tree.map(np.asarray, state["params"])
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, np.asarray(b).astype(a.dtype))

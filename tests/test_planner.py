@@ -688,3 +688,31 @@ def test_a_candidate_without_offload_drops_the_offloaded_updates_options():
     t = PR.apply(cfg, offloaded).train
     assert (t.offload_optimizer, t.delayed_update, t.host_update_groups) == (True, True, 4)
     assert not any("host_update_groups" in o for o in offloaded.overrides())
+
+
+@pytest.mark.parametrize("name,platform", [("tiny_moe_lm", "gpu"), ("tiny_moe_lm", "tpu"), ("tiny_dense_lm", "cpu")])
+def test_an_option_groups_least_memory_is_under_every_variant(name, platform):
+    """The screen rejects an option group uncosted where its least memory is over the budget
+    (search._least_memory): so no variant of any group, offloaded or not, may need less than it, and it is
+    one variant's."""
+    from gshard_jax.planner import search
+    cfg = _config(name)
+    cfg.model.moe.dispatch = "dropless" if cfg.model.moe.num_experts else cfg.model.moe.get("dispatch", "einsum")
+    shape = SP.model_shape(cfg, platform)
+    groups = 0
+    for sizes in SP.factorizations(8, SP.AXES):
+        if SP.mesh_reason(shape, sizes):
+            continue
+        mesh = SP.orders(sizes)[0]
+        for (m, sched, r), reason, variants in SP.option_groups(shape, sizes):
+            if reason:
+                continue
+            every = {(v, o): E.memory(shape, SP.Candidate(mesh, zero_stage=v[0], epso=v[1], microbatches=m,
+                                                           schedule=sched, repeats=r, remat=v[2], offload=o))["total"]
+                     for v in variants for o in (False, True)}
+            for offload in (False, True):
+                least = search._least_memory(shape, mesh, m, sched, r, variants, offload)
+                mine = [t for (v, o), t in every.items() if o == offload]
+                assert least == min(mine), (sizes, m, sched, r, offload)
+            groups += 1
+    assert groups > 20

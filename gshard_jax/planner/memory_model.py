@@ -36,9 +36,6 @@ from .space import Candidate, ModelShape
 HOST_STATE_BYTES = 12  # per parameter of an offloaded optimizer state: float32 master weights and two moments
 # The per-compiler coefficients (values kept per token, working set, logits' copies, gradients' copies) are each
 # compiler's habits: partitioner/costs/compilers.py, read here through the ModelShape's platform.
-# float32 copies of every expert's weights (and one group more) a dropless layer's grouped matmuls hold in the
-# backward: the weights per group and their gradient
-DROPLESS_WEIGHT_COPIES = 2
 
 
 def gradient_bytes(where: str, microbatches: int, param_bytes: int, platform: str = "cpu") -> float:
@@ -85,19 +82,25 @@ def residuals(shape: ModelShape, c: Candidate, remat: str, where: str = "unrolle
     return d_values * shape.d_model / x + ffn / y + kept
 
 
-def dropless_buffers(shape: ModelShape, c: Candidate, tokens: float) -> float:
-    """Bytes one dropless MoE layer keeps for the backward: its exchange's send and receive buffers (rows x
-    d_model) and its experts' widths on the received rows."""
+def received_rows(shape: ModelShape, c: Candidate, tokens: float) -> float:
+    """Rows one dropless MoE layer's experts run on per device: its receive buffers (models/dropless.py), whose
+    rows are allocated whole whatever the routing: every local row from every peer (the dense and the ragged
+    all-to-all, without a peer bound), peer_bound x rows with one, every peer's rows gathered."""
     e = c.size("expert")
     rows = tokens * shape.k  # assignments made here
-    if shape.exchange == "all_to_all":
-        per_peer = min(e, shape.peer_bound) if shape.peer_bound else e
-        received = rows * per_peer  # every peer's buffer holds up to every local row
-    else:
-        received = rows * e if shape.exchange == "all_gather" else rows
+    if e == 1:
+        return rows
+    if shape.exchange == "all_gather":
+        return rows * e
+    return rows * (min(e, shape.peer_bound) if shape.peer_bound else e)
+
+
+def dropless_buffers(shape: ModelShape, c: Candidate, tokens: float, where: str = "unrolled") -> float:
+    """Bytes one dropless MoE layer keeps for the backward where it runs (residuals' `where`): its exchange's
+    send and receive buffers (rows x d_model) and its experts' widths on the received rows."""
     h = compilers.of(shape.platform)
-    return received * (h.dropless_ffn_values * shape.d_ff / c.size("y") + h.dropless_d_values * shape.d_model) * \
-        shape.activation_bytes
+    return received_rows(shape, c, tokens) * (h.dropless_ffn_values[where] * shape.d_ff / c.size("y") +
+                                              h.dropless_d_values * shape.d_model) * shape.activation_bytes
 
 
 def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
@@ -137,17 +140,18 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
     if c.schedule != "none":  # each microbatch in flight holds a chunk: a stage's layers over its repeats
         flight = (in_flight(c.schedule, p, m, c.repeats) + h.pipeline_ticks) / c.repeats
     # a dropless layer's FFN residuals are its exchange's buffers
-    buffers = dropless_buffers(shape, c, tokens) if shape.dropless else 0.0
+    buffers = dropless_buffers(shape, c, tokens, where) if shape.dropless else 0.0
     kept_buffers = buffers * {"none": 1.0, "dots": h.dropless_dots, "dots_saveable": h.dropless_dots,
                               "full": 0.0}[remat]
     kept = layers * (residuals(shape, c, remat, where) * a * tokens + kept_buffers)
-    if shape.dropless:  # per group: every expert and the overflow's
+    if shape.dropless:  # per group: every local expert and the overflow's
         per_expert = shape.expert_params / (shape.periods * shape.experts * y)
         held = 1 if p == 1 and shape.scan else layers  # a scan's trip holds its own layer's; a stage all its
-        out["working"] += held * DROPLESS_WEIGHT_COPIES * (shape.experts + 1) * per_expert * 4
+        out["working"] += held * h.dropless_weight_copies * (shape.experts // e + 1) * per_expert * 4
     out["activations"] = kept * flight
     working = (h.loop_working if looped else h.working)[remat]
-    out["working"] += working * (residuals(shape, c, "none") * a * tokens + buffers)
+    one = dropless_buffers(shape, c, tokens) if shape.dropless else 0.0  # a layer's, as residuals' "none"
+    out["working"] += working * (residuals(shape, c, "none") * a * tokens + one)
     if prefetched:
         out["gradients"] += (shape.layer_params + shape.expert_params / e) / (shape.layers * y * x) * per_param
     if z > 1 or c.zero_stage == 3:  # a layer's weights gathered at a time; a scan gathers the next one's beside

@@ -158,6 +158,7 @@ def _screen(shape: SP.ModelShape, devices: int, hardware: Hardware, budget: floa
                     shape, sizes, hardware, m, sched, r, remats, zero_stages, costs) > cut.threshold:
                 pruned_groups += 1  # its microbatches and schedule alone cost more than the cut
                 continue
+            least = _least_memory(shape, canonical, m, sched, r, variants, bool(hardware.host_memory_gib))
             for zero, epso, remat in variants:
                 # Dominated, not evaluated: a heavier remat where a lighter one of the same options fits (more
                 # compute, no less communication), or without stages more microbatches where fewer fit (no
@@ -180,6 +181,13 @@ def _screen(shape: SP.ModelShape, devices: int, hardware: Hardware, budget: floa
                         dominated += 1
                         continue
                 c = SP.Candidate(canonical, **fields)
+                if least > budget:  # no variant of the group fits, offloaded or not: rejected uncosted
+                    over = f"over memory by {(least - budget) / GiB:.2f} GiB or more"
+                    rejected.append((c, "over memory", f"{over} (its option group's lightest, formula)"))
+                    if hardware.host_memory_gib:
+                        rejected.append((dataclasses.replace(c, offload=True), "over memory",
+                                         f"{over} of device memory with the optimizer state offloaded (formula)"))
+                    continue
                 mem = E.memory(shape, c)
                 if mem["total"] > budget:
                     rejected.append((c, "over memory", f"over memory by {(mem['total'] - budget) / GiB:.2f} GiB "
@@ -197,6 +205,19 @@ def _screen(shape: SP.ModelShape, devices: int, hardware: Hardware, budget: floa
                 cut.add(chosen)
     screened.sort(key=lambda r: (r.estimate.step, r.estimate.memory["total"], r.candidate.order_key))
     return screened, rejected, dominated, pruned, pruned_groups, cut
+
+
+def _least_memory(shape: SP.ModelShape, mesh: tuple, m: int, sched: str, r: int, variants: list,
+                  offload: bool) -> float:
+    """Device bytes no variant of an option group goes under (by formula): EPSO on and the optimizer state
+    offloaded (where the profile has host memory) only take bytes off; ZeRO 1 and 2 hold alike and under 0, and
+    ZeRO 3 (which adds a layer's gather) and each remat policy are tried."""
+    zeros = {z for z, _, _ in variants}
+    reps = {max(z for z in zeros if z < 3)} if any(z < 3 for z in zeros) else set()
+    reps |= {3} & zeros
+    return min(E.memory(shape, SP.Candidate(mesh, zero_stage=z, epso=True, microbatches=m, schedule=sched,
+                                           repeats=r, remat=remat, offload=offload))["total"]
+               for z in reps for remat in {v[2] for v in variants})
 
 
 def _meshes(shape: SP.ModelShape, devices: int, hardware: Hardware, remats, zero_stages, prune: bool,

@@ -58,7 +58,9 @@ class StepConfig:
 def init_state(key: jax.Array, *, c: StepConfig) -> dict:
     """A fresh state: params (in the stack's storage order), optimizer state (with master weights when
     c.master; in host memory when offloaded), step 0."""
-    params = nn.unbox(c.init_model.init(key, *configs.example_tokens(c.kind, 1, c.train.seq_len)))
+    # a sequence per batch shard: a dropless layer's manual region splits its tokens over them, which one
+    # sequence does not over more shards than it has tokens (the forward traced here is only shapes to XLA)
+    params = nn.unbox(c.init_model.init(key, *configs.example_tokens(c.kind, c.shards, c.train.seq_len)))
     params = pipelined.reorder(params, c.layout.stacked, pipelined.order_key(None), c.layer_order, c.layout.ends)
     opt_state = c.opt.init(params)
     if c.master:

@@ -43,9 +43,14 @@ class Habits:
     # a dropless MoE layer's values per received row: FFN-wide (grouped matmuls, their sorts) and d-wide (the
     # exchange's buffers both ways, their copies); of those, what remat "dots" keeps in a loop (the experts'
     # matmul outputs, saved by name)
-    dropless_ffn_values: float = 8
+    # (by where the layers run, as none_values: a forward schedule's ticks, not measured, as a loop's)
+    dropless_ffn_values: Mapping[str, float] = dataclasses.field(
+        default_factory=lambda: {"unrolled": 8.0, "loop": 8.0, "ticks": 8.0, "stash": 8.0})
     dropless_d_values: float = 6
     dropless_dots: float = 0.4
+    # float32 copies of each local expert's weights (and one group more: the rows routed nowhere) a dropless
+    # layer's grouped matmuls hold in the backward: the weights per group and their gradient
+    dropless_weight_copies: float = 2.0
     # an einsum-dispatched MoE layer's dispatch and combine tensors ([G, S, E, C]) kept per token, slot and token
     # of its group: they grow with the group (a sequence, by default), so at long sequences they outweigh the rest
     moe_dispatch: float = 0.0
@@ -65,12 +70,15 @@ CPU = Habits(
     dots_values={"unrolled": (8, 3), "loop": (8, 3), "ticks": (8, 3), "stash": (10, 4)},
     scores=2, working={"none": 0.5, "dots": 0.6, "dots_saveable": 0.6, "full": 1.5},
     loop_working={"none": 0.5, "dots": 0.6, "dots_saveable": 0.6, "full": 1.5}, logit_copies=3,
-    microbatch_gradients={"unrolled": 0.5, "loop": 1.5, "ticks": 2.0, "stash": 2.0})
+    microbatch_gradients={"unrolled": 0.5, "loop": 1.5, "ticks": 2.0, "stash": 2.0},
+    dropless_ffn_values={"unrolled": 9.26, "loop": 9.26, "ticks": 9.26, "stash": 9.26}, dropless_d_values=6.36,
+    dropless_weight_copies=2.69)
 
 # XLA:TPU (v5p, and GShard's MoE(128E, 12L) on 128 v3 cores) and XLA:GPU (H100, cuDNN's attention): fitted by
-# benchmarks/fit_habits.py to 46 and 44 bf16 steps (memory_grid.py --bf16, and --held-out at twice the width and
-# at sequence 2,048; --seeds), weighted hardest against predicting a step under what it compiles to, with what the
-# compiler's buffer assignment shows held to it (--bounds); docs/targets.md has the table and the commands
+# benchmarks/fit_habits.py to 53 and 51 bf16 steps (memory_grid.py --bf16, and --held-out at twice the width and
+# at sequence 2,048; --experts: dropless MoE at 32-64 experts over 2-8 peers; --seeds), weighted hardest against
+# predicting a step under what it compiles to, with what the compiler's buffer assignment shows held to it
+# (--bounds); docs/targets.md has the table and the commands
 TPU = Habits(
     compiler="XLA:TPU", widened={}, relays_operands=False, tuple_slot=0, remat_unrolled=True, logits_apart=True,
     none_values={"unrolled": (7.07, 6.0), "loop": (31.4, 6.0), "ticks": (10.29, 5.08), "stash": (13.46, 7.88)},
@@ -81,7 +89,8 @@ TPU = Habits(
     working={"none": 0.5, "dots": 0.99, "dots_saveable": 0.6, "full": 1.11},
     loop_working={"none": 0.0, "dots": 1.63, "dots_saveable": 0.6, "full": 1.1},
     microbatch_gradients={"unrolled": 2.21, "loop": 1.17, "ticks": 5.86, "stash": 0.0},
-    dropless_ffn_values=17.22, dropless_d_values=13.34, dropless_dots=0.57, moe_dispatch=4.51, moe_ffn=0.5,
+    dropless_ffn_values={"unrolled": 2.63, "loop": 13.6, "ticks": 13.6, "stash": 7.98}, dropless_d_values=7.18,
+    dropless_dots=0.22, dropless_weight_copies=3.95, moe_dispatch=4.51, moe_ffn=0.5,
     moe_d_values=6.0, pipeline_ticks=3.0)
 
 GPU = Habits(
@@ -91,7 +100,8 @@ GPU = Habits(
     scores=2.5, working={"none": 2.07, "dots": 0.79, "dots_saveable": 0.62, "full": 3.71},
     loop_working={"none": 0.82, "dots": 0.54, "dots_saveable": 0.6, "full": 0.72}, logit_copies=1.7,
     microbatch_gradients={"unrolled": 0.0, "loop": 0.59, "ticks": 5.62, "stash": 0.0},
-    dropless_ffn_values=24.31, dropless_d_values=12.06, dropless_dots=0.33, moe_dispatch=1.21, moe_ffn=1.24,
+    dropless_ffn_values={"unrolled": 6.1, "loop": 22.91, "ticks": 22.91, "stash": 10.12}, dropless_d_values=6.27,
+    dropless_dots=0.11, dropless_weight_copies=2.33, moe_dispatch=1.21, moe_ffn=1.24,
     moe_d_values=1.0, pipeline_ticks=0.5)
 
 # "": a platform nobody named (an abstract mesh explained without a profile: the generic accelerator's)
