@@ -108,17 +108,14 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
     offloaded, the optimizer's (with float32 master weights) are host_optimizer's (`offloaded`)."""
     s = c.sizes
     p, d, z, e, y, x = (s[a] for a in ("stage", "data", "z", "expert", "y", "x"))
-    b, m, a = shape.param_bytes, c.microbatches, shape.activation_bytes
+    b, m = shape.param_bytes, c.microbatches
     split = {"expert": e * y * x * p, "layer": y * x * p, "vocab": y * x}  # before the storage axes
     zero = {"expert": d, "layer": d * (e if c.epso else 1), "vocab": d * (e if c.epso else 1)}
     n = {"expert": shape.expert_params, "layer": shape.layer_params, "vocab": shape.vocab_params}
     mixed = b == 2
     out = dict.fromkeys(("params", "gradients", "optimizer", "activations", "working", "transient", "logits"),
                         0.0)
-    looped = shape.scan or p > 1  # a scanned stack or a pipeline: each trip recomputes its own layer
-    where = "stash" if c.schedule in SC.OWN_BACKWARD else "ticks" if p > 1 else "loop" if looped else "unrolled"
-    h = compilers.of(shape.platform)
-    per_param = gradient_bytes(where, m, b, shape.platform)
+    per_param = gradient_bytes(_where(c.schedule, p, shape.scan), m, b, shape.platform)
     # a prefetched stack (prefetch.py: scanned, stored split over z or ZeRO-3, a loop of two trips or more)
     # writes each trip's gradient into its stacked result reduced: the stack's gradients are held as stored,
     # and one layer's whole
@@ -132,41 +129,82 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
         reduced = z * (zero[cls] if c.zero_stage == 3 else 1) if prefetched and cls != "vocab" else 1
         out["gradients"] += local / reduced * per_param
         out["optimizer"] += stored * (8 + 4 * (mixed or c.offload)) / (zero[cls] if c.zero_stage >= 1 else 1)
-    tokens = shape.tokens / (c.token_shards * m)  # per device and microbatch
-    stacks = 2 if shape.kind == "encoder_decoder" else 1
-    layers = shape.layers * stacks / p  # a stage's
-    remat = c.remat if looped or h.remat_unrolled else "none"
-    flight = 1
-    if c.schedule != "none":  # each microbatch in flight holds a chunk: a stage's layers over its repeats
-        flight = (in_flight(c.schedule, p, m, c.repeats) + h.pipeline_ticks) / c.repeats
-    # a dropless layer's FFN residuals are its exchange's buffers
-    buffers = dropless_buffers(shape, c, tokens, where) if shape.dropless else 0.0
-    kept_buffers = buffers * {"none": 1.0, "dots": h.dropless_dots, "dots_saveable": h.dropless_dots,
-                              "full": 0.0}[remat]
-    kept = layers * (residuals(shape, c, remat, where) * a * tokens + kept_buffers)
-    if shape.dropless:  # per group: every local expert and the overflow's
-        per_expert = shape.expert_params / (shape.periods * shape.experts * y)
-        held = 1 if p == 1 and shape.scan else layers  # a scan's trip holds its own layer's; a stage all its
-        out["working"] += held * h.dropless_weight_copies * (shape.experts // e + 1) * per_expert * 4
-    out["activations"] = kept * flight
-    working = (h.loop_working if looped else h.working)[remat]
-    one = dropless_buffers(shape, c, tokens) if shape.dropless else 0.0  # a layer's, as residuals' "none"
-    out["working"] += working * (residuals(shape, c, "none") * a * tokens + one)
+    out["activations"], out["working"], out["logits"], ends = _step_values(
+        shape, _Same(compilers.of(shape.platform)), c.mesh, m, c.schedule, c.repeats, c.remat, c.sequence_parallel)
     if prefetched:
         out["gradients"] += (shape.layer_params + shape.expert_params / e) / (shape.layers * y * x) * per_param
     if z > 1 or c.zero_stage == 3:  # a layer's weights gathered at a time; a scan gathers the next one's beside
         per = (shape.layer_params + shape.expert_params / e) / (shape.layers * y * x)
         ahead = shape.scan and shape.periods / p >= 2  # prefetch.py: a loop of two trips or more
         out["transient"] = per * b * (2 if ahead else 1)
-    out["logits"] = h.logit_copies * tokens * shape.vocab / y * 4
-    if h.logits_apart:  # the working set reuses the logits' buffers: only its excess over them is more
-        out["working"] = max(0.0, out["working"] - out["logits"])
-    if p > 1:  # the pipeline's ends: every microbatch's input to the first stage and its gradient (float32)
-        out["pipeline_ends"] = m * tokens * shape.d_model / (x * (y if c.sequence_parallel else 1)) * (4 + b)
+    if p > 1:
+        out["pipeline_ends"] = ends
     if c.offload:
         offloaded(out, out.pop("optimizer"), b)
     out["total"] = device_total(out)
     return out
+
+
+def _where(schedule: str, stages: int, scan: bool) -> str:
+    """Where a step's layers keep their residuals (NONE_VALUES' keys)."""
+    looped = scan or stages > 1
+    return "stash" if schedule in SC.OWN_BACKWARD else "ticks" if stages > 1 else "loop" if looped else "unrolled"
+
+
+class _Same:
+    """A cache key that is its object, equal only to itself: a compiler's habits (whose tables are dicts),
+    kept alive by the cache that holds the key, so no other object takes its id meanwhile."""
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _step_values(shape: ModelShape, habits: _Same, mesh: tuple, m: int, schedule: str, repeats: int, remat: str,
+                 sequence_parallel: bool) -> tuple[float, float, float, float]:
+    """(activations, working, logits, pipeline_ends) bytes of a step: what its layers keep and run on, which
+    the ZeRO stage, EPSO and offload leave alone (so the screen's variants of them share it), by the habits of
+    the compiler that holds it."""
+    c = Candidate(mesh, microbatches=m, schedule=schedule, repeats=repeats, remat=remat,
+                  sequence_parallel=sequence_parallel)
+    s = c.sizes
+    p, e, y, x = (s[a] for a in ("stage", "expert", "y", "x"))
+    a, b = shape.activation_bytes, shape.param_bytes
+    looped = shape.scan or p > 1  # a scanned stack or a pipeline: each trip recomputes its own layer
+    where = _where(schedule, p, shape.scan)
+    h = habits.obj
+    tokens = shape.tokens / (c.token_shards * m)  # per device and microbatch
+    stacks = 2 if shape.kind == "encoder_decoder" else 1
+    layers = shape.layers * stacks / p  # a stage's
+    remat = remat if looped or h.remat_unrolled else "none"
+    flight = 1
+    if schedule != "none":  # each microbatch in flight holds a chunk: a stage's layers over its repeats
+        flight = (in_flight(schedule, p, m, repeats) + h.pipeline_ticks) / repeats
+    # a dropless layer's FFN residuals are its exchange's buffers
+    buffers = dropless_buffers(shape, c, tokens, where) if shape.dropless else 0.0
+    kept_buffers = buffers * {"none": 1.0, "dots": h.dropless_dots, "dots_saveable": h.dropless_dots,
+                              "full": 0.0}[remat]
+    kept = layers * (residuals(shape, c, remat, where) * a * tokens + kept_buffers)
+    working = 0.0
+    if shape.dropless:  # per group: every local expert and the overflow's
+        per_expert = shape.expert_params / (shape.periods * shape.experts * y)
+        held = 1 if p == 1 and shape.scan else layers  # a scan's trip holds its own layer's; a stage all its
+        working += held * h.dropless_weight_copies * (shape.experts // e + 1) * per_expert * 4
+    one = dropless_buffers(shape, c, tokens) if shape.dropless else 0.0  # a layer's, as residuals' "none"
+    working += (h.loop_working if looped else h.working)[remat] * (residuals(shape, c, "none") * a * tokens + one)
+    logits = h.logit_copies * tokens * shape.vocab / y * 4
+    if h.logits_apart:  # the working set reuses the logits' buffers: only its excess over them is more
+        working = max(0.0, working - logits)
+    # the pipeline's ends: every microbatch's input to the first stage and its gradient (float32)
+    ends = m * tokens * shape.d_model / (x * (y if sequence_parallel else 1)) * (4 + b) if p > 1 else 0.0
+    return kept * flight, working, logits, ends
 
 
 def offloaded(mem: dict, host_bytes: float, param_bytes: int) -> None:
