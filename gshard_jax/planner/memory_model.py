@@ -106,34 +106,36 @@ def dropless_buffers(shape: ModelShape, c: Candidate, tokens: float, where: str 
 def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
     """Bytes per device by kind: params, gradients, optimizer, activations, working, transient, logits;
     offloaded, the optimizer's (with float32 master weights) are host_optimizer's (`offloaded`)."""
-    s = c.sizes
-    p, d, z, e, y, x = (s[a] for a in ("stage", "data", "z", "expert", "y", "x"))
-    b, m = shape.param_bytes, c.microbatches
-    split = {"expert": e * y * x * p, "layer": y * x * p, "vocab": y * x}  # before the storage axes
-    zero = {"expert": d, "layer": d * (e if c.epso else 1), "vocab": d * (e if c.epso else 1)}
-    n = {"expert": shape.expert_params, "layer": shape.layer_params, "vocab": shape.vocab_params}
-    mixed = b == 2
-    out = dict.fromkeys(("params", "gradients", "optimizer", "activations", "working", "transient", "logits"),
-                        0.0)
+    size = c.size
+    p, d, z, e, y, x = size("stage"), size("data"), size("z"), size("expert"), size("y"), size("x")
+    b, m, zs = shape.param_bytes, c.microbatches, c.zero_stage
     per_param = gradient_bytes(_where(c.schedule, p, shape.scan), m, b, shape.platform)
     # a prefetched stack (prefetch.py: scanned, stored split over z or ZeRO-3, a loop of two trips or more)
     # writes each trip's gradient into its stacked result reduced: the stack's gradients are held as stored,
     # and one layer's whole
-    prefetched = shape.scan and p == 1 and m == 1 and shape.periods >= 2 and (z > 1 or c.zero_stage == 3)
-    for cls in n:
-        local = n[cls] / split[cls]
+    prefetched = shape.scan and p == 1 and m == 1 and shape.periods >= 2 and (z > 1 or zs == 3)
+    state = 8 + 4 * (b == 2 or c.offload)  # optimizer bytes a parameter: two moments, and master weights
+    params = gradients = optimizer = 0.0
+    ep = e if c.epso else 1
+    # (parameters, split before the storage axes, the ZeRO split): expert weights, the layers' others, vocab
+    for n, split, zero, stacked in ((shape.expert_params, e * y * x * p, d, True),
+                                    (shape.layer_params, y * x * p, d * ep, True),
+                                    (shape.vocab_params, y * x, d * ep, False)):
+        local = n / split
         stored = local / z
-        out["params"] += stored * b / (zero[cls] if c.zero_stage == 3 else 1)
+        params += stored * b / (zero if zs == 3 else 1)
         # whole until the step's one reduction (module docstring); with microbatches, the accumulator and part of
         # the microbatch's own
-        reduced = z * (zero[cls] if c.zero_stage == 3 else 1) if prefetched and cls != "vocab" else 1
-        out["gradients"] += local / reduced * per_param
-        out["optimizer"] += stored * (8 + 4 * (mixed or c.offload)) / (zero[cls] if c.zero_stage >= 1 else 1)
+        reduced = z * (zero if zs == 3 else 1) if prefetched and stacked else 1
+        gradients += local / reduced * per_param
+        optimizer += stored * state / (zero if zs >= 1 else 1)
+    out = {"params": params, "gradients": gradients, "optimizer": optimizer}
+    out["activations"], out["working"], out["transient"], out["logits"] = 0.0, 0.0, 0.0, 0.0
     out["activations"], out["working"], out["logits"], ends = _step_values(
         shape, _Same(compilers.of(shape.platform)), c.mesh, m, c.schedule, c.repeats, c.remat, c.sequence_parallel)
     if prefetched:
         out["gradients"] += (shape.layer_params + shape.expert_params / e) / (shape.layers * y * x) * per_param
-    if z > 1 or c.zero_stage == 3:  # a layer's weights gathered at a time; a scan gathers the next one's beside
+    if z > 1 or zs == 3:  # a layer's weights gathered at a time; a scan gathers the next one's beside
         per = (shape.layer_params + shape.expert_params / e) / (shape.layers * y * x)
         ahead = shape.scan and shape.periods / p >= 2  # prefetch.py: a loop of two trips or more
         out["transient"] = per * b * (2 if ahead else 1)
@@ -141,7 +143,8 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
         out["pipeline_ends"] = ends
     if c.offload:
         offloaded(out, out.pop("optimizer"), b)
-    out["total"] = device_total(out)
+    out["total"] = (out["params"] + out["gradients"] + out["optimizer"] + out["activations"] + out["working"] +
+                    out["transient"] + out["logits"] + (ends if p > 1 else 0.0))  # device_total's, spelled out
     return out
 
 

@@ -219,8 +219,8 @@ def rejected_key(c) -> str:
         return c
     if isinstance(c, SP.Candidate):
         return c.key
-    mesh, m, sched, r, zero, epso, remat = c
-    return SP.Candidate(mesh, zero, epso, m, sched, r, remat).key
+    mesh, m, sched, r, zero, epso, remat, *offload = c  # (..., True): the same offloaded
+    return SP.Candidate(mesh, zero, epso, m, sched, r, remat, offload=bool(offload and offload[0])).key
 
 
 def _excess(reason: str) -> float:

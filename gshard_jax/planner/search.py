@@ -152,13 +152,18 @@ def _screen(shape: SP.ModelShape, devices: int, hardware: Hardware, budget: floa
                 kept = variants if staged else [v for v in variants if v not in fit]
                 dominated += len(variants) - len(kept)
                 kind = reason.split(":")[0]
-                rejected.extend(((canonical, m, sched, r) + v, kind, reason) for v in kept)
+                head = (canonical, m, sched, r)
+                rejected.extend([(head + v, kind, reason) for v in kept])
                 continue
             if prune and sizes not in forced and group_floor(
                     shape, sizes, hardware, m, sched, r, remats, zero_stages, costs) > cut.threshold:
                 pruned_groups += 1  # its microbatches and schedule alone cost more than the cut
                 continue
             least = _least_memory(shape, canonical, m, sched, r, variants, bool(hardware.host_memory_gib))
+            if least > budget:  # no variant of the group fits, offloaded or not: each rejected uncosted
+                over = f"over memory by {(least - budget) / GiB:.2f} GiB or more"
+                kept_on, offloaded = f"{over} (its option group's lightest, formula)", \
+                    f"{over} of device memory with the optimizer state offloaded (formula)"
             for zero, epso, remat in variants:
                 # Dominated, not evaluated: a heavier remat where a lighter one of the same options fits (more
                 # compute, no less communication), or without stages more microbatches where fewer fit (no
@@ -167,6 +172,11 @@ def _screen(shape: SP.ModelShape, devices: int, hardware: Hardware, budget: floa
                 fewer = None if staged else (zero, epso, remat)
                 if same in fit or fewer in fit:
                     dominated += 1
+                    continue
+                if least > budget:
+                    rejected.append(((canonical, m, sched, r, zero, epso, remat), "over memory", kept_on))
+                    if hardware.host_memory_gib:
+                        rejected.append(((canonical, m, sched, r, zero, epso, remat, True), "over memory", offloaded))
                     continue
                 fields = dict(zero_stage=zero, epso=epso, microbatches=m, schedule=sched, repeats=r, remat=remat)
                 # Dominated too: context where data in its place runs and fits (the same tokens per device, the
@@ -181,13 +191,6 @@ def _screen(shape: SP.ModelShape, devices: int, hardware: Hardware, budget: floa
                         dominated += 1
                         continue
                 c = SP.Candidate(canonical, **fields)
-                if least > budget:  # no variant of the group fits, offloaded or not: rejected uncosted
-                    over = f"over memory by {(least - budget) / GiB:.2f} GiB or more"
-                    rejected.append((c, "over memory", f"{over} (its option group's lightest, formula)"))
-                    if hardware.host_memory_gib:
-                        rejected.append((dataclasses.replace(c, offload=True), "over memory",
-                                         f"{over} of device memory with the optimizer state offloaded (formula)"))
-                    continue
                 mem = E.memory(shape, c)
                 if mem["total"] > budget:
                     rejected.append((c, "over memory", f"over memory by {(mem['total'] - budget) / GiB:.2f} GiB "
