@@ -101,7 +101,7 @@ GPU = Habits(
     loop_working={"none": 0.82, "dots": 0.54, "dots_saveable": 0.6, "full": 0.72}, logit_copies=1.7,
     microbatch_gradients={"unrolled": 0.0, "loop": 0.59, "ticks": 5.62, "stash": 0.0},
     dropless_ffn_values={"unrolled": 4.9, "loop": 16.87, "ticks": 16.87, "stash": 10.29}, dropless_d_values=6.04,
-    dropless_dots=0.16, dropless_weight_copies=2.35, moe_dispatch=1.21, moe_ffn=1.24,
+    dropless_dots=0.17, dropless_weight_copies=2.35, moe_dispatch=1.21, moe_ffn=1.24,
     moe_d_values=1.0, pipeline_ticks=0.5)
 
 # "": a platform nobody named (an abstract mesh explained without a profile: the generic accelerator's)
