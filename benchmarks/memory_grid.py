@@ -222,8 +222,9 @@ def seeds(want, out: str) -> None:
         cfg, c, target = seed_case(i)
         f = MC.formula(cfg, c, t.compiler)
         got = MC.compiled(cfg, c, t.compiler, devices)
-        rows.append(dict(seed=i, config=SEEDS[i][0], target=target, key=c.key, overrides=list(SEEDS[i][2:]), formula=f["total"],
-                         compiled=got.total, step=got.to_dict(), seconds=time.perf_counter() - start))
+        rows.append(dict(seed=i, config=SEEDS[i][0], target=target, key=c.key, overrides=list(SEEDS[i][2:]),
+                         formula=f["total"], compiled=got.total, step=got.to_dict(),
+                         seconds=time.perf_counter() - start))
         print(f"| {i} | {SEEDS[i][0]} | {target} | {c.key} | {f['total'] / 2**30:.2f} | {got.total / 2**30:.2f} | "
               f"{f['total'] / got.total:.2f} |", flush=True)
     if out:

@@ -2,6 +2,7 @@
 faithfully with the collectives GShard predicts."""
 import dataclasses
 import itertools
+import os
 
 import flax.linen as nn
 import jax
@@ -309,7 +310,6 @@ def test_a_dropless_model_initialises_where_one_sequence_does_not_split_over_the
     """A train state is initialised by tracing the model: a dropless layer's region splits its tokens over the
     batch's shards, so init traces a sequence per shard (Mula-100B's 2,048 tokens over 768 shards did not
     divide). The initialised params are those of an unpartitioned init."""
-    import os
     from gshard_jax import configs
     from gshard_jax.training import train
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -75,10 +75,10 @@ CPU = Habits(
     dropless_weight_copies=2.69)
 
 # XLA:TPU (v5p, and GShard's MoE(128E, 12L) on 128 v3 cores) and XLA:GPU (H100, cuDNN's attention): fitted by
-# benchmarks/fit_habits.py to 54 and 55 bf16 steps (memory_grid.py --bf16, and --held-out at twice the width and
-# at sequence 2,048; --experts: dropless MoE at 32-64 experts over 2-8 peers; --seeds, Mula-100B on 3,072 H100s), weighted hardest against
-# predicting a step under what it compiles to, with what the compiler's buffer assignment shows held to it
-# (--bounds); docs/targets.md has the table and the commands
+# benchmarks/fit_habits.py to 54 and 56 bf16 steps (memory_grid.py --bf16, and --held-out at twice the width and
+# at sequence 2,048; --experts: dropless MoE at 32-64 experts over 2-8 peers; --seeds, and Mula-100B on 3,072
+# H100s), weighted hardest against predicting a step under what it compiles to, with what the compiler's buffer
+# assignment shows held to it (--bounds); docs/targets.md has the table and the commands
 TPU = Habits(
     compiler="XLA:TPU", widened={}, relays_operands=False, tuple_slot=0, remat_unrolled=True, logits_apart=True,
     none_values={"unrolled": (7.07, 6.0), "loop": (31.4, 6.0), "ticks": (10.29, 5.08), "stash": (13.46, 7.88)},
