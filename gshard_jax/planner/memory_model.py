@@ -129,10 +129,10 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
         reduced = z * (zero if zs == 3 else 1) if prefetched and stacked else 1
         gradients += local / reduced * per_param
         optimizer += stored * state / (zero if zs >= 1 else 1)
-    out = {"params": params, "gradients": gradients, "optimizer": optimizer}
-    out["activations"], out["working"], out["transient"], out["logits"] = 0.0, 0.0, 0.0, 0.0
-    out["activations"], out["working"], out["logits"], ends = _step_values(
-        shape, _Same(compilers.of(shape.platform)), c.mesh, m, c.schedule, c.repeats, c.remat, c.sequence_parallel)
+    kept, working, logits, ends = _step_values(shape, compilers.of(shape.platform), c.mesh, m, c.schedule,
+                                               c.repeats, c.remat, c.sequence_parallel)
+    out = {"params": params, "gradients": gradients, "optimizer": optimizer, "activations": kept,
+           "working": working, "transient": 0.0, "logits": logits}
     if prefetched:
         out["gradients"] += (shape.layer_params + shape.expert_params / e) / (shape.layers * y * x) * per_param
     if z > 1 or zs == 3:  # a layer's weights gathered at a time; a scan gathers the next one's beside
@@ -143,38 +143,22 @@ def memory(shape: ModelShape, c: Candidate) -> dict[str, float]:
         out["pipeline_ends"] = ends
     if c.offload:
         offloaded(out, out.pop("optimizer"), b)
-    out["total"] = (out["params"] + out["gradients"] + out["optimizer"] + out["activations"] + out["working"] +
-                    out["transient"] + out["logits"] + (ends if p > 1 else 0.0))  # device_total's, spelled out
+    out["total"] = device_total(out)
     return out
 
 
 def _where(schedule: str, stages: int, scan: bool) -> str:
-    """Where a step's layers keep their residuals (NONE_VALUES' keys)."""
+    """Where a step's layers keep their residuals (the keys of Habits.none_values)."""
     looped = scan or stages > 1
     return "stash" if schedule in SC.OWN_BACKWARD else "ticks" if stages > 1 else "loop" if looped else "unrolled"
 
 
-class _Same:
-    """A cache key that is its object, equal only to itself: a compiler's habits (whose tables are dicts),
-    kept alive by the cache that holds the key, so no other object takes its id meanwhile."""
-    __slots__ = ("obj",)
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _Same) and other.obj is self.obj
-
-
 @functools.lru_cache(maxsize=1 << 16)
-def _step_values(shape: ModelShape, habits: _Same, mesh: tuple, m: int, schedule: str, repeats: int, remat: str,
+def _step_values(shape: ModelShape, h: compilers.Habits, mesh: tuple, m: int, schedule: str, repeats: int, remat: str,
                  sequence_parallel: bool) -> tuple[float, float, float, float]:
     """(activations, working, logits, pipeline_ends) bytes of a step: what its layers keep and run on, which
-    the ZeRO stage, EPSO and offload leave alone (so the screen's variants of them share it), by the habits of
-    the compiler that holds it."""
+    the ZeRO stage, EPSO and offload leave alone (so the screen's variants of them share it), by the habits h of
+    the compiler that holds it (a cache key: equal only to itself)."""
     c = Candidate(mesh, microbatches=m, schedule=schedule, repeats=repeats, remat=remat,
                   sequence_parallel=sequence_parallel)
     s = c.sizes
@@ -182,7 +166,6 @@ def _step_values(shape: ModelShape, habits: _Same, mesh: tuple, m: int, schedule
     a, b = shape.activation_bytes, shape.param_bytes
     looped = shape.scan or p > 1  # a scanned stack or a pipeline: each trip recomputes its own layer
     where = _where(schedule, p, shape.scan)
-    h = habits.obj
     tokens = shape.tokens / (c.token_shards * m)  # per device and microbatch
     stacks = 2 if shape.kind == "encoder_decoder" else 1
     layers = shape.layers * stacks / p  # a stage's

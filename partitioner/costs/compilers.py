@@ -18,9 +18,10 @@ import dataclasses
 from typing import Mapping
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Habits:
-    """How one compiler holds a train step's values, as the formula and explain() count them."""
+    """How one compiler holds a train step's values, as the formula and explain() count them. Equal only to
+    itself (its tables are dicts), so a row can key a cache: a replaced row is another key."""
     compiler: str  # the compiler's name, as reports print it
     widened: Mapping[str, str]  # element types it computes, keeps and sends wider (XLA:CPU's float normalisation)
     relays_operands: bool  # copies a dot's operands into its own layout and stores broadcasts several ops read
